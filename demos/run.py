@@ -1,0 +1,96 @@
+"""Train the demo GPT once with one strategy and return what the StrategyMonitor measured.
+
+Every strategy sees the same global batches: Lightning's DistributedSampler shuffles with the global seed
+and gives rank r the positions r, r+N, ... of one permutation, so a step's union over the data-parallel
+ranks is a contiguous slice of it. The single-device run draws that permutation itself
+(``DistributedSampler`` with one replica), so its batch k is the same set of samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+SINGLE = "single"  # one process, Lightning's default single-device strategy: the reference
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "dp"
+    devices: int = 2
+    steps: int = 30
+    batch_size: int = 16  # global: split over the data-parallel ranks
+    accumulate: int = 1
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    data: str | None = None
+    max_chars: int = 200_000
+    seed: int = 0
+    precision: str = "32-true"
+    warmup_steps: int = 3
+
+
+def data_parallel_degree(strategy: str, devices: int) -> int:
+    """How many ranks split the global batch: the plan's dp degree, or all devices for other strategies."""
+    if strategy == SINGLE:
+        return 1
+    from strategies.plan import ParallelPlan
+    from strategies.registry import looks_like_plan
+
+    if looks_like_plan(strategy):
+        return ParallelPlan.parse(strategy).resolve(devices).dp
+    return devices
+
+
+def run(config: RunConfig) -> dict[str, Any]:
+    """Fit the demo GPT for ``config.steps`` optimizer steps; the monitor's summary plus the config."""
+    import strategies  # noqa: F401  (registers the plan names)
+    from demos.data import load_corpus
+    from demos.gpt import make_demo
+    from strategies.monitor import StrategyMonitor
+
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    text = load_corpus(config.data, max_chars=config.max_chars) if config.data else None
+    module, dataset = make_demo(text, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+                                seq_len=config.seq_len, max_chars=config.max_chars)
+    replicas = data_parallel_degree(config.strategy, config.devices)
+    if config.batch_size % replicas:
+        raise ValueError(f"global batch {config.batch_size} does not split over {replicas} data-parallel ranks")
+    sampler = None
+    if config.strategy == SINGLE:
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
+    loader = DataLoader(dataset, batch_size=config.batch_size // replicas, sampler=sampler, drop_last=True)
+    monitor = StrategyMonitor(warmup_steps=config.warmup_steps)
+    single = config.strategy == SINGLE
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1 if single else config.devices, strategy="auto" if single else config.strategy,
+        max_steps=config.steps, accumulate_grad_batches=config.accumulate, precision=config.precision,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(module, loader)
+    result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
+    result["num_params"] = sum(p.numel() for p in module.parameters())
+    result["final_param_norm"] = float(torch.cat([p.detach().flatten() for p in module.parameters()]).norm())
+    return result
+
+
+def write_result(result: dict[str, Any], path: str) -> None:
+    """Write atomically (temp file + replace), from rank 0 only."""
+    if result.get("rank", 0) != 0:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, allow_nan=True)
+    os.replace(tmp, path)

@@ -1,0 +1,31 @@
+"""The strategy pack: distributed-training strategies for Lightning, named by one string.
+
+    import lightning as L
+    import strategies                       # makes every plan string a Lightning strategy name
+    L.Trainer(strategy="dp", devices=4)     # our DDP; "naive", "zero3_tp2_pp2", ... (see ParallelPlan)
+"""
+
+from strategies.comm import Axis, CommStats, Op
+from strategies.data_parallel import BucketedDataParallel, NaiveDataParallel
+from strategies.lightning import DataParallelStrategy, NaiveDataParallelStrategy, PlanStrategy, missing_features
+from strategies.mesh import ParallelMesh
+from strategies.plan import DataMode, ParallelPlan, Schedule
+from strategies.registry import install as _install_registry
+
+_install_registry()
+
+__all__ = [
+    "Axis",
+    "BucketedDataParallel",
+    "CommStats",
+    "DataMode",
+    "DataParallelStrategy",
+    "NaiveDataParallel",
+    "NaiveDataParallelStrategy",
+    "Op",
+    "ParallelMesh",
+    "ParallelPlan",
+    "PlanStrategy",
+    "Schedule",
+    "missing_features",
+]

@@ -1,0 +1,274 @@
+"""The Lightning Strategy that runs a ParallelPlan: ranks and launching from Lightning, the rest from the pieces.
+
+Lightning owns processes (its launchers, torchrun, SLURM), ranks, the loops and precision. This class only
+resolves the plan against the world size (at Trainer construction, in the main process), builds the mesh
+once the process group exists, attaches the data-parallel gradient sync, and routes Lightning's own
+reduce / broadcast / barrier through comm.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from typing_extensions import override
+
+from strategies import comm
+from strategies.comm import CommStats
+from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB, BucketedDataParallel, GradSync, NaiveDataParallel
+from strategies.mesh import ParallelMesh
+from strategies.plan import DataMode, ParallelPlan
+
+# What this version can train. Everything else in the grammar parses, resolves and is refused at setup.
+_NOT_YET = {
+    "zero": "ZeRO stages 1-3 (issue #3)",
+    "tp": "tensor parallel (issue #4)",
+    "pp": "pipeline parallel (issue #5)",
+    "ac": "activation checkpointing (issue #5)",
+    "offload": "CPU offload (issue #3)",
+}
+
+
+def missing_features(plan: ParallelPlan) -> list[str]:
+    """The parts of ``plan`` this version cannot run yet (empty when it can)."""
+    wanted = {
+        "zero": plan.data.is_zero, "tp": plan.tp > 1, "pp": plan.pp > 1, "ac": plan.ac, "offload": plan.offload,
+    }
+    return [_NOT_YET[key] for key, on in wanted.items() if on]
+
+
+class PlanStrategy(ParallelStrategy):
+    """Train a LightningModule, written as for one device, with a parallel plan such as ``"dp"`` or ``"naive"``.
+
+    Args:
+        plan: a strategy string (``"dp"``, ``"naive_dp4"``, ...) or a ParallelPlan.
+        bucket_cap_mb: DDP bucket size (torch's default, 25 MB).
+        find_unused_parameters: allow parameters that get no gradient in a step (they are reduced as zeros).
+        ring_all_reduce: reduce DDP buckets with the explicit p2p ring of comm.py instead of the backend's
+            all-reduce (synchronous: it shows the algorithm; the backend's is faster).
+        server_rank: the parameter server's index on the data-parallel axis, for ``naive``.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
+        timeout: process-group timeout.
+        start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
+    """
+
+    strategy_name = "plan"
+
+    def __init__(
+        self,
+        plan: str | ParallelPlan = "dp",
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        find_unused_parameters: bool = False,
+        ring_all_reduce: bool = False,
+        server_rank: int = 0,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )
+        self.plan = plan if isinstance(plan, ParallelPlan) else ParallelPlan.parse(plan)
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self._sync_options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                                  ring=ring_all_reduce, server=server_rank)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self.resolved_plan: ParallelPlan | None = None
+        self.comm_stats = CommStats()
+        self.mesh: ParallelMesh | None = None
+        self.grad_sync: GradSync | None = None
+
+    # -- where ranks come from -------------------------------------------------------------------------
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler and syncs self.log(sync_dist=True) only when this is True.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor- and pipeline-parallel peers must read the same samples: shard over the dp axis only.
+        plan = self.resolved_plan or self.plan.resolve(self.world_size)
+        return {"num_replicas": plan.dp, "rank": plan.coordinates(self.global_rank)["dp"]}
+
+    def set_world_ranks(self) -> None:
+        # Lightning calls this in the main process while the Trainer is built, so an impossible plan fails
+        # there, before any process is launched, with the arithmetic in the message.
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.resolved_plan = self.plan.resolve(self.world_size)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        missing = missing_features(self.plan)
+        if missing:
+            raise NotImplementedError(
+                f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
+                f"it yet: {', '.join(missing)} not implemented. Implemented now: naive and dp (our DDP)."
+            )
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
+
+    # -- model ------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.grad_sync = self._make_grad_sync(self.model)
+        self.grad_sync.broadcast_parameters(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _make_grad_sync(self, module: torch.nn.Module) -> GradSync:
+        options, axis = self._sync_options, self.mesh.dp
+        if self.plan.data is DataMode.NAIVE:
+            return NaiveDataParallel(module, axis, server=options["server"],
+                                     find_unused_parameters=options["find_unused_parameters"])
+        return BucketedDataParallel(module, axis, bucket_cap_mb=options["bucket_cap_mb"],
+                                    find_unused_parameters=options["find_unused_parameters"], ring=options["ring"])
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # Lightning calls this after every backward; on the last micro-step (outside block_backward_sync) the
+        # gradients are averaged here, before clipping and the optimizer step see them.
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this on gradient-accumulation micro-steps: no communication there.
+        if self.grad_sync is None:
+            yield
+            return
+        with self.grad_sync.no_sync():
+            yield
+
+    # -- Lightning's own collectives, through comm.py on the world axis -------------------------------------
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self.mesh is not None:
+            comm.barrier(self.mesh.world)
+        elif dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.mesh is None:
+            return obj
+        return comm.broadcast_object(obj, self.mesh.world, src=src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self.mesh is None:
+            return tensor
+        mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
+        if not mean and reduce_op not in (ReduceOp.SUM, "sum"):
+            raise ValueError(f"reduce supports 'mean' and 'sum', got {reduce_op!r}")
+        out = tensor.detach().clone()  # Lightning's callers may still use the tensor they passed
+        if mean and not out.is_floating_point():
+            out = out.float()
+        comm.all_reduce(out, self.mesh.world)
+        return out / self.world_size if mean else out
+
+    @override
+    def teardown(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+            self.grad_sync = None
+        super().teardown()
+
+
+class NaiveDataParallelStrategy(PlanStrategy):
+    """Parameter-server data parallel (the plan ``naive``): all gradients go through one server rank."""
+
+    def __init__(self, server_rank: int = 0, **kwargs: Any) -> None:
+        super().__init__("naive", server_rank=server_rank, **kwargs)
+
+
+class DataParallelStrategy(PlanStrategy):
+    """Our DDP (the plan ``dp``): bucketed all-reduce overlapped with backward."""
+
+    def __init__(self, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
+                 ring_all_reduce: bool = False, **kwargs: Any) -> None:
+        super().__init__("dp", bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                         ring_all_reduce=ring_all_reduce, **kwargs)

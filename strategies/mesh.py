@@ -1,0 +1,54 @@
+"""ParallelMesh: the named dp / pp / tp process groups of one resolved plan, built once from a DeviceMesh.
+
+The ranks are laid out as a (pp, dp, tp) grid, tp innermost: tensor-parallel peers are neighbouring ranks,
+which on real hardware means the same node and the fastest links; pipeline stages are the outermost axis,
+since they only exchange activations between neighbours. Every piece receives the `Axis` it uses as an
+argument; there are no module-level process groups.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from strategies.comm import Axis, CommStats
+from strategies.plan import ParallelPlan
+
+AXES = ("pp", "dp", "tp")
+
+
+class ParallelMesh:
+    """The process's view of the mesh: one `Axis` per name, plus `world`, all counting into one CommStats."""
+
+    def __init__(self, plan: ParallelPlan, device_type: str, stats: CommStats | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelMesh needs an initialized default process group (dist.init_process_group)")
+        world_size = dist.get_world_size()
+        self.plan = plan.resolve(world_size)
+        self.stats = stats or CommStats()
+        shape = (self.plan.pp, self.plan.dp, self.plan.tp)
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+        self.world = Axis.of_group("world", dist.group.WORLD, self.stats)
+        self.axes: dict[str, Axis] = {
+            name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES
+        }
+        expected = self.plan.coordinates(dist.get_rank())
+        actual = {name: axis.index for name, axis in self.axes.items()}
+        if expected != actual:  # the layout every other piece assumes (samplers, stage ownership)
+            raise RuntimeError(f"mesh layout mismatch on rank {dist.get_rank()}: {actual} != {expected}")
+
+    @property
+    def dp(self) -> Axis:
+        return self.axes["dp"]
+
+    @property
+    def tp(self) -> Axis:
+        return self.axes["tp"]
+
+    @property
+    def pp(self) -> Axis:
+        return self.axes["pp"]
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{name}={axis.size}" for name, axis in self.axes.items())
+        return f"ParallelMesh({sizes}, plan='{self.plan}')"

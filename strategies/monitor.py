@@ -1,0 +1,79 @@
+"""StrategyMonitor: what a run cost, measured per step on every rank.
+
+This first version records step times, the global mean loss, throughput and the communication counters of
+the pack's strategies; the run store, memory and wandb arrive with the measurement issue (#7).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+
+class StrategyMonitor(L.Callback):
+    """Per-step wall times and losses; tokens/s after ``warmup_steps``; comm bytes per step.
+
+    Losses are kept locally and averaged over the ranks once, at the end, so that measuring adds no
+    collective to the steps being timed.
+    """
+
+    def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
+        self.tokens_per_sample = tokens_per_sample
+        self.step_ends: list[float] = []
+        self.local_losses: list[float] = []
+        self.samples_per_step = 0
+        self._pending_loss = 0.0
+        self.summary: dict[str, Any] = {}
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is not None:
+            stats.reset()  # leave out the set-up broadcast: count training steps only
+        self.step_ends = [time.perf_counter()]
+        self.local_losses = []
+        self._pending_loss = 0.0
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self._pending_loss += float(loss.detach())  # Lightning already divided it by accumulate_grad_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        self.local_losses.append(self._pending_loss)
+        self._pending_loss = 0.0
+        self.step_ends.append(time.perf_counter())
+        if not self.samples_per_step:
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch
+            replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if trainer.world_size > 1 else 1
+            self.samples_per_step = len(x) * replicas * trainer.accumulate_grad_batches
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        snapshot = stats.snapshot() if stats is not None else {}  # before the loss reduce below adds to it
+        losses = torch.tensor(self.local_losses, dtype=torch.float64)
+        losses = trainer.strategy.reduce(losses, reduce_op="mean") if trainer.world_size > 1 else losses
+        steps = len(self.local_losses)
+        timed = self.step_ends[self.warmup_steps :]
+        seconds = timed[-1] - timed[0] if len(timed) > 1 else float("nan")
+        timed_steps = len(timed) - 1
+        samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
+        tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
+        comm = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
+        self.summary = {
+            "steps": steps,
+            "world_size": trainer.world_size,
+            "losses": [float(x) for x in losses],
+            "step_time_s": seconds / timed_steps if timed_steps > 0 else float("nan"),
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * tokens if tokens else None,
+            "comm_per_step": comm,
+        }

@@ -1,0 +1,227 @@
+"""Strategy strings: parse, validate, print and resolve a parallel plan.
+
+A plan is a set of ``_``-separated tokens, in any order, each at most once::
+
+    <data mode>[<degree>]   naive | dp | zero1 | zero2 | zero3   (dp4: our DDP over 4 ranks)
+    dp<N>                   data-parallel degree beside another mode (zero3_dp4)
+    tp<N>  pp<N>            tensor- and pipeline-parallel degrees
+    gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
+    ac                      activation checkpointing
+    offload                 CPU offload of ZeRO's master weights and optimizer states
+
+``str(plan)`` is canonical (fixed token order, defaults left out) and ``parse(str(p)) == p``.
+The canonical string is the run label, the pytest id and the dashboard label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass
+
+
+class DataMode(enum.Enum):
+    """How the data-parallel axis shares the model state."""
+
+    NAIVE = "naive"  # parameter server: every worker sends its full gradients to rank 0
+    DP = "dp"  # our DDP: bucketed all-reduce overlapped with backward
+    ZERO1 = "zero1"  # + optimizer states partitioned
+    ZERO2 = "zero2"  # + gradients partitioned
+    ZERO3 = "zero3"  # + parameters partitioned
+
+    @property
+    def is_zero(self) -> bool:
+        return self in (DataMode.ZERO1, DataMode.ZERO2, DataMode.ZERO3)
+
+
+class Schedule(enum.Enum):
+    """Pipeline schedule: the order in which each stage runs its microbatches."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+# Lightning already registers these names; after `import strategies` they keep Lightning's meaning, and
+# at the head of a plan they are mistakes with a known fix: our equivalent.
+_LIGHTNING_EQUIVALENT = {
+    "ddp": "dp",
+    "ddp_spawn": "dp",
+    "ddp_fork": "dp",
+    "fsdp": "zero3",
+    "fsdp_cpu_offload": "zero3_offload",
+    "deepspeed": "zero2",
+    "deepspeed_stage_1": "zero1",
+    "deepspeed_stage_2": "zero2",
+    "deepspeed_stage_2_offload": "zero2_offload",
+    "deepspeed_stage_3": "zero3",
+    "deepspeed_stage_3_offload": "zero3_offload",
+}
+_DEGREE = re.compile(r"^(dp|tp|pp|v|mb)(\d+)$")
+_MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)(\d+)$")
+VALID_TOKENS = (
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, ac, offload"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """A parallel training plan over ``dp * tp * pp`` ranks (tp innermost, pp outermost)."""
+
+    data: DataMode = DataMode.DP
+    """How model state is shared across the data-parallel axis."""
+    dp: int | None = None
+    """Data-parallel degree; None fills the ranks left after tp and pp (see `resolve`)."""
+    tp: int = 1
+    """Tensor-parallel degree: each weight matrix is split over this many ranks (Megatron column/row)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are cut into this many stages."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """Pipeline schedule; only meaningful with pp > 1."""
+    virtual: int = 1
+    """Virtual stages per rank (model chunks) for the interleaved schedule."""
+    microbatches: int | None = None
+    """Microbatches per batch in the pipeline; None means pp (see `resolve`)."""
+    ac: bool = False
+    """Activation checkpointing: recompute each block's activations in backward instead of storing them."""
+    offload: bool = False
+    """CPU offload: ZeRO's fp32 master shards and optimizer states live in host memory."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "virtual", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.data, DataMode) or not isinstance(self.schedule, Schedule):
+            raise TypeError("data must be a DataMode and schedule a Schedule (use ParallelPlan.parse for strings)")
+        if self.pp == 1 and (self.schedule is not Schedule.ONE_F_ONE_B or self.microbatches is not None):
+            raise ValueError(
+                "a pipeline schedule and mb<N> need pipeline parallelism (pp<N> with N > 1); "
+                "for gradient accumulation use Trainer(accumulate_grad_batches=N)"
+            )
+        if (self.schedule is Schedule.INTERLEAVED) != (self.virtual > 1):
+            raise ValueError("the interleaved schedule needs v<N> with N >= 2 virtual stages, and v<N> needs interleaved")
+        if self.schedule is Schedule.INTERLEAVED and self.microbatches is not None and self.microbatches % self.pp:
+            raise ValueError(
+                f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
+            )
+        if self.offload and not self.data.is_zero:
+            raise ValueError(
+                f"offload moves ZeRO's sharded optimizer state to the CPU, so it needs zero1, zero2 or zero3, "
+                f"not {self.data.value} (e.g. 'zero3_offload')"
+            )
+
+    # -- text --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelPlan:
+        """Parse a strategy string such as ``zero3_tp2_pp2``; raise ValueError naming the bad token."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"a plan is a non-empty string of tokens ({VALID_TOKENS}), got {text!r}")
+        tokens = text.strip().lower().split("_")
+        fields: dict[str, object] = {}
+        seen: set[str] = set()
+
+        def put(key: str, value: object, token: str) -> None:
+            if key in seen:
+                raise ValueError(f"{text!r}: {token!r} repeats the {key} already given; each part appears once")
+            seen.add(key)
+            fields[key] = value
+
+        for token in tokens:
+            _parse_token(text, token, put)
+        if "virtual" in fields and "schedule" not in fields:
+            raise ValueError(f"{text!r}: v{fields['virtual']} (virtual stages) needs the interleaved schedule")
+        if fields.get("schedule") is Schedule.INTERLEAVED and "virtual" not in fields:
+            fields["virtual"] = 2
+        try:
+            return cls(**fields)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ValueError(f"{text!r}: {err}") from None
+
+    def __str__(self) -> str:
+        parts: list[str] = []
+        if self.data is not DataMode.DP:
+            parts.append(self.data.value)
+        if self.dp is not None:
+            parts.append(f"dp{self.dp}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        if self.schedule is not Schedule.ONE_F_ONE_B:
+            parts.append(self.schedule.value)
+        if self.virtual > 1:
+            parts.append(f"v{self.virtual}")
+        if self.microbatches is not None:
+            parts.append(f"mb{self.microbatches}")
+        if self.ac:
+            parts.append("ac")
+        if self.offload:
+            parts.append("offload")
+        return "_".join(parts) or "dp"
+
+    # -- arithmetic --------------------------------------------------------------------------------------
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    def resolve(self, world_size: int) -> ParallelPlan:
+        """Fill dp (and microbatches) for ``world_size`` ranks; raise ValueError showing the arithmetic."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if self.dp is not None:
+            total = self.dp * self.tp * self.pp
+            if total != world_size:
+                raise ValueError(
+                    f"plan '{self}': dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {total} != world_size {world_size}"
+                )
+            dp = self.dp
+        else:
+            if world_size % self.model_parallel_size:
+                raise ValueError(
+                    f"plan '{self}': tp({self.tp}) * pp({self.pp}) = {self.model_parallel_size} does not divide "
+                    f"world_size {world_size}, so no data-parallel degree fits"
+                )
+            dp = world_size // self.model_parallel_size
+        microbatches = self.microbatches if self.microbatches is not None or self.pp == 1 else self.pp
+        return dataclasses.replace(self, dp=dp, microbatches=microbatches)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index on each axis of a resolved plan: rank = (pp_i * dp + dp_i) * tp + tp_i."""
+        if self.dp is None:
+            raise ValueError("coordinates need a resolved plan: call plan.resolve(world_size) first")
+        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+
+
+def _parse_token(text: str, token: str, put) -> None:
+    """Read one token into the plan's fields through ``put(field, value, token)``."""
+    if token in ("naive", "dp", "zero1", "zero2", "zero3"):
+        put("data", DataMode(token), token)
+    elif token in ("gpipe", "1f1b", "interleaved"):
+        put("schedule", Schedule(token), token)
+    elif token in ("ac", "offload"):
+        put(token, True, token)
+    elif match := _DEGREE.match(token):
+        name, value = match.group(1), int(match.group(2))
+        put({"v": "virtual", "mb": "microbatches"}.get(name, name), value, token)
+    elif match := _MODE_WITH_DEGREE.match(token):
+        mode, degree = match.groups()
+        raise ValueError(f"{text!r}: write the degree as its own token: '{mode}_dp{degree}', not {token!r}")
+    else:
+        raise ValueError(_bad_token_message(text, token))
+
+
+def _bad_token_message(text: str, token: str) -> str:
+    lowered = text.strip().lower()
+    for name in sorted(_LIGHTNING_EQUIVALENT, key=len, reverse=True):
+        if lowered == name or lowered.startswith(name + "_"):
+            ours = _LIGHTNING_EQUIVALENT[name]
+            suggestion = "_".join(filter(None, [ours, lowered[len(name) + 1 :]]))
+            return (
+                f"{text!r}: {name!r} is Lightning's own strategy name and keeps its meaning; it does not combine "
+                f"with plan tokens. Did you mean '{suggestion}'? Valid tokens: {VALID_TOKENS}"
+            )
+    return f"{text!r}: unknown token {token!r}; valid tokens: {VALID_TOKENS}"

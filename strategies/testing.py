@@ -1,0 +1,104 @@
+"""`run_ranks`: run a function on several gloo ranks on the CPU and collect what each returns.
+
+Used by the tests and benchmarks: a file-store rendezvous (no ports to collide on), a short process-group
+timeout and a wall-clock limit, so a broken collective fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, store_path: str, out_dir: str, timeout_s: float, args: tuple):
+    torch.set_num_threads(1)  # N ranks on a small CPU: one thread each, or they fight over cores
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return their results.
+
+    ``fn`` must be importable by name (defined at module level). Results travel through ``torch.save``,
+    so tensors, numbers, lists and dicts of them come back. Raises if a rank fails or time runs out.
+    """
+    with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.spawn(
+            _entry, args=(fn, world_size, store, tmp, timeout_s / 2, args), nprocs=world_size, join=False
+        )
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"run_ranks: {fn.__name__} on {world_size} ranks ran past {timeout_s}s")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# -- equivalence harness: a distributed run against one process on the same global batches ---------------
+
+
+class TinyNet(torch.nn.Module):
+    """Two linear layers and a bias-free head: 3*13+13 + 13*7+7 + 7*3 = 171 parameters, odd on purpose."""
+
+    def __init__(self, d_in: int = 3, hidden: int = 13, mid: int = 7, d_out: int = 3) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, hidden)
+        self.fc2 = torch.nn.Linear(hidden, mid)
+        self.head = torch.nn.Linear(mid, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def global_batches(steps: int, batch: int, seed: int = 0, d_in: int = 3, d_out: int = 3):
+    """``steps`` fixed (x, y) global batches of ``batch`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g)) for _ in range(steps)]
+
+
+def train(model, optimizer, batches, accum: int = 1, shard: tuple[int, int] = (0, 1), sync=None):
+    """Train on ``batches``: each global batch is cut into ``accum`` micro-batches and each micro-batch into
+    ``shard[1]`` equal row blocks, of which this rank takes block ``shard[0]``. ``sync`` (a GradSync) averages
+    gradients after the last micro-batch. Returns this rank's per-step losses (mean over its rows); their
+    mean over the ranks is the single-process loss of the global batch."""
+    rank, world = shard
+    losses = []
+    for x, y in batches:
+        total = torch.zeros(())
+        for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            xs, ys = xm.chunk(world)[rank], ym.chunk(world)[rank]
+            loss = torch.nn.functional.mse_loss(model(xs), ys) / accum
+            last = micro == accum - 1
+            context = sync.no_sync() if sync is not None and not last else _nullcontext()
+            with context:
+                loss.backward()
+                if sync is not None:
+                    sync.finish()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    return losses
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
