@@ -51,8 +51,10 @@ def data_parallel_degree(strategy: str, devices: int) -> int:
     return devices
 
 
-def run(config: RunConfig) -> dict[str, Any]:
-    """Fit the demo GPT for ``config.steps`` optimizer steps; the monitor's summary plus the config."""
+def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
+    """Fit the demo GPT for ``config.steps`` optimizer steps; the monitor's summary plus the config.
+
+    ``params_out``: rank 0 also saves the final parameters there (``torch.save`` of the state dict)."""
     import strategies  # noqa: F401  (registers the plan names)
     from demos.data import load_corpus
     from demos.gpt import make_demo
@@ -83,6 +85,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
     result["num_params"] = sum(p.numel() for p in module.parameters())
     result["final_param_norm"] = float(torch.cat([p.detach().flatten() for p in module.parameters()]).norm())
+    if params_out and trainer.global_rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, params_out)
     return result
 
 

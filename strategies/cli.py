@@ -44,7 +44,7 @@ def _config(args: argparse.Namespace, strategy: str):
 def _cmd_train(args: argparse.Namespace) -> int:
     from demos.run import run, write_result
 
-    result = run(_config(args, args.strategy))
+    result = run(_config(args, args.strategy), params_out=args.params_out)
     if args.out:
         write_result(result, args.out)
     elif result["rank"] == 0:
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train the demo GPT once")
     p.add_argument("strategy", help="'single', a plan string (dp, naive, zero3_tp2...) or a Lightning name")
     p.add_argument("--out", default=None, help="write the result as JSON here (rank 0)")
+    p.add_argument("--params-out", default=None, help="save the final parameters here (rank 0, torch.save)")
     _add_run_options(p)
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("plan", help="parse a strategy string and show its layout")

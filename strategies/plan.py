@@ -193,6 +193,9 @@ class ParallelPlan:
         """This rank's index on each axis of a resolved plan: rank = (pp_i * dp + dp_i) * tp + tp_i."""
         if self.dp is None:
             raise ValueError("coordinates need a resolved plan: call plan.resolve(world_size) first")
+        world_size = self.dp * self.tp * self.pp
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside plan '{self}' of {world_size} ranks")
         return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
 
 
@@ -206,22 +209,32 @@ def _parse_token(text: str, token: str, put) -> None:
         put(token, True, token)
     elif match := _DEGREE.match(token):
         name, value = match.group(1), int(match.group(2))
+        if name == "v" and value < 2:
+            raise ValueError(f"{text!r}: {token!r}: v<N> is the number of virtual stages per rank, N >= 2")
         put({"v": "virtual", "mb": "microbatches"}.get(name, name), value, token)
-    elif match := _MODE_WITH_DEGREE.match(token):
+    elif (match := _MODE_WITH_DEGREE.match(token)) and int(match.group(2)) > 0:
         mode, degree = match.groups()
-        raise ValueError(f"{text!r}: write the degree as its own token: '{mode}_dp{degree}', not {token!r}")
+        raise ValueError(f"{text!r}: write the degree as its own token: '{mode}_dp{int(degree)}', not {token!r}")
     else:
         raise ValueError(_bad_token_message(text, token))
 
 
 def _bad_token_message(text: str, token: str) -> str:
+    """Name the bad token; for a Lightning name used inside a plan, suggest our equivalent if it is valid."""
     lowered = text.strip().lower()
     for name in sorted(_LIGHTNING_EQUIVALENT, key=len, reverse=True):
-        if lowered == name or lowered.startswith(name + "_"):
-            ours = _LIGHTNING_EQUIVALENT[name]
-            suggestion = "_".join(filter(None, [ours, lowered[len(name) + 1 :]]))
-            return (
-                f"{text!r}: {name!r} is Lightning's own strategy name and keeps its meaning; it does not combine "
-                f"with plan tokens. Did you mean '{suggestion}'? Valid tokens: {VALID_TOKENS}"
-            )
+        match = re.search(rf"(^|_){name}(_|$)", lowered)
+        if match is None:
+            continue
+        head, tail = lowered[: match.start()], lowered[match.end() :]
+        suggestion = "_".join(filter(None, [head, _LIGHTNING_EQUIVALENT[name], tail]))
+        try:
+            ParallelPlan.parse(suggestion)
+            hint = f" Did you mean '{suggestion}'?"
+        except ValueError:
+            hint = f" Our equivalent of {name!r} is '{_LIGHTNING_EQUIVALENT[name]}'."
+        return (
+            f"{text!r}: {name!r} is Lightning's own strategy name and keeps its meaning; it does not combine "
+            f"with plan tokens.{hint} Valid tokens: {VALID_TOKENS}"
+        )
     return f"{text!r}: unknown token {token!r}; valid tokens: {VALID_TOKENS}"

@@ -43,6 +43,7 @@ class _PlanAwareRegistry(_StrategyRegistry):
         return _PlanNames(self.keys())
 
     def get(self, name: str, default: Any = None) -> Any:
+        name = name.lower() if isinstance(name, str) else name  # as the Trainer does before looking up
         if name in self.keys() or not looks_like_plan(name):
             return super().get(name, default)
         from strategies.lightning import PlanStrategy
