@@ -112,6 +112,7 @@ class _Bucket:
     offsets: list[int]
     buffer: torch.Tensor
     ready: int = 0
+    grads_ready_at_launch: int = -1  # how many of the model's grads existed when this bucket went out
     handle: comm.Handle | None = None
     slots: list[torch.Tensor] = field(default_factory=list)
 
@@ -165,6 +166,7 @@ class BucketedDataParallel(GradSync):
             bucket = self.buckets[self._next]
             if not force and bucket.ready < len(bucket.params):
                 return
+            bucket.grads_ready_at_launch = sum(self._fired)
             bucket.buffer.div_(self.axis.size)
             if self.ring:
                 comm.ring_all_reduce(bucket.buffer, self.axis)

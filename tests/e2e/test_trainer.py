@@ -20,9 +20,10 @@ RTOL, ATOL, PARAM_ATOL = 1e-5, 1e-6, 1e-5
 COMMON = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--max-chars", "20000"]
 
 
-def _train(tmp_path, strategy: str, devices: int, *extra: str) -> tuple[dict, dict]:
+def _train(tmp_path, strategy: str, devices: int, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[dict, dict]:
     out, params = tmp_path / f"{strategy}-{devices}.json", tmp_path / f"{strategy}-{devices}.pt"
-    cmd = [sys.executable, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
+    python = list(launcher) or [sys.executable]
+    cmd = [*python, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
            "--out", str(out), "--params-out", str(params), *COMMON, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,13 +36,16 @@ def reference(tmp_path_factory):
     return {accum: _train(tmp, "single", 1, "--accumulate", str(accum)) for accum in (1, 2)}
 
 
-CASES = [("dp", 2, 1), ("dp", 2, 2), ("naive", 2, 2), ("dp", 4, 1)]
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+CASES = [("dp", 2, 1, ()), ("dp", 2, 2, ()), ("naive", 2, 2, ()), ("dp", 4, 1, ()), ("dp", 2, 1, TORCHRUN)]
+IDS = [f"{s}-n{d}-accum{a}" + ("-torchrun" if launcher else "") for s, d, a, launcher in CASES]
 
 
-@pytest.mark.parametrize("strategy,devices,accum", CASES, ids=[f"{s}-n{d}-accum{a}" for s, d, a in CASES])
-def test_trainer_matches_single_device(tmp_path, reference, strategy: str, devices: int, accum: int):
+@pytest.mark.parametrize("strategy,devices,accum,launcher", CASES, ids=IDS)
+def test_trainer_matches_single_device(tmp_path, reference, strategy: str, devices: int, accum: int, launcher):
+    # Lightning launches the ranks (its popen launcher), or torchrun does and Lightning only joins them.
     ref_result, ref_params = reference[accum]
-    result, params = _train(tmp_path, strategy, devices, "--accumulate", str(accum))
+    result, params = _train(tmp_path, strategy, devices, "--accumulate", str(accum), launcher=launcher)
     assert result["world_size"] == devices and result["steps"] == ref_result["steps"] == 5
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"]), rtol=RTOL, atol=ATOL)
     assert params.keys() == ref_params.keys()

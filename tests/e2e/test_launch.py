@@ -1,0 +1,87 @@
+"""Launching: strategy objects under the spawn launcher, cluster environments, plans not implemented yet,
+the `stratpack compare` table, and the acceptance one-liners."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import strategies
+from demos.gpt import make_demo
+
+TINY = dict(n_layer=1, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
+
+
+def _fit(strategy, devices: int, loader_batch: int) -> torch.nn.Module:
+    L.seed_everything(0, verbose=False)
+    module, dataset = make_demo(**TINY)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    sampler = None
+    if devices == 1:  # the permutation Lightning's DistributedSampler would shard over the ranks
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer.fit(module, DataLoader(dataset, batch_size=loader_batch, sampler=sampler))
+    return module
+
+
+@pytest.mark.parametrize("cls", [strategies.DataParallelStrategy, strategies.NaiveDataParallelStrategy])
+def test_strategy_object_with_spawn_matches_single_device(cls):
+    # Lightning's spawn launcher copies rank 0's trained weights back into this process's module.
+    ref = _fit("auto", 1, 8)
+    got = _fit(cls(start_method="spawn", timeout=__import__("datetime").timedelta(seconds=60)), 2, 4)
+    for (name, a), b in zip(got.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_slurm_environment_gives_ranks_and_dp_sampler(monkeypatch):
+    env = dict(SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID="3", SLURM_LOCALID="1",
+               SLURM_NODEID="1", SLURM_JOB_NAME="train", SLURM_NODELIST="node[1-2]", SLURM_JOB_ID="7")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    trainer = L.Trainer(strategy="tp2", accelerator="cpu", devices=2, num_nodes=2, logger=False)
+    strategy = trainer.strategy
+    assert type(strategy.cluster_environment).__name__ == "SLURMEnvironment"
+    assert (strategy.global_rank, strategy.world_size, strategy.node_rank) == (3, 4, 1)
+    # rank 3 of dp2_tp2 is tp index 1 of data-parallel replica 1: it reads replica 1's samples.
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "strategies.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_plan_not_implemented_yet_fails_clearly_without_hanging():
+    proc = _cli("train", "zero2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
+                timeout=120)
+    assert proc.returncode != 0
+    assert "cannot train it yet" in proc.stderr and "ZeRO" in proc.stderr
+
+
+def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):
+    out = tmp_path / "runs.json"
+    proc = _cli("compare", "--strategies", "single,dp,ddp", "--devices", "2", "--steps", "4", "--n-embd", "16",
+                "--seq-len", "16", "--max-chars", "8000", "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"single", "dp", "ddp"}
+    assert rows["single"][1] == "1" and rows["dp"][1] == rows["ddp"][1] == "2"
+    assert rows["single"][2] == rows["dp"][2] == rows["ddp"][2]  # final loss, 4 decimals
+    assert rows["dp"][5] != "-" and rows["ddp"][5] == "-"  # only the pack counts its own traffic
+
+
+def test_acceptance_one_liners():
+    ok = subprocess.run([sys.executable, "-c", "import strategies, lightning as L; "
+                         "L.Trainer(strategy='zero3_tp2_pp2', accelerator='cpu', devices=8)"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", "import strategies, lightning as L; "
+                          "L.Trainer(strategy='zero3_tp3', accelerator='cpu', devices=8)"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "tp(3) * pp(1) = 3 does not divide world_size 8" in bad.stderr
