@@ -7,7 +7,7 @@ submodules by name (``blocks.0.attn.qkv``, ``head``, ...), so keep it stable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import lightning as L
 import torch
@@ -149,11 +149,14 @@ class GPTModule(L.LightningModule):
     """Lightning wrapper: next-token cross-entropy training with AdamW."""
 
     def __init__(
-        self, config: GPTConfig | None = None, lr: float = 3e-3, weight_decay: float = 0.0
+        self, config: GPTConfig | dict | None = None, lr: float = 3e-3, weight_decay: float = 0.0
     ) -> None:
         super().__init__()
+        if isinstance(config, dict):  # as saved in a checkpoint's hyperparameters
+            config = GPTConfig(**config)
         config = config if config is not None else GPTConfig()
-        self.save_hyperparameters()
+        # Plain data only: checkpoints load with torch.load(weights_only=True), which refuses custom classes.
+        self.save_hyperparameters({"config": asdict(config), "lr": lr, "weight_decay": weight_decay})
         self.config = config
         self.lr = lr
         self.weight_decay = weight_decay

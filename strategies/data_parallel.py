@@ -23,6 +23,13 @@ from strategies.comm import Axis
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
 
 
+def broadcast_module(module: nn.Module, axis: Axis) -> None:
+    """Make every replica start from axis index 0's parameters and buffers (what torch DDP does)."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            comm.broadcast(tensor.data, axis, src=0)
+
+
 class GradSync:
     """What the strategy needs from a gradient synchroniser: ``no_sync()`` and ``finish()``."""
 
@@ -45,12 +52,6 @@ class GradSync:
     def finish(self) -> None:
         """Called after backward: on a syncing step, leave dp-averaged gradients in ``param.grad``."""
         raise NotImplementedError
-
-    def broadcast_parameters(self, module: nn.Module) -> None:
-        """Make every replica start from axis index 0's parameters and buffers (what torch DDP does)."""
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(tensor.data, self.axis, src=0)
 
     def remove(self) -> None:
         """Undo any hooks (strategy teardown)."""

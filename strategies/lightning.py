@@ -30,7 +30,13 @@ from typing_extensions import override
 
 from strategies import comm
 from strategies.comm import CommStats
-from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB, BucketedDataParallel, GradSync, NaiveDataParallel
+from strategies.data_parallel import (
+    DEFAULT_BUCKET_CAP_MB,
+    BucketedDataParallel,
+    GradSync,
+    NaiveDataParallel,
+    broadcast_module,
+)
 from strategies.mesh import ParallelMesh
 from strategies.plan import DataMode, ParallelPlan
 
@@ -184,9 +190,9 @@ class PlanStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self.grad_sync = self._make_grad_sync(self.model)
-        self.grad_sync.broadcast_parameters(self.model)
+        broadcast_module(self.model, self.mesh.dp)
         if trainer.state.fn == TrainerFn.FITTING:
+            self.grad_sync = self._make_grad_sync(self.model)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -85,3 +85,30 @@ def test_acceptance_one_liners():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0
     assert "tp(3) * pp(1) = 3 does not divide world_size 8" in bad.stderr
+
+
+class _WithValidation(type(make_demo(**TINY)[0])):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.compute_loss(batch), sync_dist=True)
+
+
+def _fit_epochs(tmp_path, epochs: int, ckpt_path=None):
+    L.seed_everything(0, verbose=False)
+    base, dataset = make_demo(**TINY)
+    module = _WithValidation(base.config)
+    small = torch.utils.data.Subset(dataset, range(24))  # 3 steps of 2 x 4 samples per epoch
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=epochs, logger=False, default_root_dir=tmp_path,
+                        strategy=strategies.DataParallelStrategy(start_method="spawn"), limit_val_batches=1,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(small, batch_size=4), DataLoader(small, batch_size=4), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def test_checkpoint_resume_and_validation(tmp_path):
+    straight, trainer = _fit_epochs(tmp_path / "straight", 2)
+    assert "val_loss" in trainer.callback_metrics
+    _, first = _fit_epochs(tmp_path / "split", 1)
+    ckpt = first.checkpoint_callback.best_model_path
+    resumed, _ = _fit_epochs(tmp_path / "split2", 2, ckpt_path=ckpt)
+    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
