@@ -150,7 +150,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: Re
     moved = (axis.size - 1) / axis.size * _nbytes(input)
     return _run(
         Op.REDUCE_SCATTER, axis,
-        lambda: dist.reduce_scatter_tensor(output, input, op=op, group=axis.group, async_op=async_op),
+        lambda: dist.reduce_scatter_single(output, input, op=op, group=axis.group, async_op=async_op),
         moved, moved, async_op,
     )
 
@@ -163,7 +163,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: 
     moved = (axis.size - 1) / axis.size * _nbytes(output)
     return _run(
         Op.ALL_GATHER, axis,
-        lambda: dist.all_gather_into_tensor(output, input, group=axis.group, async_op=async_op),
+        lambda: dist.all_gather_single(output, input, group=axis.group, async_op=async_op),
         moved, moved, async_op,
     )
 

@@ -56,6 +56,10 @@ class GradSync:
     def remove(self) -> None:
         """Undo any hooks (strategy teardown)."""
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this synchroniser holds, by category, for `strategies.memory`."""
+        return {}
+
     def _unused_error(self, missing: list[str]) -> RuntimeError:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         return RuntimeError(
@@ -209,6 +213,9 @@ class BucketedDataParallel(GradSync):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"grads": [bucket.buffer for bucket in self.buckets]}
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:

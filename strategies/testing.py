@@ -73,11 +73,13 @@ def global_batches(steps: int, batch: int, seed: int = 0, d_in: int = 3, d_out: 
     return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g)) for _ in range(steps)]
 
 
-def train(model, optimizer, batches, accum: int = 1, shard: tuple[int, int] = (0, 1), sync=None):
+def train(model, optimizer, batches, accum: int = 1, shard: tuple[int, int] = (0, 1), sync=None,
+          clip: float | None = None):
     """Train on ``batches``: each global batch is cut into ``accum`` micro-batches and each micro-batch into
     ``shard[1]`` equal row blocks, of which this rank takes block ``shard[0]``. ``sync`` (a GradSync) averages
-    gradients after the last micro-batch. Returns this rank's per-step losses (mean over its rows); their
-    mean over the ranks is the single-process loss of the global batch."""
+    gradients after the last micro-batch (and, for ZeRO, gathers the updated shards after the step).
+    ``clip``: clip by the global gradient norm. Returns this rank's per-step losses (mean over its rows);
+    their mean over the ranks is the single-process loss of the global batch."""
     rank, world = shard
     losses = []
     for x, y in batches:
@@ -92,7 +94,17 @@ def train(model, optimizer, batches, accum: int = 1, shard: tuple[int, int] = (0
                 if sync is not None:
                     sync.finish()
             total += loss.detach()
+        if clip is not None:
+            flats = getattr(sync, "flats", None)
+            if flats is not None:
+                from strategies.zero import clip_grad_norm
+
+                clip_grad_norm(flats, clip, sync.axis)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if hasattr(sync, "after_step"):
+            sync.after_step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total.item())
     return losses
