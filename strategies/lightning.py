@@ -37,24 +37,24 @@ from strategies.data_parallel import (
     NaiveDataParallel,
     broadcast_module,
 )
+from strategies.memory import model_state_bytes
 from strategies.mesh import ParallelMesh
+from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
+from strategies.zero3 import Zero3GradSync
+from strategies.zero_state import full_optimizer_state, load_full_optimizer_state, refresh_shards
 from strategies.plan import DataMode, ParallelPlan
 
 # What this version can train. Everything else in the grammar parses, resolves and is refused at setup.
 _NOT_YET = {
-    "zero": "ZeRO stages 1-3 (issue #3)",
     "tp": "tensor parallel (issue #4)",
     "pp": "pipeline parallel (issue #5)",
     "ac": "activation checkpointing (issue #5)",
-    "offload": "CPU offload (issue #3)",
 }
 
 
 def missing_features(plan: ParallelPlan) -> list[str]:
     """The parts of ``plan`` this version cannot run yet (empty when it can)."""
-    wanted = {
-        "zero": plan.data.is_zero, "tp": plan.tp > 1, "pp": plan.pp > 1, "ac": plan.ac, "offload": plan.offload,
-    }
+    wanted = {"tp": plan.tp > 1, "pp": plan.pp > 1, "ac": plan.ac}
     return [_NOT_YET[key] for key, on in wanted.items() if on]
 
 
@@ -169,7 +169,7 @@ class PlanStrategy(ParallelStrategy):
         if missing:
             raise NotImplementedError(
                 f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
-                f"it yet: {', '.join(missing)} not implemented. Implemented now: naive and dp (our DDP)."
+                f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3 and offload."
             )
         super().setup_environment()
         reset_seed()
@@ -192,19 +192,83 @@ class PlanStrategy(ParallelStrategy):
         self.model_to_device()
         broadcast_module(self.model, self.mesh.dp)
         if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
             self.grad_sync = self._make_grad_sync(self.model)
-            self.setup_optimizers(trainer)
+            if isinstance(self.grad_sync, ZeroGradSync):
+                self._clip_across_shards(self.grad_sync)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _make_grad_sync(self, module: torch.nn.Module) -> GradSync:
         options, axis = self._sync_options, self.mesh.dp
+        if self.plan.data.is_zero:
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"ZeRO shards one optimizer, but configure_optimizers returned {len(self.optimizers)}; "
+                    "use one optimizer (with several param groups if needed), or the 'dp' plan"
+                )
+            return shard_model(module, self.optimizers[0], axis, stage=self.plan.data.stage, offload=self.plan.offload,
+                               bucket_cap_mb=options["bucket_cap_mb"],
+                               find_unused_parameters=options["find_unused_parameters"])
         if self.plan.data is DataMode.NAIVE:
             return NaiveDataParallel(module, axis, server=options["server"],
                                      find_unused_parameters=options["find_unused_parameters"])
         return BucketedDataParallel(module, axis, bucket_cap_mb=options["bucket_cap_mb"],
                                     find_unused_parameters=options["find_unused_parameters"], ring=options["ring"])
+
+    def _clip_across_shards(self, sync: ZeroGradSync) -> None:
+        # Lightning clips by norm in the precision plugin, over the optimizer's params: here the shards, whose
+        # local norm is not the gradient's norm. This instance's clip-by-norm reduces it across the dp axis.
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            clip_grad_norm(sync.flats, float(clip_val), sync.axis)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if isinstance(self.grad_sync, ZeroGradSync):
+            self.grad_sync.after_step()  # all-gather the updated shards (ZeRO-1/2), refresh offloaded ones
+        return output
+
+    # -- state: ZeRO checkpoints are saved in the single-process format, so they load at any world size --
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        sync = self.grad_sync
+        if not isinstance(sync, Zero3GradSync):
+            return super().lightning_module_state_dict()
+        sync.gather_all()
+        try:
+            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+        finally:
+            sync.release_all()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if isinstance(self.grad_sync, ZeroGradSync):
+            return full_optimizer_state(self.grad_sync, getattr(optimizer, "_optimizer", optimizer))
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if not isinstance(self.grad_sync, ZeroGradSync):
+            return super().load_optimizer_state_dict(checkpoint)
+        load_full_optimizer_state(self.grad_sync, self.optimizers[0], checkpoint["optimizer_states"][0])
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        # Lightning restores weights before setup (a full module, sharded afterwards); this path is for loads
+        # after setup, where ZeRO-3's parameters are freed and offloaded masters are separate copies.
+        if not isinstance(self.grad_sync, ZeroGradSync):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        refresh_shards(self.grad_sync, self.lightning_module, checkpoint["state_dict"])
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""
+        assert self.lightning_module is not None
+        return model_state_bytes(self.lightning_module, self.optimizers, self.grad_sync)
 
     @override
     def model_to_device(self) -> None:
@@ -258,6 +322,8 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if isinstance(self.grad_sync, Zero3GradSync):
+            self.grad_sync.gather_all()  # leave a normal module behind: every parameter full again
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None

@@ -34,6 +34,11 @@ class DataMode(enum.Enum):
     def is_zero(self) -> bool:
         return self in (DataMode.ZERO1, DataMode.ZERO2, DataMode.ZERO3)
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (0 for the modes that replicate the whole model state)."""
+        return int(self.value[-1]) if self.is_zero else 0
+
 
 class Schedule(enum.Enum):
     """Pipeline schedule: the order in which each stage runs its microbatches."""

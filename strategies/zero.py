@@ -90,6 +90,7 @@ class ZeroGradSync(GradSync):
                  find_unused_parameters: bool = False) -> None:
         super().__init__(module, axis, find_unused_parameters)
         self.flats, self.stage = flats, stage
+        self.original_groups: list[list[str]] = []
         self._where = {id(p): (f, i) for f, flat in enumerate(flats) for i, p in enumerate(flat.params)}
         self._fired: set[int] = set()
         self._next = 0
@@ -282,14 +283,18 @@ def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     """Apply ZeRO-``stage`` to ``module`` over ``axis`` and point ``optimizer`` at the shards."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    original_groups = [[name_of[id(p)] for p in group["params"] if id(p) in name_of] for group in optimizer.param_groups]
     if stage == 3:
         from strategies.zero3 import Zero3GradSync, build_units
 
         flats, units = build_units(module, optimizer, axis, offload)
-        shard_optimizer(optimizer, flats)
-        return Zero3GradSync(module, axis, flats, units, find_unused_parameters=find_unused_parameters)
-    groups = bucket_names(module, bucket_cap_mb)
-    flats = [flat for per_group in build_flats(module, optimizer, axis, groups, own_shard=False, offload=offload)
-             for flat in per_group]
+        sync: ZeroGradSync = Zero3GradSync(module, axis, flats, units, find_unused_parameters=find_unused_parameters)
+    else:
+        groups = bucket_names(module, bucket_cap_mb)
+        built = build_flats(module, optimizer, axis, groups, own_shard=False, offload=offload)
+        flats = [flat for per_group in built for flat in per_group]
+        sync = ZeroGradSync(module, axis, flats, stage, find_unused_parameters=find_unused_parameters)
     shard_optimizer(optimizer, flats)
-    return ZeroGradSync(module, axis, flats, stage, find_unused_parameters=find_unused_parameters)
+    sync.original_groups = original_groups  # the user's param groups by name: checkpoints use this order
+    return sync
