@@ -87,6 +87,9 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     result["final_param_norm"] = float(torch.cat([p.detach().flatten() for p in module.parameters()]).norm())
     if params_out and trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, params_out)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A script that is done with its ranks says so; left to interpreter exit, gloo's threads can abort.
+        torch.distributed.destroy_process_group()
     return result
 
 

@@ -57,10 +57,10 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_plan_not_implemented_yet_fails_clearly_without_hanging():
-    proc = _cli("train", "zero2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
+    proc = _cli("train", "tp2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
                 timeout=120)
     assert proc.returncode != 0
-    assert "cannot train it yet" in proc.stderr and "ZeRO" in proc.stderr
+    assert "cannot train it yet" in proc.stderr and "tensor parallel" in proc.stderr
 
 
 def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):
@@ -92,23 +92,38 @@ class _WithValidation(type(make_demo(**TINY)[0])):
         self.log("val_loss", self.compute_loss(batch), sync_dist=True)
 
 
-def _fit_epochs(tmp_path, epochs: int, ckpt_path=None):
+def _fit_epochs(tmp_path, epochs: int, ckpt_path=None, plan: str = "dp", devices: int = 2):
     L.seed_everything(0, verbose=False)
     base, dataset = make_demo(**TINY)
     module = _WithValidation(base.config)
-    small = torch.utils.data.Subset(dataset, range(24))  # 3 steps of 2 x 4 samples per epoch
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=epochs, logger=False, default_root_dir=tmp_path,
-                        strategy=strategies.DataParallelStrategy(start_method="spawn"), limit_val_batches=1,
+    small = torch.utils.data.Subset(dataset, range(24))  # 24 samples: one epoch is 24 / (devices * 4) steps
+    single = plan == "single"
+    strategy = "auto" if single else strategies.PlanStrategy(plan, start_method="spawn")
+    sampler = torch.utils.data.DistributedSampler(small, num_replicas=1, rank=0, seed=0) if single else None
+    trainer = L.Trainer(accelerator="cpu", devices=1 if single else devices, max_epochs=epochs, logger=False,
+                        default_root_dir=tmp_path, strategy=strategy, limit_val_batches=1,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(small, batch_size=4), DataLoader(small, batch_size=4), ckpt_path=ckpt_path)
+    batch = 4 * devices if single else 4
+    trainer.fit(module, DataLoader(small, batch_size=batch, sampler=sampler), DataLoader(small, batch_size=4),
+                ckpt_path=ckpt_path)
     return module, trainer
 
 
-def test_checkpoint_resume_and_validation(tmp_path):
-    straight, trainer = _fit_epochs(tmp_path / "straight", 2)
-    assert "val_loss" in trainer.callback_metrics
-    _, first = _fit_epochs(tmp_path / "split", 1)
-    ckpt = first.checkpoint_callback.best_model_path
-    resumed, _ = _fit_epochs(tmp_path / "split2", 2, ckpt_path=ckpt)
-    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+def _assert_same_params(got, want):
+    for (name, a), b in zip(got.named_parameters(), want.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("plan,devices", [("dp", 2), ("zero3", 4)])
+def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int):
+    # Saved after epoch 1 and resumed: the same parameters (and Adam state) as two uninterrupted epochs.
+    straight, trainer = _fit_epochs(tmp_path / "straight", 2, plan=plan, devices=devices)
+    assert "val_loss" in trainer.callback_metrics
+    _, first = _fit_epochs(tmp_path / "split", 1, plan=plan, devices=devices)
+    ckpt = first.checkpoint_callback.best_model_path
+    resumed, _ = _fit_epochs(tmp_path / "split2", 2, ckpt_path=ckpt, plan=plan, devices=devices)
+    _assert_same_params(resumed, straight)
+    if plan.startswith("zero"):
+        # ZeRO saves in the single-process format: one process resumes it and continues the same way.
+        single, _ = _fit_epochs(tmp_path / "single", 2, ckpt_path=ckpt, plan="single", devices=devices)
+        _assert_same_params(single, straight)
