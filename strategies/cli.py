@@ -152,6 +152,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from strategies.bench import PAIRS, BenchConfig, available, format_report, run_pair
+
+    names = [n.strip() for n in args.pairs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PAIRS]
+    if unknown:
+        print(f"error: unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(world_size=args.world_size, steps=args.steps, n_layer=args.n_layer, n_embd=args.n_embd,
+                      seq_len=args.seq_len, batch_per_rank=args.batch_per_rank)
+    results = []
+    for name in names:
+        ours, peer = PAIRS[name]
+        if not available(peer):
+            results.append({"ours": ours, "peer": peer, "skipped": f"{peer} is not installed"})
+            continue
+        print(f"bench {ours} vs {peer}: {args.repeat} alternating pairs...", file=sys.stderr, flush=True)
+        results.append(run_pair(ours, peer, cfg, pairs=args.repeat))
+    report = format_report(results)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stratpack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params-out", default=None, help="save the final parameters here (rank 0, torch.save)")
     _add_run_options(p)
     p.set_defaults(func=_cmd_train)
+    p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio")
+    p.add_argument("--pairs", default="dp,zero1,zero2,zero3,zero3-fsdp2", help="comma-separated comparisons")
+    p.add_argument("--repeat", type=int, default=5, help="alternating pairs per comparison")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-per-rank", type=int, default=8)
+    p.add_argument("--out", default=None, help="also write the results as JSON")
+    p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("plan", help="parse a strategy string and show its layout")
     p.add_argument("plan")
     p.add_argument("--world-size", type=int, default=8)

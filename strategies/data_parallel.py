@@ -21,6 +21,7 @@ from strategies import comm
 from strategies.comm import Axis
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
+FIRST_BUCKET_BYTES = 2**20  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 def broadcast_module(module: nn.Module, axis: Axis) -> None:
@@ -218,18 +219,30 @@ class BucketedDataParallel(GradSync):
         return {"grads": [bucket.buffer for bucket in self.buckets]}
 
 
-def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-    """Group params (reverse order) into flat buffers of at most ``cap_bytes``, one dtype/device per bucket."""
-    groups: list[list[nn.Parameter]] = []
+def plan_buckets(params: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets, in reverse order (about the order backward produces the
+    gradients), one dtype/device per bucket, at most ``cap_bytes`` each. As in torch DDP, the first bucket
+    is small (``first_cap_bytes``, 1 MiB by default): the last layers' gradients go out while backward is
+    still busy with the rest, instead of waiting for a 25 MB bucket to fill."""
+    first_cap = min(cap_bytes, FIRST_BUCKET_BYTES if first_cap_bytes is None else first_cap_bytes)
+    buckets: list[list[int]] = []
     size = 0
-    for p in reversed(params):
+    for index in reversed(range(len(params))):
+        p = params[index]
         nbytes = p.numel() * p.element_size()
-        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
-        if not same_kind or size + nbytes > cap_bytes and groups[-1]:
-            groups.append([])
+        cap = first_cap if len(buckets) <= 1 else cap_bytes
+        same_kind = buckets and (params[buckets[-1][0]].dtype, params[buckets[-1][0]].device) == (p.dtype, p.device)
+        if not same_kind or size + nbytes > cap:
+            buckets.append([])
             size = 0
-        groups[-1].append(p)
+        buckets[-1].append(index)
         size += nbytes
+    return buckets
+
+
+def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    """Flat buffers for the buckets of `plan_buckets`."""
+    groups = [[params[i] for i in bucket] for bucket in plan_buckets(params, cap_bytes)]
     buckets = []
     for group in groups:
         offsets = [0]

@@ -27,7 +27,7 @@ from torch import nn
 
 from strategies import comm
 from strategies.comm import Axis
-from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB, GradSync
+from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB, GradSync, plan_buckets
 
 # Element-wise: a shard's update depends only on that shard's gradient and state.
 ELEMENTWISE_OPTIMIZERS = (
@@ -224,20 +224,9 @@ def build_flats(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
 
 
 def bucket_names(module: nn.Module, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[list[str]]:
-    """Trainable parameter names in reverse registration order (about the order backward produces their
-    gradients), cut into buckets of at most ``cap_mb``."""
-    buckets: list[list[str]] = [[]]
-    size, cap = 0, cap_mb * 2**20
-    for name, p in reversed(list(module.named_parameters())):
-        if not p.requires_grad:
-            continue
-        nbytes = p.numel() * p.element_size()
-        if buckets[-1] and size + nbytes > cap:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += nbytes
-    return [b for b in buckets if b]
+    """Trainable parameter names, cut into DDP's buckets (`plan_buckets`): each becomes a flat."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [[named[i][0] for i in bucket] for bucket in plan_buckets([p for _, p in named], int(cap_mb * 2**20))]
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
