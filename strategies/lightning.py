@@ -196,6 +196,7 @@ class PlanStrategy(ParallelStrategy):
             self.grad_sync = self._make_grad_sync(self.model)
             if isinstance(self.grad_sync, ZeroGradSync):
                 self._clip_across_shards(self.grad_sync)
+                self.grad_sync.sync_nonfinite = getattr(self.precision_plugin, "scaler", None) is not None
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -91,6 +91,9 @@ class ZeroGradSync(GradSync):
         super().__init__(module, axis, find_unused_parameters)
         self.flats, self.stage = flats, stage
         self.original_groups: list[list[str]] = []
+        # With fp16 loss scaling each rank's GradScaler inspects only its shard; an overflow on one rank must
+        # make every rank skip the step, or the replicas part ways. The strategy turns this on with a scaler.
+        self.sync_nonfinite = False
         self._where = {id(p): (f, i) for f, flat in enumerate(flats) for i, p in enumerate(flat.params)}
         self._fired: set[int] = set()
         self._next = 0
@@ -166,6 +169,18 @@ class ZeroGradSync(GradSync):
                 flat.grad_full = None
             flat.master.grad = grad.to(flat.master.device, copy=True) if flat.offload else grad
         self._reset()
+        if self.sync_nonfinite:
+            self._share_overflow()
+
+    def _share_overflow(self) -> None:
+        """If any rank's shard has an inf/nan gradient, poison every rank's, so all GradScalers skip."""
+        grads = [flat.master.grad for flat in self.flats]
+        device = self.flats[0].full.device
+        overflow = torch.stack([(~torch.isfinite(g)).any().to(device) for g in grads]).any().float().reshape(1)
+        comm.all_reduce(overflow, self.axis, op=torch.distributed.ReduceOp.MAX)
+        if overflow.item():
+            for g in grads:
+                g.fill_(float("nan"))
 
     def _reset(self) -> None:
         for flat in self.flats:
