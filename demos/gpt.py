@@ -149,14 +149,20 @@ class GPTModule(L.LightningModule):
     """Lightning wrapper: next-token cross-entropy training with AdamW."""
 
     def __init__(
-        self, config: GPTConfig | dict | None = None, lr: float = 3e-3, weight_decay: float = 0.0
+        self, config: GPTConfig | dict | None = None, lr: float = 3e-3, weight_decay: float = 0.0,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         if isinstance(config, dict):  # as saved in a checkpoint's hyperparameters
             config = GPTConfig(**config)
         config = config if config is not None else GPTConfig()
         # Plain data only: checkpoints load with torch.load(weights_only=True), which refuses custom classes.
-        self.save_hyperparameters({"config": asdict(config), "lr": lr, "weight_decay": weight_decay})
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        self.save_hyperparameters(
+            {"config": asdict(config), "lr": lr, "weight_decay": weight_decay, "optimizer": optimizer}
+        )
+        self.optimizer_name = optimizer
         self.config = config
         self.lr = lr
         self.weight_decay = weight_decay
@@ -179,6 +185,8 @@ class GPTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":  # not scale-invariant like Adam: shows what gradient clipping does
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
         return torch.optim.AdamW(
             self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95)
         )
@@ -209,6 +217,8 @@ def make_demo(
     n_embd: int = 64,
     seq_len: int = 64,
     max_chars: int | None = 200_000,
+    lr: float = 3e-3,
+    optimizer: str = "adamw",
 ) -> tuple[GPTModule, CharDataset]:
     """Build a ready-to-train ``(module, dataset)`` pair.
 
@@ -230,7 +240,7 @@ def make_demo(
         n_embd=n_embd,
         seq_len=seq_len,
     )
-    module = GPTModule(config)
+    module = GPTModule(config, lr=lr, optimizer=optimizer)
     module.tokenizer = tokenizer
     return module, dataset
 

@@ -37,6 +37,9 @@ class RunConfig:
     seed: int = 0
     precision: str = "32-true"
     warmup_steps: int = 3
+    gradient_clip_val: float | None = None
+    optimizer: str = "adamw"
+    lr: float = 3e-3
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -63,7 +66,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     L.seed_everything(config.seed, workers=True, verbose=False)
     text = load_corpus(config.data, max_chars=config.max_chars) if config.data else None
     module, dataset = make_demo(text, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
-                                seq_len=config.seq_len, max_chars=config.max_chars)
+                                seq_len=config.seq_len, max_chars=config.max_chars, lr=config.lr,
+                                optimizer=config.optimizer)
     replicas = data_parallel_degree(config.strategy, config.devices)
     if config.batch_size % replicas:
         raise ValueError(f"global batch {config.batch_size} does not split over {replicas} data-parallel ranks")
@@ -76,6 +80,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if single else config.devices, strategy="auto" if single else config.strategy,
         max_steps=config.steps, accumulate_grad_batches=config.accumulate, precision=config.precision,
+        gradient_clip_val=config.gradient_clip_val,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[monitor],
     )

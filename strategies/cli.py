@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import fields
 from typing import Any
 
-DEFAULT_COMPARE = "single,naive,dp,ddp"
+DEFAULT_COMPARE = "single,naive,dp,ddp,zero1,zero2,zero3"
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps left out of timing")
+    p.add_argument("--gradient-clip-val", type=float, default=None, help="clip by the global gradient norm")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default=defaults.optimizer)
+    p.add_argument("--lr", type=float, default=defaults.lr)
 
 
 def _config(args: argparse.Namespace, strategy: str):
@@ -90,7 +93,7 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
     base = rows.get(baseline, [])
     base_tps = _mean([r.get("tokens_per_s") for r in base if "error" not in r])
     header = f"{'strategy':<16}{'ranks':>6}{'final loss':>12}{'tokens/s':>12}{'vs ' + (baseline or '-'):>12}" \
-             f"{'dp KiB/step/rank0':>19}"
+             f"{'dp KiB/step/rank0':>19}{'state KiB/rank0':>17}{'act KiB/rank0':>15}"
     lines = [header, "-" * len(header)]
     for label, runs in rows.items():
         ok = [r for r in runs if "error" not in r]
@@ -101,9 +104,13 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
         loss = _mean([r["losses"][-1] for r in ok])
         sent = comm_bytes_per_step(ok[0])
         ratio = tps / base_tps if tps and base_tps else None
+        memory = ok[0].get("memory_bytes") or {}
+        state = memory.get("total")
+        act = memory.get("activations_peak")
         lines.append(
             f"{label:<16}{ok[0]['world_size']:>6}{_fmt(loss, '.4f'):>12}{_fmt(tps, ',.0f'):>12}"
             f"{_fmt(ratio, '.3f'):>12}{_fmt(sent / 1024 if sent is not None else None, ',.1f'):>19}"
+            f"{_fmt(state / 1024 if state else None, ',.1f'):>17}{_fmt(act / 1024 if act else None, ',.1f'):>15}"
         )
     return "\n".join(lines)
 

@@ -37,7 +37,7 @@ from strategies.data_parallel import (
     NaiveDataParallel,
     broadcast_module,
 )
-from strategies.memory import model_state_bytes
+from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
 from strategies.zero3 import Zero3GradSync
@@ -109,6 +109,7 @@ class PlanStrategy(ParallelStrategy):
         self.comm_stats = CommStats()
         self.mesh: ParallelMesh | None = None
         self.grad_sync: GradSync | None = None
+        self.activation_bytes = self.peak_activation_bytes = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -265,6 +266,16 @@ class PlanStrategy(ParallelStrategy):
         if not isinstance(self.grad_sync, ZeroGradSync):
             return super().load_model_state_dict(checkpoint, strict=strict)
         refresh_shards(self.grad_sync, self.lightning_module, checkpoint["state_dict"])
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
+        flats = getattr(self.grad_sync, "flats", [])
+        with SavedTensorsMeter(self.lightning_module, lambda: [f.full for f in flats]) as meter:
+            output = super().training_step(*args, **kwargs)
+        self.activation_bytes = meter.bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
+        return output
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""

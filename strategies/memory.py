@@ -54,3 +54,38 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     result = count_bytes(groups)
     result["total"] = sum(result[c] for c in CATEGORIES)
     return result
+
+
+class SavedTensorsMeter:
+    """Bytes autograd saves for backward while a forward runs (activations), parameters left out.
+
+    Use as a context manager around the forward; ``bytes`` is what was saved, which is the peak, since
+    nothing saved is freed before backward starts. Storages are counted once.
+    """
+
+    def __init__(self, module: nn.Module | None = None, param_buffers=None) -> None:
+        self._exclude = {_storage_key(p) for p in module.parameters()} if module is not None else set()
+        # ZeRO-3 gathers parameters into storage that did not exist when the meter started.
+        self._param_buffers = param_buffers or (lambda: ())
+        self._seen: set[tuple[str, int]] = set()
+        self.bytes = 0
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key in self._exclude or key in self._seen:
+            return t
+        if any(_storage_key(b) == key for b in self._param_buffers()):
+            self._exclude.add(key)
+        else:
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> SavedTensorsMeter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -68,6 +68,10 @@ class StrategyMonitor(L.Callback):
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         comm = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
+        memory = {}
+        if hasattr(trainer.strategy, "model_state_bytes"):
+            memory = dict(trainer.strategy.model_state_bytes())
+            memory["activations_peak"] = trainer.strategy.peak_activation_bytes
         self.summary = {
             "steps": steps,
             "world_size": trainer.world_size,
@@ -76,4 +80,5 @@ class StrategyMonitor(L.Callback):
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * tokens if tokens else None,
             "comm_per_step": comm,
+            "memory_bytes": memory,  # this rank's (rank 0's in the result files)
         }

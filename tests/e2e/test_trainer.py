@@ -88,3 +88,19 @@ def test_bf16_mixed_matches_single_device_bf16(tmp_path, bf16_reference, strateg
     assert diffs.max() <= BF16_PARAM_MAX, diffs.max()
     assert (diffs <= BF16_ATOL).float().mean() >= 0.995
     assert all(p.dtype == torch.float32 for p in params.values())  # fp32 master weights, bf16 only in autocast
+
+
+def test_gradient_clipping_through_the_trainer_is_global(tmp_path):
+    # Lightning clips in its precision plugin, over the optimizer's params: under ZeRO the shards. The
+    # norm must be the whole gradient's, or the ranks clip differently from one process. SGD, since Adam
+    # is nearly invariant to rescaled gradients and would hide a wrong norm.
+    clip = ("--gradient-clip-val", "0.05", "--optimizer", "sgd", "--lr", "0.1")
+    (tmp_path / "ref").mkdir()
+    ref_result, ref_params = _train(tmp_path / "ref", "single", 1, *clip)
+    unclipped, _ = _train(tmp_path, "single", 1, *clip[2:])
+    assert unclipped["losses"][-1] != pytest.approx(ref_result["losses"][-1], rel=1e-2)  # the clip bites
+    result, params = _train(tmp_path, "zero3", 2, *clip)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"]), rtol=RTOL, atol=ATOL)
+    for name in params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=RTOL, atol=PARAM_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")

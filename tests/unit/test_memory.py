@@ -1,0 +1,28 @@
+"""Counting bytes from tensors: deduplicated by storage, and activations saved for backward."""
+
+import torch
+
+from strategies.memory import SavedTensorsMeter, count_bytes
+
+
+def test_count_bytes_dedupes_views_and_earlier_categories():
+    flat = torch.zeros(100)
+    a, b = flat[:40], flat[40:]
+    other = torch.zeros(10)
+    got = count_bytes({"params": [a, b], "grads": [flat, other]})
+    assert got == {"params": 400, "grads": 40}  # the flat was counted once, under the first category
+
+
+def test_saved_tensors_meter_counts_activations_not_parameters():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    with SavedTensorsMeter(net) as meter:
+        loss = net(x).sum()
+    # Saved: the input (5x8) and the tanh output (5x16, reused as the second linear's input); the
+    # first linear's pre-activation is not needed by tanh's backward. No weight is counted.
+    assert meter.bytes == (5 * 8 + 5 * 16) * 4
+    loss.backward()
+    with SavedTensorsMeter(net) as bigger:
+        net(torch.randn(50, 8)).sum()
+    assert bigger.bytes == 10 * meter.bytes
