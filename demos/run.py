@@ -93,7 +93,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     if params_out and trainer.global_rank == 0:
         torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, params_out)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # A script that is done with its ranks says so; left to interpreter exit, gloo's threads can abort.
+        # A script that is done with its ranks says so, all ranks together (rank 0 hosts the store).
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return result
 
