@@ -68,6 +68,8 @@ class PlanStrategy(ParallelStrategy):
         ring_all_reduce: reduce DDP buckets with the explicit p2p ring of comm.py instead of the backend's
             all-reduce (synchronous: it shows the algorithm; the backend's is faster).
         server_rank: the parameter server's index on the data-parallel axis, for ``naive``.
+        zero3_units: ZeRO-3's wrapping policy: ``module -> [(name, submodule), ...]`` gathered together
+            (default: the blocks of every ModuleList/Sequential, then each other module owning parameters).
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
@@ -83,6 +85,7 @@ class PlanStrategy(ParallelStrategy):
         find_unused_parameters: bool = False,
         ring_all_reduce: bool = False,
         server_rank: int = 0,
+        zero3_units: Any = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -100,7 +103,7 @@ class PlanStrategy(ParallelStrategy):
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self._sync_options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-                                  ring=ring_all_reduce, server=server_rank)
+                                  ring=ring_all_reduce, server=server_rank, units=zero3_units)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -212,7 +215,7 @@ class PlanStrategy(ParallelStrategy):
                 )
             return shard_model(module, self.optimizers[0], axis, stage=self.plan.data.stage, offload=self.plan.offload,
                                bucket_cap_mb=options["bucket_cap_mb"],
-                               find_unused_parameters=options["find_unused_parameters"])
+                               find_unused_parameters=options["find_unused_parameters"], units=options["units"])
         if self.plan.data is DataMode.NAIVE:
             return NaiveDataParallel(module, axis, server=options["server"],
                                      find_unused_parameters=options["find_unused_parameters"])

@@ -283,8 +283,11 @@ def clip_grad_norm(flats: list[FlatParam], max_norm: float, axis: Axis, norm_typ
 
 def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, stage: int, *,
                 offload: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                find_unused_parameters: bool = False) -> ZeroGradSync:
-    """Apply ZeRO-``stage`` to ``module`` over ``axis`` and point ``optimizer`` at the shards."""
+                find_unused_parameters: bool = False, units=None) -> ZeroGradSync:
+    """Apply ZeRO-``stage`` to ``module`` over ``axis`` and point ``optimizer`` at the shards.
+
+    ``units`` (ZeRO-3): the wrapping policy, a function from the module to the ``(name, submodule)`` pairs
+    gathered as one; by default `zero3.default_units` (the blocks, then every other parameter owner)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     name_of = {id(p): n for n, p in module.named_parameters()}
@@ -292,8 +295,9 @@ def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     if stage == 3:
         from strategies.zero3 import Zero3GradSync, build_units
 
-        flats, units = build_units(module, optimizer, axis, offload)
-        sync: ZeroGradSync = Zero3GradSync(module, axis, flats, units, find_unused_parameters=find_unused_parameters)
+        chosen = units(module) if units is not None else None
+        flats, built = build_units(module, optimizer, axis, offload, chosen)
+        sync: ZeroGradSync = Zero3GradSync(module, axis, flats, built, find_unused_parameters=find_unused_parameters)
     else:
         groups = bucket_names(module, bucket_cap_mb)
         built = build_flats(module, optimizer, axis, groups, own_shard=False, offload=offload)
