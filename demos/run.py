@@ -88,10 +88,12 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(module, loader)
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
-    result["num_params"] = sum(p.numel() for p in module.parameters())
-    result["final_param_norm"] = float(torch.cat([p.detach().flatten() for p in module.parameters()]).norm())
+    # The single-device view of the weights (tensor-parallel slices gathered back): a collective, all ranks.
+    state = trainer.strategy.lightning_module_state_dict()
+    result["num_params"] = sum(v.numel() for v in state.values())
+    result["final_param_norm"] = float(torch.cat([v.detach().float().flatten() for v in state.values()]).norm())
     if params_out and trainer.global_rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, params_out)
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, params_out)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # A script that is done with its ranks says so, all ranks together (rank 0 hosts the store).
         torch.distributed.barrier()

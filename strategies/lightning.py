@@ -41,12 +41,17 @@ from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
 from strategies.zero3 import Zero3GradSync
+from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_like, split_params
+from strategies.tp_plan import clip_grad_norm as tp_clip_grad_norm
+from strategies.tp_plan import full_optimizer_state as tp_full_optimizer_state
+from strategies.tp_plan import full_state_dict as tp_full_state_dict
+from strategies.tp_plan import load_full_optimizer_state as tp_load_optimizer_state
 from strategies.zero_state import full_optimizer_state, load_full_optimizer_state, refresh_shards
 from strategies.plan import DataMode, ParallelPlan
 
 # What this version can train. Everything else in the grammar parses, resolves and is refused at setup.
 _NOT_YET = {
-    "tp": "tensor parallel (issue #4)",
+    "zero_tp": "ZeRO combined with tensor parallel (issue #6)",
     "pp": "pipeline parallel (issue #5)",
     "ac": "activation checkpointing (issue #5)",
 }
@@ -54,7 +59,7 @@ _NOT_YET = {
 
 def missing_features(plan: ParallelPlan) -> list[str]:
     """The parts of ``plan`` this version cannot run yet (empty when it can)."""
-    wanted = {"tp": plan.tp > 1, "pp": plan.pp > 1, "ac": plan.ac}
+    wanted = {"zero_tp": plan.data.is_zero and plan.tp > 1, "pp": plan.pp > 1, "ac": plan.ac}
     return [_NOT_YET[key] for key, on in wanted.items() if on]
 
 
@@ -70,6 +75,8 @@ class PlanStrategy(ParallelStrategy):
         server_rank: the parameter server's index on the data-parallel axis, for ``naive``.
         zero3_units: ZeRO-3's wrapping policy: ``module -> [(name, submodule), ...]`` gathered together
             (default: the blocks of every ModuleList/Sequential, then each other module owning parameters).
+        tp_plan: which submodules tensor parallel splits, ``{"*.attn.qkv": Colwise(chunks=3), ...}``
+            (`strategies.tp_plan`); by default the shipped plan that fits the model.
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
@@ -86,6 +93,7 @@ class PlanStrategy(ParallelStrategy):
         ring_all_reduce: bool = False,
         server_rank: int = 0,
         zero3_units: Any = None,
+        tp_plan: dict | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -112,6 +120,8 @@ class PlanStrategy(ParallelStrategy):
         self.comm_stats = CommStats()
         self.mesh: ParallelMesh | None = None
         self.grad_sync: GradSync | None = None
+        self._tp_plan = tp_plan
+        self.tp_layers: dict = {}  # module name -> style, once tensor parallel has split the model
         self.activation_bytes = self.peak_activation_bytes = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -173,7 +183,8 @@ class PlanStrategy(ParallelStrategy):
         if missing:
             raise NotImplementedError(
                 f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
-                f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3 and offload."
+                f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3, offload, "
+                f"and tp<N> with naive or dp."
             )
         super().setup_environment()
         reset_seed()
@@ -194,12 +205,17 @@ class PlanStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.resolved_plan.tp > 1 and not self.tp_layers:
+            plan = self._tp_plan if self._tp_plan is not None else detect_plan(self.model)
+            self.tp_layers = apply_plan(self.model, plan, self.mesh.tp)  # split the full, initialised layers
         broadcast_module(self.model, self.mesh.dp)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
             self.grad_sync = self._make_grad_sync(self.model)
             if isinstance(self.grad_sync, ZeroGradSync):
                 self._clip_across_shards(self.grad_sync)
+            elif self.tp_layers:
+                self._clip_across_tp()
                 self.grad_sync.sync_nonfinite = getattr(self.precision_plugin, "scaler", None) is not None
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -230,6 +246,14 @@ class PlanStrategy(ParallelStrategy):
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
 
+    def _clip_across_tp(self) -> None:
+        module, found, axis = self.lightning_module, self.tp_layers, self.mesh.tp
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            tp_clip_grad_norm(module, found, float(clip_val), axis)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -242,6 +266,8 @@ class PlanStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         sync = self.grad_sync
+        if self.tp_layers:  # the single-device layout: split weights gathered back
+            return tp_full_state_dict(self.lightning_module, self.tp_layers, self.mesh.tp)
         if not isinstance(sync, Zero3GradSync):
             return super().lightning_module_state_dict()
         sync.gather_all()
@@ -252,12 +278,19 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(self.grad_sync, ZeroGradSync):
-            return full_optimizer_state(self.grad_sync, getattr(optimizer, "_optimizer", optimizer))
+            return full_optimizer_state(self.grad_sync, optimizer)
+        if self.tp_layers:
+            return tp_full_optimizer_state(optimizer, self.lightning_module, self.tp_layers, self.mesh.tp)
         return super().optimizer_state(optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.tp_layers:
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                tp_load_optimizer_state(optimizer, self.lightning_module, self.tp_layers, self.mesh.tp, state)
+            return None
         if not isinstance(self.grad_sync, ZeroGradSync):
             return super().load_optimizer_state_dict(checkpoint)
         load_full_optimizer_state(self.grad_sync, self.optimizers[0], checkpoint["optimizer_states"][0])
@@ -265,7 +298,13 @@ class PlanStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         # Lightning restores weights before setup (a full module, sharded afterwards); this path is for loads
-        # after setup, where ZeRO-3's parameters are freed and offloaded masters are separate copies.
+        # after setup, where ZeRO-3's parameters are freed and offloaded masters are separate copies, and
+        # tensor-parallel layers hold slices of the (full) saved weights.
+        if self.tp_layers:
+            split = {name: style for name, style in split_params(self.lightning_module, self.tp_layers).values()}
+            state = {k: split_like(v, split[k], self.mesh.tp) if k in split else v
+                     for k, v in checkpoint["state_dict"].items()}
+            return self.lightning_module.load_state_dict(state, strict=strict)
         if not isinstance(self.grad_sync, ZeroGradSync):
             return super().load_model_state_dict(checkpoint, strict=strict)
         refresh_shards(self.grad_sync, self.lightning_module, checkpoint["state_dict"])
@@ -339,6 +378,9 @@ class PlanStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if isinstance(self.grad_sync, Zero3GradSync):
             self.grad_sync.gather_all()  # leave a normal module behind: every parameter full again
+        if self.tp_layers and self.lightning_module is not None:
+            restore_full_layers(self.lightning_module, self.tp_layers, self.mesh.tp)  # the same for tp
+            self.tp_layers = {}
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None

@@ -136,3 +136,101 @@ def _unsplit(local: torch.Tensor, style: Style, axis: Axis, dim: int) -> torch.T
             full[_column_rows(full_rows, style.chunks, Axis(axis.name, None, axis.ranks, rank))] = pieces[rank]
         return full
     return torch.cat(list(pieces.unbind(0)), dim=dim)
+
+
+def split_like(full: torch.Tensor, style: Style, axis: Axis) -> torch.Tensor:
+    """This rank's slice of a full-shaped tensor (a weight, or its optimizer state), as the layers split."""
+    if isinstance(style, Rowwise):
+        return full.chunk(axis.size, dim=1)[axis.index].clone() if full.dim() > 1 else full.clone()
+    if isinstance(style, Colwise):
+        return full[_column_rows(full.shape[0], style.chunks, axis)].clone()
+    return full.chunk(axis.size, dim=0)[axis.index].clone()
+
+
+def split_params(module: nn.Module, found: dict[str, Style]) -> dict[int, tuple[str, Style]]:
+    """``{id(param): (name, style)}`` for the parameters the plan split (a Rowwise bias is not split)."""
+    out = {}
+    for name, style in found.items():
+        layer = module.get_submodule(name)
+        for pname, p in layer.named_parameters(recurse=False):
+            if not (isinstance(style, Rowwise) and pname == "bias"):
+                out[id(p)] = (f"{name}.{pname}", style)
+    return out
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, found: dict[str, Style],
+                         axis: Axis) -> dict:
+    """``optimizer.state_dict()`` with every split parameter's state gathered to the full shape."""
+    split = split_params(module, found)
+    state = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, p in enumerate(params):
+        if id(p) not in split or index not in state["state"]:
+            continue
+        style = split[id(p)][1]
+        entry = dict(state["state"][index])  # state_dict() shares these dicts with the live optimizer
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                entry[key] = _unsplit(value, style, axis, 1 if isinstance(style, Rowwise) else 0)
+        state["state"][index] = entry
+    return state
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, found: dict[str, Style],
+                              axis: Axis, state: dict) -> None:
+    """Load a single-device-format optimizer state: every split parameter keeps its slice."""
+    split = split_params(module, found)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {"state": {k: dict(v) for k, v in state["state"].items()}, "param_groups": state["param_groups"]}
+    for index, p in enumerate(params):
+        entry = state["state"].get(index)
+        if id(p) not in split or entry is None:
+            continue
+        style = split[id(p)][1]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                entry[key] = split_like(value, style, axis)
+    optimizer.load_state_dict(state)
+
+
+def clip_grad_norm(module: nn.Module, found: dict[str, Style], max_norm: float, axis: Axis) -> torch.Tensor:
+    """Clip by the norm of the whole (unsplit) gradient: split parameters' squares summed over the tp
+    ranks, replicated ones (identical on every tp rank) counted once."""
+    split = split_params(module, found)
+    grads = [(p.grad, id(p) in split) for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0][0].device
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for g, is_split in grads:
+        if is_split:
+            sharded += g.detach().double().pow(2).sum()
+        else:
+            replicated += g.detach().double().pow(2).sum()
+    comm.all_reduce(sharded, axis)
+    total = (sharded + replicated).sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g, _ in grads:
+        g.mul_(scale.to(g.dtype))
+    return total.float()
+
+
+def restore_full_layers(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:
+    """Undo `apply_plan`: put plain single-device layers with the gathered weights back (every rank must
+    call it). After training, the user gets back the module they wrote."""
+    state = full_state_dict(module, found, axis)
+    for name in found:
+        layer = module.get_submodule(name)
+        weight = state[f"{name}.weight"]
+        if isinstance(layer, VocabParallelEmbedding):
+            full = nn.Embedding(weight.shape[0], weight.shape[1], device=weight.device, dtype=weight.dtype)
+        else:
+            bias = f"{name}.bias" in state
+            full = nn.Linear(weight.shape[1], weight.shape[0], bias=bias, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            full.weight.copy_(weight)
+            if getattr(full, "bias", None) is not None:
+                full.bias.copy_(state[f"{name}.bias"])
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, full)

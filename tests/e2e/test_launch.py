@@ -57,10 +57,10 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_plan_not_implemented_yet_fails_clearly_without_hanging():
-    proc = _cli("train", "tp2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
+    proc = _cli("train", "pp2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
                 timeout=120)
     assert proc.returncode != 0
-    assert "cannot train it yet" in proc.stderr and "tensor parallel" in proc.stderr
+    assert "cannot train it yet" in proc.stderr and "pipeline parallel" in proc.stderr
 
 
 def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):
@@ -92,7 +92,7 @@ class _WithValidation(type(make_demo(**TINY)[0])):
         self.log("val_loss", self.compute_loss(batch), sync_dist=True)
 
 
-def _fit_epochs(tmp_path, epochs: int, ckpt_path=None, plan: str = "dp", devices: int = 2):
+def _fit_epochs(tmp_path, epochs: int, ckpt_path=None, plan: str = "dp", devices: int = 2, replicas: int = 2):
     L.seed_everything(0, verbose=False)
     base, dataset = make_demo(**TINY)
     module = _WithValidation(base.config)
@@ -103,19 +103,21 @@ def _fit_epochs(tmp_path, epochs: int, ckpt_path=None, plan: str = "dp", devices
     trainer = L.Trainer(accelerator="cpu", devices=1 if single else devices, max_epochs=epochs, logger=False,
                         default_root_dir=tmp_path, strategy=strategy, limit_val_batches=1,
                         enable_progress_bar=False, enable_model_summary=False)
-    batch = 4 * devices if single else 4
+    batch = 4 * replicas if single else 4  # one process sees every data-parallel replica's samples
     trainer.fit(module, DataLoader(small, batch_size=batch, sampler=sampler), DataLoader(small, batch_size=4),
                 ckpt_path=ckpt_path)
     return module, trainer
 
 
 def _assert_same_params(got, want):
+    # Absolute 5e-5: attention's key bias has an exactly-zero gradient whose float noise AdamW turns into
+    # moves of ~1e-5 that depend on the order of sums (seen: 1.2e-5 after 6 steps under tp2).
     for (name, a), b in zip(got.named_parameters(), want.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("plan,devices", [("dp", 2), ("zero3", 4)])
-def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int):
+@pytest.mark.parametrize("plan,devices,replicas", [("dp", 2, 2), ("zero3", 4, 4), ("tp2", 2, 1)])
+def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int, replicas: int):
     # Saved after epoch 1 and resumed: the same parameters (and Adam state) as two uninterrupted epochs.
     straight, trainer = _fit_epochs(tmp_path / "straight", 2, plan=plan, devices=devices)
     assert "val_loss" in trainer.callback_metrics
@@ -123,7 +125,7 @@ def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int):
     ckpt = first.checkpoint_callback.best_model_path
     resumed, _ = _fit_epochs(tmp_path / "split2", 2, ckpt_path=ckpt, plan=plan, devices=devices)
     _assert_same_params(resumed, straight)
-    if plan.startswith("zero"):
-        # ZeRO saves in the single-process format: one process resumes it and continues the same way.
-        single, _ = _fit_epochs(tmp_path / "single", 2, ckpt_path=ckpt, plan="single", devices=devices)
+    if plan != "dp":
+        # ZeRO and tensor parallel save in the single-process format: one process resumes it the same way.
+        single, _ = _fit_epochs(tmp_path / "single", 2, ckpt_path=ckpt, plan="single", replicas=replicas)
         _assert_same_params(single, straight)

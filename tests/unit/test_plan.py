@@ -336,17 +336,18 @@ def test_coordinates_need_a_resolved_plan():
 # -- what this version trains ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["dp", "naive", "dp4", "naive_dp2", "zero1", "zero2_dp2", "zero3_offload"])
+@pytest.mark.parametrize("text", ["dp", "naive", "dp4", "naive_dp2", "zero1", "zero2_dp2", "zero3_offload", "tp2",
+                                  "dp_tp2", "naive_tp4"])
 def test_missing_features_empty_for_implemented_plans(text):
     assert missing_features(ParallelPlan.parse(text)) == []
 
 
 def test_missing_features_name_the_missing_parts():
-    # ZeRO and offload train now; tensor and pipeline parallel and checkpointing are still to come.
+    # ZeRO, offload and tp (with naive/dp) train now; ZeRO with tp, pipelines and checkpointing are to come.
     missing = missing_features(ParallelPlan.parse("zero3_tp2_pp2"))
     assert len(missing) == 2
     joined = " ".join(missing).lower()
-    assert "tensor" in joined and "pipeline" in joined and "zero" not in joined
+    assert "zero combined with tensor parallel" in joined and "pipeline" in joined
     assert len(missing_features(ParallelPlan.parse("zero1_pp2_interleaved_v2_mb8_ac"))) == 2  # pp, ac
     assert missing_features(ParallelPlan.parse("zero3_offload")) == []
 
