@@ -25,6 +25,7 @@ PAIRS = {
     "zero2": ("zero2", "deepspeed2"),
     "zero3": ("zero3", "deepspeed3"),
     "zero3-fsdp2": ("zero3", "fsdp2"),
+    "tp": ("tp", "dtensor_tp"),
 }
 
 
@@ -40,6 +41,9 @@ class BenchConfig:
     n_embd: int = 128
     lr: float = 1e-3
     seed: int = 0
+
+
+TENSOR_PARALLEL = ("tp", "dtensor_tp")  # every rank works on the same batch
 
 
 def _model_and_data(cfg: BenchConfig, rank: int):
@@ -88,6 +92,24 @@ def _engine(impl: str, model, cfg: BenchConfig):
                 sync.after_step()
             opt.zero_grad(set_to_none=True)
         return step
+    if impl == "tp":  # every rank on the tp axis: the whole world is one tensor-parallel group
+        from strategies.comm import Axis, CommStats
+        from strategies.tp_plan import apply_plan, detect_plan
+
+        apply_plan(model, detect_plan(model), Axis.of_group("tp", dist.group.WORLD, CommStats()))
+        return _plain_step(model, torch.optim.AdamW(model.parameters(), **opt_kwargs))
+    if impl == "dtensor_tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        # The same layers split the same way (a fused qkv is split as one block here, which costs the same
+        # compute and traffic; the per-rank head layout differs, which only matters for the numbers).
+        style = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(),
+                 "mlp.proj": RowwiseParallel()}
+        for block in model.blocks:
+            parallelize_module(block, mesh, style)
+        return _plain_step(model, torch.optim.AdamW(model.parameters(), **opt_kwargs))
     if impl == "torch_ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), **opt_kwargs)
@@ -131,7 +153,8 @@ def _plain_step(model, opt):
 
 
 def _worker(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any]:
-    model, batches = _model_and_data(cfg, rank)
+    replicas = 1 if impl in TENSOR_PARALLEL else world
+    model, batches = _model_and_data(cfg, rank if replicas > 1 else 0)
     step = _engine(impl, model, cfg)
     times = []
     for batch in batches:
@@ -139,7 +162,7 @@ def _worker(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any
         step(batch)
         times.append(time.perf_counter() - start)
     timed = times[cfg.warmup_steps :]
-    tokens = cfg.batch_per_rank * cfg.seq_len * world * len(timed)
+    tokens = cfg.batch_per_rank * cfg.seq_len * replicas * len(timed)
     return {"impl": impl, "tokens_per_s": tokens / sum(timed), "step_s": statistics.median(timed)}
 
 

@@ -9,6 +9,8 @@ reduce / broadcast / barrier through comm.py.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any, Literal
@@ -175,7 +177,7 @@ class PlanStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _ExitingMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -385,6 +387,20 @@ class PlanStrategy(ParallelStrategy):
             self.grad_sync.remove()
             self.grad_sync = None
         super().teardown()
+
+
+class _ExitingMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, whose workers end with ``os._exit(0)`` once their results are handed
+    back. Workers of ours sometimes (about 1 run in 4 of a fit with validation and checkpoints, never in a
+    plain loop) aborted in C++ teardown at interpreter exit ("terminate called without an active
+    exception"), failing a finished run; the root cause is not found yet. Nothing is left to do by then."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class NaiveDataParallelStrategy(PlanStrategy):

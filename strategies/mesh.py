@@ -27,11 +27,16 @@ class ParallelMesh:
         self.plan = plan.resolve(world_size)
         self.stats = stats or CommStats()
         shape = (self.plan.pp, self.plan.dp, self.plan.tp)
-        self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
         self.world = Axis.of_group("world", dist.group.WORLD, self.stats)
-        self.axes: dict[str, Axis] = {
-            name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES
-        }
+        self.device_mesh: DeviceMesh | None = None
+        if sum(size > 1 for size in shape) <= 1:
+            # One axis spans every rank (or there is one rank): it is the world group, the others are
+            # single-rank no-ops. No sub-groups to create: set-up costs nothing extra.
+            self.axes = {name: Axis.of_group(name, dist.group.WORLD, self.stats) if size > 1 else
+                         Axis.solo(name, self.stats) for name, size in zip(AXES, shape)}
+        else:
+            self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            self.axes = {name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES}
         expected = self.plan.coordinates(dist.get_rank())
         actual = {name: axis.index for name, axis in self.axes.items()}
         if expected != actual:  # the layout every other piece assumes (samplers, stage ownership)
