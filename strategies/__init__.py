@@ -2,7 +2,7 @@
 
     import lightning as L
     import strategies                       # makes every plan string a Lightning strategy name
-    L.Trainer(strategy="dp", devices=4)     # our DDP; "naive", "zero3_tp2_pp2", ... (see ParallelPlan)
+    L.Trainer(strategy="dp", devices=4)     # our DDP; "naive", "zero3", "dp_tp2", ... (see ParallelPlan)
 """
 
 from strategies.comm import Axis, CommStats, Op
@@ -11,12 +11,14 @@ from strategies.lightning import DataParallelStrategy, NaiveDataParallelStrategy
 from strategies.mesh import ParallelMesh
 from strategies.plan import DataMode, ParallelPlan, Schedule
 from strategies.registry import install as _install_registry
+from strategies.tp_plan import Colwise, Rowwise, VocabEmbedding
 
 _install_registry()
 
 __all__ = [
     "Axis",
     "BucketedDataParallel",
+    "Colwise",
     "CommStats",
     "DataMode",
     "DataParallelStrategy",
@@ -26,6 +28,8 @@ __all__ = [
     "ParallelMesh",
     "ParallelPlan",
     "PlanStrategy",
+    "Rowwise",
     "Schedule",
+    "VocabEmbedding",
     "missing_features",
 ]
