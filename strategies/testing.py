@@ -6,6 +6,7 @@ timeout and a wall-clock limit, so a broken collective fails the test instead of
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 import time
@@ -16,6 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Ranks start from a fork server that has imported torch and the pack once (~5 s a process with Lightning),
+# instead of a fresh interpreter per rank: a test that runs ranks many times pays the imports once. The
+# server itself runs no torch code, so forking it is safe (no threads, no intra-op pool yet).
+_PRELOAD = ["torch", "torch.distributed", "strategies"]
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store_path: str, out_dir: str, timeout_s: float, args: tuple):
@@ -39,8 +45,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """
     with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.spawn(
-            _entry, args=(fn, world_size, store, tmp, timeout_s / 2, args), nprocs=world_size, join=False
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, store, tmp, timeout_s / 2, args), nprocs=world_size, join=False,
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
