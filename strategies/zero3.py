@@ -196,6 +196,12 @@ class Zero3GradSync(ZeroGradSync):
     def release_all(self) -> None:
         self._release_all()
 
+    def remove(self) -> None:
+        super().remove()
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks.clear()
+
 
 def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, offload: bool,
                 units: list[tuple[str, nn.Module]] | None = None) -> tuple[list[FlatParam], list[Unit]]:
@@ -221,9 +227,3 @@ def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     flats = [flat for unit in reversed(built[:-1] if built and built[-1].pinned else built) for flat in unit.flats]
     flats += [flat for unit in built if unit.pinned for flat in unit.flats]
     return flats, built
-
-    def remove(self) -> None:
-        super().remove()
-        for hook in self._module_hooks:
-            hook.remove()
-        self._module_hooks.clear()
