@@ -55,11 +55,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         # Heads are counted from the projection width (``-1``) rather than
         # ``self.n_head`` so a tensor-parallel ``qkv`` shard that holds only
-        # some heads (laid out as [q | k | v] per rank) still works unchanged.
+        # some heads (laid out as [q | k | v] per rank) still works unchanged;
+        # and the sequence length is read from the projection's output, not
+        # from ``x``: under sequence parallel ``x`` holds 1/tp of the sequence
+        # and the projection gathers the whole of it.
         q, k, v = self.qkv(x).chunk(3, dim=-1)
+        B, T = q.shape[:2]
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True

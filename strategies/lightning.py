@@ -42,6 +42,7 @@ from strategies.data_parallel import (
 from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
+from strategies.sequence_parallel import SequenceParallel
 from strategies.zero3 import Zero3GradSync
 from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_like, split_params
 from strategies.tp_plan import clip_grad_norm as tp_clip_grad_norm
@@ -124,6 +125,7 @@ class PlanStrategy(ParallelStrategy):
         self.grad_sync: GradSync | None = None
         self._tp_plan = tp_plan
         self.tp_layers: dict = {}  # module name -> style, once tensor parallel has split the model
+        self.sequence_parallel: SequenceParallel | None = None
         self.activation_bytes = self.peak_activation_bytes = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -186,7 +188,7 @@ class PlanStrategy(ParallelStrategy):
             raise NotImplementedError(
                 f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
                 f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3, offload, "
-                f"and tp<N> with naive or dp."
+                f"and tp<N> (with sp) with naive or dp."
             )
         super().setup_environment()
         reset_seed()
@@ -210,6 +212,9 @@ class PlanStrategy(ParallelStrategy):
         if self.resolved_plan.tp > 1 and not self.tp_layers:
             plan = self._tp_plan if self._tp_plan is not None else detect_plan(self.model)
             self.tp_layers = apply_plan(self.model, plan, self.mesh.tp)  # split the full, initialised layers
+            if self.resolved_plan.sp:
+                split = set(split_params(self.model, self.tp_layers))
+                self.sequence_parallel = SequenceParallel(self.model, self.tp_layers, split, self.mesh.tp)
         broadcast_module(self.model, self.mesh.dp)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
@@ -337,6 +342,8 @@ class PlanStrategy(ParallelStrategy):
         # gradients are averaged here, before clipping and the optimizer step see them.
         if self.grad_sync is not None:
             self.grad_sync.finish()
+            if self.sequence_parallel is not None and self.grad_sync.require_sync:
+                self.sequence_parallel.reduce_partial_grads()  # norms saw 1/tp of the sequence each
 
     @contextlib.contextmanager
     @override
@@ -380,6 +387,9 @@ class PlanStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if isinstance(self.grad_sync, Zero3GradSync):
             self.grad_sync.gather_all()  # leave a normal module behind: every parameter full again
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.remove()
+            self.sequence_parallel = None
         if self.tp_layers and self.lightning_module is not None:
             restore_full_layers(self.lightning_module, self.tp_layers, self.mesh.tp)  # the same for tp
             self.tp_layers = {}

@@ -6,6 +6,7 @@ A plan is a set of ``_``-separated tokens, in any order, each at most once::
     dp<N>                   data-parallel degree beside another mode (zero3_dp4)
     tp<N>  pp<N>            tensor- and pipeline-parallel degrees
     gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
+    sp                      sequence parallel (with tp): norms see 1/tp of the sequence
     ac                      activation checkpointing
     offload                 CPU offload of ZeRO's master weights and optimizer states
 
@@ -66,7 +67,7 @@ _LIGHTNING_EQUIVALENT = {
 _DEGREE = re.compile(r"^(dp|tp|pp|v|mb)(\d+)$")
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)(\d+)$")
 VALID_TOKENS = (
-    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, ac, offload"
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, sp, ac, offload"
 )
 
 
@@ -88,6 +89,9 @@ class ParallelPlan:
     """Virtual stages per rank (model chunks) for the interleaved schedule."""
     microbatches: int | None = None
     """Microbatches per batch in the pipeline; None means pp (see `resolve`)."""
+    sp: bool = False
+    """Sequence parallel (needs tp): norms and dropout see 1/tp of the sequence; each tensor-parallel
+    all-reduce becomes an all-gather before and a reduce-scatter after the split layers."""
     ac: bool = False
     """Activation checkpointing: recompute each block's activations in backward instead of storing them."""
     offload: bool = False
@@ -111,6 +115,9 @@ class ParallelPlan:
             raise ValueError(
                 f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
             )
+        if self.sp and self.tp == 1:
+            raise ValueError("sp (sequence parallel) splits the sequence over the tensor-parallel ranks, so it "
+                             "needs tp<N> with N > 1 (e.g. 'tp2_sp')")
         if self.offload and not self.data.is_zero:
             raise ValueError(
                 f"offload moves ZeRO's sharded optimizer state to the CPU, so it needs zero1, zero2 or zero3, "
@@ -153,6 +160,8 @@ class ParallelPlan:
             parts.append(f"dp{self.dp}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
+        if self.sp:
+            parts.append("sp")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         if self.schedule is not Schedule.ONE_F_ONE_B:
@@ -210,7 +219,7 @@ def _parse_token(text: str, token: str, put) -> None:
         put("data", DataMode(token), token)
     elif token in ("gpipe", "1f1b", "interleaved"):
         put("schedule", Schedule(token), token)
-    elif token in ("ac", "offload"):
+    elif token in ("sp", "ac", "offload"):
         put(token, True, token)
     elif match := _DEGREE.match(token):
         name, value = match.group(1), int(match.group(2))

@@ -9,6 +9,15 @@ one process holds from the first step. The two conjugate operators that carry al
 
 An MLP ``Y = GeLU(X A) B`` is then ``g(GeLU(f(X) A_i) B_i)``: A split by columns, B by rows, one
 all-reduce forward and one backward per pair (Megatron-LM, Shoeybi et al. 2019, section 3).
+
+Sequence parallel (Korthikanti et al. 2022) keeps the activations *between* the pairs (norms, dropout,
+residuals) split along the sequence, 1/p per rank, and replaces each all-reduce by its two halves:
+
+    f becomes `gather_sequence`:  all-gather along the sequence forward, reduce-scatter backward;
+    g becomes `scatter_sequence`: reduce-scatter along the sequence forward, all-gather backward.
+
+The same bytes move (an all-reduce is a reduce-scatter plus an all-gather), but no rank holds the full
+sequence's activations outside the split layers.
 """
 
 from __future__ import annotations
@@ -65,6 +74,108 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(ctx.axis.size, dim=-1)[ctx.axis.index].contiguous(), None
 
 
+def _gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (axis order): one all-gather of the dim moved first."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((axis.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out.view(-1), moved.view(-1), axis)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's 1/p slice along ``dim``: one reduce-scatter."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // axis.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out.view(-1), moved.view(-1), axis)
+    return out.movedim(0, dim)
+
+
+def _split_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    return x.chunk(axis.size, dim=dim)[axis.index].contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence-parallel f: all-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _gather_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Sequence-parallel g: reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _reduce_scatter_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+class _EnterSequence(torch.autograd.Function):
+    """Into a sequence-parallel region: keep this rank's slice of a replicated ``x`` forward; backward,
+    all-gather the slices' gradients (every rank then holds the same full gradient, as replicas must)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _split_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+class _LeaveSequence(torch.autograd.Function):
+    """Out of a sequence-parallel region: all-gather forward; the gradient that comes back is the same on
+    every rank (replicated layers follow), so backward keeps this rank's slice, with no communication."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _gather_dim(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split_dim(grad, ctx.axis, ctx.dim), None, None
+
+
+def _check_sequence(x: torch.Tensor, axis: Axis, dim: int) -> None:
+    if x.shape[dim] % axis.size:
+        raise ValueError(
+            f"sequence parallel splits the sequence (dim {dim}, length {x.shape[dim]}) over tp = {axis.size} "
+            "ranks, and it does not divide; use a sequence length that divides by tp, or drop 'sp'"
+        )
+
+
+def gather_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    return x if axis.size == 1 else _GatherSequence.apply(x, axis, dim)
+
+
+def scatter_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    if axis.size > 1:
+        _check_sequence(x, axis, dim)
+    return x if axis.size == 1 else _ScatterSequence.apply(x, axis, dim)
+
+
+def enter_sequence_parallel(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    if axis.size > 1:
+        _check_sequence(x, axis, dim)
+    return x if axis.size == 1 else _EnterSequence.apply(x, axis, dim)
+
+
+def leave_sequence_parallel(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    return x if axis.size == 1 else _LeaveSequence.apply(x, axis, dim)
+
+
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return x if axis.size == 1 else _CopyToTP.apply(x, axis)
 
@@ -85,7 +196,8 @@ def _check_divides(what: str, size: int, axis: Axis) -> None:
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split along its columns, A = [A_1, ..., A_p]: rank i computes Y_i = X A_i + b_i.
 
-    Identity forward / all-reduce backward on X (f). ``gather_output`` all-gathers the Y_i into Y.
+    Identity forward / all-reduce backward on X (f). ``gather_output`` all-gathers the Y_i into Y. With
+    ``sequence_parallel`` X arrives split along the sequence (dim 1) and f is `gather_sequence`.
     ``chunks`` > 1 splits each of ``chunks`` equal column blocks separately (a fused [q | k | v]
     projection keeps a [q_i | k_i | v_i] layout on each rank, so every rank holds whole heads).
     """
@@ -93,6 +205,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, gather_output: bool = False):
         super().__init__()
         self.axis, self.gather_output = axis, gather_output
+        self.sequence_parallel = False
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
@@ -108,18 +221,21 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight, bias, axis, gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.axis), self.weight, self.bias)
+        x = gather_sequence(x, self.axis) if self.sequence_parallel else copy_to_tp(x, self.axis)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.axis) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """Y = X A + b with A split along its rows, A = [A_1; ...; A_p] and X = [X_1, ..., X_p] split along its
     columns: rank i computes X_i A_i; the partial sums are all-reduced forward (g), identity backward; the
-    bias is added once, after the sum."""
+    bias is added once, after the sum. With ``sequence_parallel`` g is `scatter_sequence`: each rank gets
+    the summed output for its 1/p of the sequence (and the bias's gradient is then a partial sum)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis):
         super().__init__()
         self.axis = axis
+        self.sequence_parallel = False
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
@@ -131,7 +247,8 @@ class RowParallelLinear(nn.Module):
         return cls(cols, bias, axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.axis)
+        y = F.linear(x, self.weight)
+        y = scatter_sequence(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
         return y + self.bias if self.bias is not None else y
 
 

@@ -39,7 +39,8 @@ def reference(tmp_path_factory):
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
 CASES = [("dp", 2, 1, ()), ("dp", 2, 2, ()), ("naive", 2, 2, ()), ("dp", 4, 1, ()), ("dp", 2, 1, TORCHRUN),
          ("zero1", 2, 1, ()), ("zero2", 2, 2, ()), ("zero3", 2, 2, ()), ("zero3_offload", 2, 1, ()),
-         ("zero2_offload", 2, 1, ()), ("tp2", 2, 1, ()), ("dp_tp2", 4, 2, ())]
+         ("zero2_offload", 2, 1, ()), ("tp2", 2, 1, ()), ("dp_tp2", 4, 2, ()),
+         ("tp2_sp", 2, 2, ())]
 IDS = [f"{s}-n{d}-accum{a}" + ("-torchrun" if launcher else "") for s, d, a, launcher in CASES]
 
 
@@ -63,8 +64,12 @@ def test_trainer_matches_single_device(tmp_path, reference, strategy: str, devic
     elif "tp" in strategy:  # Megatron: 4 all-reduces of b*s*h per block per micro-batch (2 forward, 2 back)
         tp, dp = 2, devices // 2
         b, s, h, layers = 8 // dp, 32, 32, 2  # --batch-size is per micro-batch: accumulation adds micro-batches
-        per_call = 2 * (tp - 1) / tp * b * s * h * 4
-        assert comm["all_reduce/tp"]["bytes_sent"] == pytest.approx(4 * layers * accum * per_call)
+        half = (tp - 1) / tp * b * s * h * 4  # a reduce-scatter or an all-gather of b*s*h
+        if strategy.endswith("_sp"):  # each all-reduce split into its halves, + entering and leaving the blocks
+            assert comm["all_gather/tp"]["bytes_sent"] == pytest.approx((4 * layers + 2) * accum * half)
+            assert comm["reduce_scatter/tp"]["bytes_sent"] == pytest.approx(4 * layers * accum * half)
+        else:
+            assert comm["all_reduce/tp"]["bytes_sent"] == pytest.approx(4 * layers * accum * 2 * half)
     else:  # ZeRO: the gradients' reduce-scatter, 1/N of what an all-reduce moves per phase (Psi is even here)
         assert comm["reduce_scatter/dp"]["bytes_sent"] == pytest.approx((devices - 1) / devices * psi_bytes)
 

@@ -68,6 +68,7 @@ def test_examples_parse_to_the_intended_fields():
         ("tp1_pp1", "dp"),  # degree 1 is the default
         ("mb4_pp2_zero1", "zero1_pp2_mb4"),
         ("offload_ac_pp2_tp2_dp2_zero3", "zero3_dp2_tp2_pp2_ac_offload"),
+        ("sp_ac_tp4_naive", "naive_tp4_sp_ac"),
     ],
 )
 def test_canonical_forms(text, canonical):
@@ -103,15 +104,16 @@ def test_round_trip_over_a_grid_of_plans():
         list(Schedule),
         (1, 2, 3),  # virtual
         (None, 1, 2, 4, 6, 8),  # microbatches
+        (False, True),  # sp
         (False, True),  # ac
         (False, True),  # offload
     )
     checked = rejected = 0
-    for data, dp, tp, pp, schedule, virtual, microbatches, ac, offload in grid:
+    for data, dp, tp, pp, schedule, virtual, microbatches, sp, ac, offload in grid:
         try:
             plan = ParallelPlan(
                 data=data, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual=virtual,
-                microbatches=microbatches, ac=ac, offload=offload,
+                microbatches=microbatches, sp=sp, ac=ac, offload=offload,
             )
         except ValueError:
             rejected += 1
@@ -141,9 +143,10 @@ def test_round_trip_with_hypothesis():
             microbatches = draw(st.none() | st.integers(1, 8).map(lambda k: k * pp))
         else:
             microbatches = draw(st.none() | degrees)
+        tp = draw(degrees)
         return ParallelPlan(
-            data=data, dp=draw(st.none() | degrees), tp=draw(degrees), pp=pp, schedule=schedule,
-            virtual=virtual, microbatches=microbatches, ac=draw(st.booleans()),
+            data=data, dp=draw(st.none() | degrees), tp=tp, pp=pp, schedule=schedule,
+            virtual=virtual, microbatches=microbatches, sp=tp > 1 and draw(st.booleans()), ac=draw(st.booleans()),
             offload=data.is_zero and draw(st.booleans()),
         )
 
@@ -206,6 +209,12 @@ def test_interleaved_microbatches_must_be_a_multiple_of_pp():
     message = parse_error("pp4_interleaved_mb6")
     assert "mb6 % pp4 != 0" in message
     assert str(ParallelPlan.parse("pp4_interleaved_mb8")) == "pp4_interleaved_v2_mb8"
+
+
+@pytest.mark.parametrize("text", ["sp", "dp_sp", "zero2_pp2_sp", "tp1_sp"])
+def test_sequence_parallel_needs_tp(text):
+    with pytest.raises(ValueError, match=r"sp \(sequence parallel\).*needs tp<N> with N > 1 \(e.g. 'tp2_sp'\)"):
+        ParallelPlan.parse(text)
 
 
 @pytest.mark.parametrize("text", ["dp_offload", "naive_offload", "offload"])
@@ -337,7 +346,7 @@ def test_coordinates_need_a_resolved_plan():
 
 
 @pytest.mark.parametrize("text", ["dp", "naive", "dp4", "naive_dp2", "zero1", "zero2_dp2", "zero3_offload", "tp2",
-                                  "dp_tp2", "naive_tp4"])
+                                  "dp_tp2", "naive_tp4", "tp2_sp", "dp_tp4_sp"])
 def test_missing_features_empty_for_implemented_plans(text):
     assert missing_features(ParallelPlan.parse(text)) == []
 
