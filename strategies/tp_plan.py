@@ -105,12 +105,21 @@ def _parallel(child: nn.Module, style: Style, axis: Axis, name: str) -> nn.Modul
     return RowParallelLinear.from_linear(child, axis)
 
 
+# How attention modules (and their configs) name their head counts: nanoGPT, Hugging Face, Llama's reference.
+HEAD_ATTRIBUTES = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
+
+
 def _check_heads(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:
-    # Attention splits by whole heads: every module that declares n_head must divide by tp.
+    # Attention splits by whole heads: every head count a module above a split layer declares must divide by tp.
     for name, m in module.named_modules():
-        heads = getattr(m, "n_head", None)
-        if isinstance(heads, int) and any(n.startswith(name + ".") for n in found) and heads % axis.size:
-            raise ValueError(f"{name}: {heads} attention heads do not divide by tp = {axis.size}")
+        if not any(n.startswith(f"{name}." if name else "") for n in found):
+            continue
+        for attr in HEAD_ATTRIBUTES:
+            heads = getattr(m, attr, None)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads % axis.size:
+                where = name or type(m).__name__
+                raise ValueError(f"{where}: {heads} attention heads ({attr}) do not divide by tp = {axis.size}; "
+                                 f"choose a tp that divides {heads}")
 
 
 def full_state_dict(module: nn.Module, found: dict[str, Style], axis: Axis) -> dict[str, torch.Tensor]:

@@ -1,0 +1,89 @@
+"""TP plans without processes: which plan fits which model, and the errors when none does."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from demos.gpt import GPT, GPTConfig
+from strategies.comm import Axis
+from strategies.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from strategies.tp_plan import FUSED_QKV_PLAN, SEPARATE_QKV_PLAN, Colwise, Rowwise, apply_plan, detect_plan
+
+
+def _axis(size: int, index: int = 0) -> Axis:
+    return Axis("tp", None, tuple(range(size)), index)  # splitting needs no process group
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, 3 * dim, bias=False)
+        self.down_proj = nn.Linear(3 * dim, dim, bias=False)
+
+
+class LlamaLike(nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(16, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict({"self_attn": LlamaAttention(dim, heads), "mlp": LlamaMLP(dim)})
+                                    for _ in range(layers))
+        self.lm_head = nn.Linear(dim, 16, bias=False)
+
+
+def test_detects_the_fused_plan_for_the_demo_gpt():
+    assert detect_plan(GPT(GPTConfig(n_head=2, n_embd=16))) is FUSED_QKV_PLAN
+
+
+def test_detects_the_separate_plan_for_llama_layouts():
+    model = LlamaLike()
+    assert detect_plan(model) is SEPARATE_QKV_PLAN
+    found = apply_plan(model, SEPARATE_QKV_PLAN, _axis(2))
+    assert len(found) == 2 * 7
+    assert isinstance(model.layers[1].self_attn.q_proj, ColumnParallelLinear)
+    assert isinstance(model.layers[1].mlp.down_proj, RowParallelLinear)
+    assert model.layers[0].mlp.gate_proj.weight.shape == (12, 8)  # half of the 24 output features
+    assert model.layers[0].mlp.down_proj.weight.shape == (8, 12)  # half of the 24 input features
+    assert isinstance(model.lm_head, nn.Linear)  # not named by the plan: replicated
+
+
+def test_model_no_plan_fits_lists_its_linear_layers():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan fits.*Linear layers found: 0, 2.*tp_plan="):
+        detect_plan(model)
+
+
+def test_a_user_plan_splits_what_it_names():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    found = apply_plan(model, {"0": Colwise(), "2": Rowwise()}, _axis(2, 1))
+    assert set(found) == {"0", "2"}
+    assert model[0].weight.shape == (4, 4) and model[2].weight.shape == (2, 4)
+
+
+def test_a_plan_that_names_nothing_is_an_error():
+    with pytest.raises(ValueError, match="names no module of this model"):
+        apply_plan(nn.Sequential(nn.Linear(4, 4)), {"*.q_proj": Colwise()}, _axis(2))
+
+
+@pytest.mark.parametrize("model,tp,heads,attr", [
+    (lambda: GPT(GPTConfig(n_head=2, n_embd=16)), 4, 2, "n_head"),
+    (lambda: LlamaLike(dim=12, heads=6), 4, 6, "num_heads"),
+])
+def test_heads_that_do_not_divide_by_tp_are_refused(model, tp: int, heads: int, attr: str):
+    module = model()
+    with pytest.raises(ValueError, match=rf"{heads} attention heads \({attr}\) do not divide by tp = {tp}"):
+        apply_plan(module, detect_plan(module), _axis(tp))
+
+
+def test_sizes_that_do_not_divide_by_tp_are_refused():
+    with pytest.raises(ValueError, match="output features per block = 6 does not divide by tp = 4"):
+        ColumnParallelLinear.from_linear(nn.Linear(4, 6), _axis(4))
+    with pytest.raises(ValueError, match="input features = 6 does not divide by tp = 4"):
+        RowParallelLinear.from_linear(nn.Linear(6, 4), _axis(4))
