@@ -1,0 +1,1 @@
+"""Pipeline parallel: schedules as data (`schedules`), stage partitioning and the runner."""

@@ -1,0 +1,173 @@
+"""Pipeline schedules as data: for each rank, the ordered list of (phase, stage, microbatch) actions.
+
+Stages are numbered globally, 0 .. pp*v - 1. Rank r owns stages r, r + pp, r + 2pp, ... (v of them; v = 1
+unless interleaved), so consecutive stages always sit on neighbouring ranks and the model flows
+0 -> 1 -> ... -> pp-1 -> 0 -> ... around the ring, v times. A forward of (stage s, microbatch m) needs the
+forward of (s-1, m); a backward of (s, m) needs the backward of (s+1, m) and the forward of (s, m).
+
+- GPipe: every forward, then every backward. Holds all mb microbatches' activations.
+- 1F1B (PipeDream-flush): rank r runs pp-1-r warm-up forwards, then alternates one forward and one
+  backward, then drains the backwards. Holds at most pp microbatches' activations on stage 0.
+- Interleaved 1F1B (Megatron, Narayanan et al. 2021): the same with v model chunks per rank, taken in
+  groups of pp microbatches; the bubble shrinks by v, at the cost of v times more p2p messages.
+
+The bubble fraction of all three is (pp-1) / (mb + pp-1) in units of one stage's work, divided by v for
+interleaved (`ideal_bubble`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Phase(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Action:
+    phase: Phase
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.phase.value}{self.stage}.{self.microbatch}"
+
+
+Schedule = list[list[Action]]  # one ordered list per pipeline rank
+
+
+def owner(stage: int, pp: int) -> int:
+    """The pipeline rank that holds ``stage``."""
+    return stage % pp
+
+
+def gpipe(pp: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (in the same microbatch order)."""
+    _check(pp, microbatches, 1)
+    return [[Action(Phase.FORWARD, r, m) for m in range(microbatches)]
+            + [Action(Phase.BACKWARD, r, m) for m in range(microbatches)] for r in range(pp)]
+
+
+def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
+    _check(pp, microbatches, 1)
+    if microbatches < pp:
+        raise ValueError(
+            f"1F1B needs at least as many microbatches as stages: mb{microbatches} < pp{pp}; use mb{pp} or more, "
+            "or the gpipe schedule"
+        )
+    out = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, microbatches)
+        actions = [Action(Phase.FORWARD, r, m) for m in range(warmup)]
+        backward = 0
+        for m in range(warmup, microbatches):
+            actions.append(Action(Phase.FORWARD, r, m))
+            actions.append(Action(Phase.BACKWARD, r, backward))
+            backward += 1
+        actions += [Action(Phase.BACKWARD, r, m) for m in range(backward, microbatches)]
+        out.append(actions)
+    return out
+
+
+def interleaved(pp: int, microbatches: int, virtual: int) -> Schedule:
+    """Interleaved 1F1B with ``virtual`` chunks per rank: stage c*pp + r is rank r's chunk c."""
+    _check(pp, microbatches, virtual)
+    if microbatches % pp:
+        raise ValueError(f"interleaved needs the microbatches to be a multiple of pp: mb{microbatches} % pp{pp} != 0")
+    total = microbatches * virtual
+
+    def forward_of(r: int, k: int) -> Action:  # the k-th forward on rank r: groups of pp microbatches per chunk
+        chunk = (k // pp) % virtual
+        return Action(Phase.FORWARD, chunk * pp + r, (k // (pp * virtual)) * pp + k % pp)
+
+    def backward_of(r: int, k: int) -> Action:  # backwards take the chunks in reverse
+        chunk = virtual - 1 - (k // pp) % virtual
+        return Action(Phase.BACKWARD, chunk * pp + r, (k // (pp * virtual)) * pp + k % pp)
+
+    out = []
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (virtual - 1) * pp, total)
+        actions = [forward_of(r, k) for k in range(warmup)]
+        backward = 0
+        for k in range(warmup, total):
+            actions.append(forward_of(r, k))
+            actions.append(backward_of(r, backward))
+            backward += 1
+        actions += [backward_of(r, k) for k in range(backward, total)]
+        out.append(actions)
+    return out
+
+
+def build(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The table for a plan's schedule name (``gpipe``, ``1f1b``, ``interleaved``)."""
+    if schedule == "gpipe":
+        return gpipe(pp, microbatches)
+    if schedule == "1f1b":
+        return one_f_one_b(pp, microbatches)
+    if schedule == "interleaved":
+        return interleaved(pp, microbatches, virtual)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: gpipe, 1f1b, interleaved")
+
+
+def ideal_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of each rank with equal stage times: (pp-1) / (mb + pp-1), divided by v."""
+    return (pp - 1) / virtual / (microbatches + (pp - 1) / virtual)
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most microbatches whose forward ran and whose backward has not, at any point of ``actions``: the
+    activations the rank holds at its peak (in units of one chunk's activations)."""
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.phase is Phase.FORWARD else -1
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(table: Schedule, pp: int) -> list[list[tuple[Action, int]]]:
+    """Run ``table`` on unit-time stages, each rank in its own order, an action starting once its inputs
+    exist: the (action, start time) per rank. Raises if the table deadlocks (some action can never run)."""
+    done: dict[Action, int] = {}
+    cursor = [0] * pp
+    clock = [0] * pp
+    out: list[list[tuple[Action, int]]] = [[] for _ in range(pp)]
+    last_stage = max(a.stage for actions in table for a in actions)
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            if cursor[r] == len(table[r]):
+                continue
+            action = table[r][cursor[r]]
+            needs = _dependencies(action, last_stage)
+            if all(n in done for n in needs):
+                start = max([clock[r]] + [done[n] for n in needs])
+                done[action] = start + 1
+                clock[r] = start + 1
+                out[r].append((action, start))
+                cursor[r] += 1
+                progress = True
+    if any(cursor[r] < len(table[r]) for r in range(pp)):
+        stuck = [str(table[r][cursor[r]]) for r in range(pp) if cursor[r] < len(table[r])]
+        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on {stuck}")
+    return out
+
+
+def _dependencies(action: Action, last_stage: int) -> list[Action]:
+    s, m = action.stage, action.microbatch
+    if action.phase is Phase.FORWARD:
+        return [Action(Phase.FORWARD, s - 1, m)] if s > 0 else []
+    needs = [Action(Phase.FORWARD, s, m)]
+    if s < last_stage:
+        needs.append(Action(Phase.BACKWARD, s + 1, m))
+    return needs
+
+
+def _check(pp: int, microbatches: int, virtual: int) -> None:
+    for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

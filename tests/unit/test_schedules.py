@@ -1,0 +1,102 @@
+"""Pipeline schedule tables: every action once, dependencies respected, memory bounds, bubble."""
+
+from __future__ import annotations
+
+import pytest
+
+from strategies.pipeline.schedules import (
+    Action,
+    Phase,
+    build,
+    gpipe,
+    ideal_bubble,
+    interleaved,
+    one_f_one_b,
+    owner,
+    peak_in_flight,
+    simulate,
+)
+
+CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 4, 1),
+         ("1f1b", 3, 7, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3),
+         ("gpipe", 1, 3, 1)]
+IDS = [f"{s}-pp{p}-mb{m}-v{v}" for s, p, m, v in CASES]
+
+
+@pytest.mark.parametrize("name,pp,mb,v", CASES, ids=IDS)
+def test_every_forward_and_backward_once_on_its_owner(name: str, pp: int, mb: int, v: int):
+    table = build(name, pp, mb, v)
+    assert len(table) == pp
+    expected = {Action(phase, s, m) for phase in Phase for s in range(pp * v) for m in range(mb)}
+    seen = [a for actions in table for a in actions]
+    assert len(seen) == len(set(seen)) == len(expected) and set(seen) == expected
+    for r, actions in enumerate(table):
+        assert all(owner(a.stage, pp) == r for a in actions)
+        position = {a: i for i, a in enumerate(actions)}
+        for a in actions:  # a stage's own forward comes before its backward
+            if a.phase is Phase.BACKWARD:
+                assert position[Action(Phase.FORWARD, a.stage, a.microbatch)] < position[a]
+
+
+@pytest.mark.parametrize("name,pp,mb,v", CASES, ids=IDS)
+def test_dependencies_between_stages_are_respected(name: str, pp: int, mb: int, v: int):
+    # Unit-time simulation: each action starts after what it needs, and no rank waits forever.
+    timeline = simulate(build(name, pp, mb, v), pp)
+    start = {a: t for rank in timeline for a, t in rank}
+    last = pp * v - 1
+    for a, t in start.items():
+        if a.phase is Phase.FORWARD and a.stage > 0:
+            assert start[Action(Phase.FORWARD, a.stage - 1, a.microbatch)] < t
+        if a.phase is Phase.BACKWARD:
+            assert start[Action(Phase.FORWARD, a.stage, a.microbatch)] < t
+            if a.stage < last:
+                assert start[Action(Phase.BACKWARD, a.stage + 1, a.microbatch)] < t
+
+
+@pytest.mark.parametrize("pp,mb", [(2, 4), (4, 8), (4, 4), (3, 9)])
+def test_1f1b_holds_at_most_pp_microbatches_and_gpipe_holds_all(pp: int, mb: int):
+    assert peak_in_flight(one_f_one_b(pp, mb)[0]) == pp  # stage 0 warms up with pp-1, then one more
+    for r, actions in enumerate(one_f_one_b(pp, mb)):
+        assert peak_in_flight(actions) == pp - r
+    assert all(peak_in_flight(actions) == mb for actions in gpipe(pp, mb))
+
+
+def test_interleaved_holds_fewer_chunks_than_gpipe():
+    pp, mb, v = 4, 8, 2
+    table = interleaved(pp, mb, v)
+    assert peak_in_flight(table[0]) < mb * v  # chunk-microbatches in flight, below all of them
+
+
+@pytest.mark.parametrize("name,pp,mb,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1)])
+def test_simulated_bubble_equals_theory(name: str, pp: int, mb: int, v: int):
+    # With unit forward and backward, each rank works 2*mb units in a makespan of 2*(mb + pp - 1).
+    timeline = simulate(build(name, pp, mb, v), pp)
+    makespan = max(t + 1 for rank in timeline for _, t in rank)
+    busy = 2 * mb * v
+    assert 1 - busy / makespan == pytest.approx(ideal_bubble(pp, mb, v))
+
+
+def test_interleaved_bubble_is_smaller():
+    # Each chunk is 1/v of the model: in units of a chunk, a rank works 2*mb*v units per step.
+    pp, mb, v = 4, 8, 2
+
+    def bubble(table, work):
+        makespan = max(t + 1 for rank in simulate(table, pp) for _, t in rank)
+        return 1 - work / makespan
+
+    assert bubble(interleaved(pp, mb, v), 2 * mb * v) < bubble(one_f_one_b(pp, mb), 2 * mb)
+    assert ideal_bubble(pp, mb, v) < ideal_bubble(pp, mb)
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="mb2 < pp4"):
+        one_f_one_b(4, 2)
+    with pytest.raises(ValueError, match="mb6 % pp4"):
+        interleaved(4, 6, 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
+        build("zigzag", 2, 2)
+
+
+def test_table_of_pp2_1f1b_mb4():
+    as_text = [" ".join(map(str, actions)) for actions in one_f_one_b(2, 4)]
+    assert as_text == ["F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3", "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3"]
