@@ -198,22 +198,26 @@ def barrier(axis: Axis) -> None:
 # -- point to point -----------------------------------------------------------------------------------------
 
 
-def send(tensor: torch.Tensor, axis: Axis, dst: int) -> None:
-    """Blocking send to axis index ``dst``."""
-    _run(Op.SEND, axis, lambda: dist.send(tensor, group=axis.group, group_dst=dst), _nbytes(tensor), 0, False)
+def send(tensor: torch.Tensor, axis: Axis, dst: int, tag: int = 0) -> None:
+    """Blocking send to axis index ``dst``. ``tag`` tells apart messages between the same two ranks."""
+    _run(Op.SEND, axis, lambda: dist.send(tensor, group=axis.group, group_dst=dst, tag=tag), _nbytes(tensor), 0,
+         False)
 
 
-def recv(tensor: torch.Tensor, axis: Axis, src: int) -> None:
+def recv(tensor: torch.Tensor, axis: Axis, src: int, tag: int = 0) -> None:
     """Blocking receive from axis index ``src`` into ``tensor``."""
-    _run(Op.RECV, axis, lambda: dist.recv(tensor, group=axis.group, group_src=src), 0, _nbytes(tensor), False)
+    _run(Op.RECV, axis, lambda: dist.recv(tensor, group=axis.group, group_src=src, tag=tag), 0, _nbytes(tensor),
+         False)
 
 
-def isend(tensor: torch.Tensor, axis: Axis, dst: int) -> Handle:
-    return _run(Op.SEND, axis, lambda: dist.isend(tensor, group=axis.group, group_dst=dst), _nbytes(tensor), 0, True)
+def isend(tensor: torch.Tensor, axis: Axis, dst: int, tag: int = 0) -> Handle:
+    return _run(Op.SEND, axis, lambda: dist.isend(tensor, group=axis.group, group_dst=dst, tag=tag),
+                _nbytes(tensor), 0, True)
 
 
-def irecv(tensor: torch.Tensor, axis: Axis, src: int) -> Handle:
-    return _run(Op.RECV, axis, lambda: dist.irecv(tensor, group=axis.group, group_src=src), 0, _nbytes(tensor), True)
+def irecv(tensor: torch.Tensor, axis: Axis, src: int, tag: int = 0) -> Handle:
+    return _run(Op.RECV, axis, lambda: dist.irecv(tensor, group=axis.group, group_src=src, tag=tag), 0,
+                _nbytes(tensor), True)
 
 
 def ring_all_reduce(tensor: torch.Tensor, axis: Axis) -> None:

@@ -42,6 +42,7 @@ from strategies.data_parallel import (
 from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
+from strategies.pipeline.engine import PipelineEngine
 from strategies.sequence_parallel import SequenceParallel
 from strategies.zero3 import Zero3GradSync
 from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_like, split_params
@@ -55,14 +56,16 @@ from strategies.plan import DataMode, ParallelPlan
 # What this version can train. Everything else in the grammar parses, resolves and is refused at setup.
 _NOT_YET = {
     "zero_tp": "ZeRO combined with tensor parallel (issue #6)",
-    "pp": "pipeline parallel (issue #5)",
+    "zero_pp": "ZeRO combined with pipeline parallel (issue #6)",
+    "tp_pp": "tensor parallel combined with pipeline parallel (issue #6)",
     "ac": "activation checkpointing (issue #5)",
 }
 
 
 def missing_features(plan: ParallelPlan) -> list[str]:
     """The parts of ``plan`` this version cannot run yet (empty when it can)."""
-    wanted = {"zero_tp": plan.data.is_zero and plan.tp > 1, "pp": plan.pp > 1, "ac": plan.ac}
+    wanted = {"zero_tp": plan.data.is_zero and plan.tp > 1, "zero_pp": plan.data.is_zero and plan.pp > 1,
+              "tp_pp": plan.tp > 1 and plan.pp > 1, "ac": plan.ac}
     return [_NOT_YET[key] for key, on in wanted.items() if on]
 
 
@@ -80,6 +83,8 @@ class PlanStrategy(ParallelStrategy):
             (default: the blocks of every ModuleList/Sequential, then each other module owning parameters).
         tp_plan: which submodules tensor parallel splits, ``{"*.attn.qkv": Colwise(chunks=3), ...}``
             (`strategies.tp_plan`); by default the shipped plan that fits the model.
+        pipeline_blocks: the name of the list of blocks pipeline parallel cuts into stages (e.g.
+            ``"model.layers"``); by default the longest ``nn.ModuleList``/``nn.Sequential`` of the module.
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
@@ -97,6 +102,7 @@ class PlanStrategy(ParallelStrategy):
         server_rank: int = 0,
         zero3_units: Any = None,
         tp_plan: dict | None = None,
+        pipeline_blocks: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -126,6 +132,10 @@ class PlanStrategy(ParallelStrategy):
         self._tp_plan = tp_plan
         self.tp_layers: dict = {}  # module name -> style, once tensor parallel has split the model
         self.sequence_parallel: SequenceParallel | None = None
+        self._pipeline_blocks = pipeline_blocks
+        self.pipeline: PipelineEngine | None = None
+        self._pipeline_grads: dict[int, Tensor] = {}  # gradients the schedule made, handed back in backward()
+        self._new_window = True  # no gradient accumulated since the last optimizer step
         self.activation_bytes = self.peak_activation_bytes = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -188,7 +198,7 @@ class PlanStrategy(ParallelStrategy):
             raise NotImplementedError(
                 f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
                 f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3, offload, "
-                f"and tp<N> (with sp) with naive or dp."
+                f"tp<N> (with sp) with naive or dp, and pp<N> with naive or dp."
             )
         super().setup_environment()
         reset_seed()
@@ -216,6 +226,12 @@ class PlanStrategy(ParallelStrategy):
                 split = set(split_params(self.model, self.tp_layers))
                 self.sequence_parallel = SequenceParallel(self.model, self.tp_layers, split, self.mesh.tp)
         broadcast_module(self.model, self.mesh.dp)
+        if self.resolved_plan.pp > 1 and self.pipeline is None:
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise ValueError("pipeline parallel does not support fp16 loss scaling (16-mixed) yet; use "
+                                 "precision='bf16-mixed' or '32-true'")
+            # After the broadcast: this replaces the parameters other stages own by placeholders.
+            self.pipeline = PipelineEngine(self.model, self.resolved_plan, self.mesh, self._pipeline_blocks)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
             self.grad_sync = self._make_grad_sync(self.model)
@@ -264,6 +280,7 @@ class PlanStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._new_window = True
         if isinstance(self.grad_sync, ZeroGradSync):
             self.grad_sync.after_step()  # all-gather the updated shards (ZeRO-1/2), refresh offloaded ones
         return output
@@ -273,6 +290,8 @@ class PlanStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         sync = self.grad_sync
+        if self.pipeline is not None:  # each parameter from the stage that owns it
+            return self.pipeline.full_state_dict()
         if self.tp_layers:  # the single-device layout: split weights gathered back
             return tp_full_state_dict(self.lightning_module, self.tp_layers, self.mesh.tp)
         if not isinstance(sync, Zero3GradSync):
@@ -286,6 +305,8 @@ class PlanStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.pipeline is not None:
+            return self.pipeline.full_optimizer_state(optimizer)
         if isinstance(self.grad_sync, ZeroGradSync):
             return full_optimizer_state(self.grad_sync, optimizer)
         if self.tp_layers:
@@ -294,6 +315,10 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.pipeline is not None:
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                self.pipeline.load_optimizer_state(optimizer, state)
+            return None
         if self.tp_layers:
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 tp_load_optimizer_state(optimizer, self.lightning_module, self.tp_layers, self.mesh.tp, state)
@@ -319,12 +344,72 @@ class PlanStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
+        # Under pipeline parallel: what all of this rank's microbatches saved, summed.
         flats = getattr(self.grad_sync, "flats", [])
         with SavedTensorsMeter(self.lightning_module, lambda: [f.full for f in flats]) as meter:
-            output = super().training_step(*args, **kwargs)
+            if self.pipeline is not None:
+                output = self._pipeline_training_step(*args, **kwargs)
+            else:
+                output = super().training_step(*args, **kwargs)
         self.activation_bytes = meter.bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
         return output
+
+    # -- pipeline parallel: the schedule runs forward and backward inside training_step ----------------------
+
+    def _pipeline_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+        # Lightning calls zero_grad *after* training_step on the first micro-step of an accumulation window and
+        # backward() after that. So: start the window's gradients here, run the schedule (it backpropagates),
+        # and keep its gradients aside until backward(), where they are handed back.
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        if self._new_window:
+            for p in params:
+                p.grad = None
+            self._new_window = False
+
+        def step(microbatch: Any, index: int) -> Any:
+            return ParallelStrategy.training_step(self, microbatch, index, *args)
+
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        loss = self.pipeline.train_step(batch, batch_idx, step, self.root_device, self.grad_sync, accumulate)
+        self._pipeline_grads = {id(p): p.grad for p in params}
+        for p in params:
+            p.grad = None
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for p in self.lightning_module.parameters():  # the schedule already ran backward: hand its gradients back
+            if id(p) in self._pipeline_grads:
+                p.grad = self._pipeline_grads[id(p)]
+        self._pipeline_grads = {}
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _pipeline_eval(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
+        step = getattr(ParallelStrategy, hook)
+        return self.pipeline.eval_step(batch, batch_idx, lambda b, i, *a: step(self, b, i, *a), self.root_device,
+                                       *args)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        return self._pipeline_eval("predict_step", *args, **kwargs)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""
@@ -387,6 +472,9 @@ class PlanStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if isinstance(self.grad_sync, Zero3GradSync):
             self.grad_sync.gather_all()  # leave a normal module behind: every parameter full again
+        if self.pipeline is not None and self.lightning_module is not None:
+            self.pipeline.restore_full_model()  # every parameter back from its stage: a whole module again
+            self.pipeline = None
         if self.sequence_parallel is not None:
             self.sequence_parallel.remove()
             self.sequence_parallel = None

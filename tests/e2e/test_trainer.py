@@ -17,6 +17,7 @@ import pytest
 import torch
 
 RTOL, ATOL, PARAM_ATOL = 1e-5, 1e-6, 5e-5
+DEEP = ("--n-layer", "4")  # four blocks: enough for pp4, and for pp2 with two virtual stages each
 COMMON = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--max-chars", "20000"]
 
 
@@ -34,6 +35,11 @@ def _train(tmp_path, strategy: str, devices: int, *extra: str, launcher: tuple[s
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     return {accum: _train(tmp, "single", 1, "--accumulate", str(accum)) for accum in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def deep_reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("single4"), "single", 1, *DEEP)
 
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
@@ -72,6 +78,28 @@ def test_trainer_matches_single_device(tmp_path, reference, strategy: str, devic
             assert comm["all_reduce/tp"]["bytes_sent"] == pytest.approx(4 * layers * accum * 2 * half)
     else:  # ZeRO: the gradients' reduce-scatter, 1/N of what an all-reduce moves per phase (Psi is even here)
         assert comm["reduce_scatter/dp"]["bytes_sent"] == pytest.approx((devices - 1) / devices * psi_bytes)
+
+
+PIPELINES = [("pp2_gpipe_mb4", 2, ()), ("pp2_1f1b_mb4", 2, ()), ("pp4_1f1b_mb8", 4, DEEP),
+             ("pp2_interleaved_v2_mb4", 2, DEEP), ("dp_pp2", 4, ()), ("pp2_mb4", 2, ("--accumulate", "2"))]
+
+
+@pytest.mark.parametrize("strategy,devices,extra", PIPELINES, ids=[f"{s}-n{d}" + "".join(e) for s, d, e in PIPELINES])
+def test_pipeline_matches_single_device(tmp_path, reference, deep_reference, strategy: str, devices: int, extra):
+    # The schedule runs the user's training_step per microbatch on the last stage; the losses, scaled by 1/mb,
+    # give the batch's gradient. Parameters are gathered from the stages that own them.
+    if extra == DEEP:
+        ref_result, ref_params = deep_reference
+    else:
+        ref_result, ref_params = reference[2 if "--accumulate" in extra else 1]
+    result, params = _train(tmp_path, strategy, devices, *extra)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"]), rtol=RTOL, atol=ATOL)
+    assert params.keys() == ref_params.keys()
+    for name in params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=RTOL, atol=PARAM_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    comm = result["comm_per_step"]
+    assert comm["send/pp"]["bytes_sent"] > 0  # activations and gradients went stage to stage
 
 
 # bf16-mixed: both runs compute in bf16 under autocast, and the distributed one on smaller per-rank batches,

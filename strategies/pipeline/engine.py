@@ -1,0 +1,177 @@
+"""The pipeline engine the Lightning strategy drives: one training step as a schedule, evaluation as a chain.
+
+Training: the batch is cut into microbatches; the schedule runs the user's ``training_step`` on each
+(stage, microbatch) through `StageRunner` and `PipelineRunner`; the last stage's losses, each scaled by
+1/mb (and 1/accumulate_grad_batches, as Lightning scales its own backward) so the gradients sum to the
+batch's, are summed and broadcast over the pp axis, so every rank returns
+the same loss to Lightning. Data-parallel sync is enabled only in the last backward of each stage, so each
+parameter's gradient is reduced once, complete, while the rest of the schedule still runs (overlap).
+
+Evaluation (validation, test, prediction): the whole batch runs once through the stages in order; the
+last stage captures the output of the model's top module, broadcasts it over the pp axis, and every rank
+then runs the user's step with that module answering with the output, so ``self.log`` (with or without
+``sync_dist``) and returned predictions are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from strategies import comm
+from strategies.mesh import ParallelMesh
+from strategies.pipeline import schedules
+from strategies.pipeline.runner import PipelineRunner, StepResult
+from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
+from strategies.plan import ParallelPlan
+
+
+class _TopDone(Exception):
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline evaluation: model output captured")
+        self.output = output
+
+
+class PipelineEngine:
+    def __init__(self, module: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, blocks: str | None = None):
+        self.module, self.axis = module, mesh.pp
+        pp, self.virtual, self.microbatches = plan.pp, plan.virtual, plan.microbatches
+        self.stages = pp * self.virtual
+        self.layout = plan_stages(module, self.stages, blocks)
+        self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
+        self.runner_stages = StageRunner(module, self.layout, self.my_stages)
+        self.table = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)[self.axis.index]
+        self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
+        self.runner = PipelineRunner(self.axis, self.stages, self.microbatches)
+        last_backward: dict[int, schedules.Action] = {}
+        for action in self.table:
+            if action.phase is schedules.Phase.BACKWARD:
+                last_backward[action.stage] = action
+        self._last_backward = set(last_backward.values())
+        top, _, _ = self.layout.blocks_name.partition(".")
+        self.top = module.get_submodule(top) if "." in self.layout.blocks_name else module
+        self.last_step: StepResult | None = None
+
+    @property
+    def last_rank(self) -> int:
+        return schedules.owner(self.stages - 1, self.axis.size)
+
+    # -- training ------------------------------------------------------------------------------------------
+
+    def train_step(self, batch: Any, batch_idx: int, step: Callable[[Any, int], Any], device: torch.device,
+                   grad_sync=None, accumulate: int = 1) -> torch.Tensor:
+        """One batch through the schedule; returns the batch's mean loss on every pp rank. ``accumulate``:
+        Lightning's accumulate_grad_batches, which it would divide the loss by before its own backward."""
+        micro = split_microbatches(batch, self.microbatches)
+        scale = self.microbatches * accumulate
+
+        def forward(stage: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
+            with self.runner_stages.stage(stage, received):
+                try:
+                    out = step(micro[m], batch_idx)
+                except StageDone as done:
+                    return done.output
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError("under pipeline parallel training_step must return the loss (or {'loss': ...})")
+            return loss / scale
+
+        outer = grad_sync.require_sync if grad_sync is not None else False
+
+        def before_backward(action: schedules.Action) -> None:
+            if grad_sync is not None:  # reduce each parameter once, in its stage's last backward
+                grad_sync.require_sync = outer and action in self._last_backward
+
+        try:
+            self.last_step = self.runner.run(self.table, forward, device, before_backward)
+        finally:
+            if grad_sync is not None:
+                grad_sync.require_sync = outer
+        losses = self.last_step.losses
+        loss = torch.stack(losses).sum().float() * accumulate if losses else torch.zeros((), device=device)
+        comm.broadcast(loss, self.axis, src=self.last_rank)
+        return loss
+
+    # -- evaluation ----------------------------------------------------------------------------------------
+
+    def eval_step(self, batch: Any, batch_idx: int, step: Callable[..., Any], device: torch.device, *args) -> Any:
+        def forward(stage: int, received: torch.Tensor | None) -> Any:
+            last = stage == self.stages - 1
+            hook = self.top.register_forward_hook(_capture) if last else None
+            try:
+                with self.runner_stages.stage(stage, received):
+                    step(batch, batch_idx, *args)
+            except (StageDone, _TopDone) as done:
+                return done.output
+            finally:
+                if hook is not None:
+                    hook.remove()
+            raise RuntimeError(f"pipeline evaluation: the step never called {type(self.top).__name__}'s forward")
+
+        with torch.no_grad():
+            output = self.runner.forward_only(self.my_stages, forward, device)
+        output = comm.broadcast_object(output, self.axis, src=self.last_rank)
+        with _answering(self.top, output):
+            return step(batch, batch_idx, *args)
+
+    # -- state ---------------------------------------------------------------------------------------------
+
+    def owner_of(self, name: str) -> int:
+        layout = self.layout
+        if name in layout.pre:
+            stage = 0
+        elif name in layout.post:
+            stage = self.stages - 1
+        else:
+            index = int(name[len(layout.blocks_name) + 1 :].split(".")[0])
+            stage = next(s for s, r in enumerate(layout.ranges) if index in r)
+        return schedules.owner(stage, self.axis.size)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter from the rank that owns it (every rank must call this), buffers as they are."""
+        state = {k: v.detach() for k, v in self.module.state_dict().items()}
+        for name, p in self.module.named_parameters():
+            src = self.owner_of(name)
+            value = p.detach().clone() if src == self.axis.index else torch.empty(p.shape, dtype=p.dtype,
+                                                                                  device=p.device)
+            comm.broadcast(value, self.axis, src=src)
+            state[name] = value
+        return state
+
+    def restore_full_model(self) -> None:
+        self.runner_stages.restore(self.full_state_dict())
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The union of the stages' optimizer states (each holds its own parameters')."""
+        state = optimizer.state_dict()
+        merged = dict(state["state"])
+        for src in range(self.axis.size):
+            theirs = comm.broadcast_object(state["state"] if src == self.axis.index else None, self.axis, src=src)
+            merged.update(theirs)
+        return {"state": merged, "param_groups": state["param_groups"]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Keep only the states of this rank's parameters."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        mine = {i for i, p in enumerate(params) if names.get(id(p)) in self.runner_stages.owned}
+        optimizer.load_state_dict({"state": {k: v for k, v in state["state"].items() if int(k) in mine},
+                                   "param_groups": state["param_groups"]})
+
+
+def _capture(module: nn.Module, args: tuple, output: Any):
+    raise _TopDone(output)
+
+
+@contextlib.contextmanager
+def _answering(module: nn.Module, output: Any) -> Iterator[None]:
+    """``module(...)`` returns ``output`` (moved to the module's device) without computing."""
+    module.forward = lambda *args, **kwargs: output
+    try:
+        yield
+    finally:
+        del module.forward

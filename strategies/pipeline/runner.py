@@ -1,0 +1,134 @@
+"""One runner for every schedule: executes this rank's actions with p2p sends and receives, records a timeline.
+
+Receives block and sends do not (`comm.isend`), so a rank never waits on its own send; since every
+schedule in `schedules` is deadlock-free for that model (checked by `schedules.simulate`), neither does
+the pipeline. Each message is tagged with (kind, stage, microbatch): between two ranks activations and
+gradients can travel the same way (interleaved, pp = 2), and tags keep them apart. An activation goes
+with a small header (shape, dtype), since the receiver cannot know it in advance; a gradient has the shape
+of the output the receiver sent, so it needs none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from strategies import comm
+from strategies.comm import Axis
+from strategies.pipeline.schedules import Action, Phase, owner
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 8  # ndim, dtype, up to 6 dims
+
+
+@dataclass
+class TimelineEntry:
+    action: str  # "F3.1": forward of stage 3, microbatch 1
+    phase: str
+    stage: int
+    microbatch: int
+    start: float  # seconds since the step began
+    end: float
+
+
+@dataclass
+class StepResult:
+    losses: list[torch.Tensor]  # last stage's per-microbatch losses (empty elsewhere)
+    timeline: list[TimelineEntry] = field(default_factory=list)
+
+    @property
+    def busy_fraction(self) -> float:
+        if not self.timeline:
+            return 0.0
+        span = max(e.end for e in self.timeline) - min(e.start for e in self.timeline)
+        return sum(e.end - e.start for e in self.timeline) / span if span > 0 else 1.0
+
+
+class PipelineRunner:
+    """Runs a schedule on the pp axis. ``forward(stage, microbatch, received)`` runs the user's code as that
+    stage and returns its output (the scaled loss on the last stage)."""
+
+    def __init__(self, axis: Axis, stages: int, microbatches: int) -> None:
+        self.axis, self.stages, self.microbatches = axis, stages, microbatches
+
+    def _tag(self, kind: int, stage: int, microbatch: int, part: int = 0) -> int:
+        return ((kind * self.stages + stage) * self.microbatches + microbatch) * 2 + part
+
+    def _send_activation(self, out: torch.Tensor, stage: int, m: int, pending: list) -> None:
+        if out.dim() > _HEADER - 2 or out.dtype not in _DTYPES:
+            raise TypeError(f"pipeline stages pass one tensor of at most 6 dims in {_DTYPES}; got {out.dtype} "
+                            f"{tuple(out.shape)}")
+        dst = owner(stage + 1, self.axis.size)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=out.device)
+        header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
+        header[2 : 2 + out.dim()] = torch.tensor(out.shape)
+        payload = out.detach().contiguous()
+        pending.append((comm.isend(header, self.axis, dst, self._tag(0, stage, m, 0)), header))
+        pending.append((comm.isend(payload, self.axis, dst, self._tag(0, stage, m, 1)), payload))
+
+    def _recv_activation(self, stage: int, m: int, device: torch.device) -> torch.Tensor:
+        src = owner(stage - 1, self.axis.size)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        comm.recv(header, self.axis, src, self._tag(0, stage - 1, m, 0))
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        out = torch.empty(tuple(int(d) for d in header[2 : 2 + ndim]), dtype=dtype, device=device)
+        comm.recv(out, self.axis, src, self._tag(0, stage - 1, m, 1))
+        return out.requires_grad_()
+
+    def run(self, actions: list[Action], forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
+            device: torch.device, on_backward: Callable[[Action], None] | None = None) -> StepResult:
+        last = self.stages - 1
+        kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        pending: list = []
+        result = StepResult(losses=[])
+        t0 = time.perf_counter()
+        for action in actions:
+            s, m = action.stage, action.microbatch
+            if action.phase is Phase.FORWARD:
+                received = self._recv_activation(s, m, device) if s > 0 else None
+                start = time.perf_counter()
+                out = forward(s, m, received)
+                end = time.perf_counter()
+                if s == last:
+                    result.losses.append(out.detach())
+                else:
+                    self._send_activation(out, s, m, pending)
+                kept[(s, m)] = (out, received)
+            else:
+                out, received = kept.pop((s, m))
+                grad = None
+                if s < last:
+                    grad = torch.empty_like(out)
+                    comm.recv(grad, self.axis, owner(s + 1, self.axis.size), self._tag(1, s + 1, m))
+                if on_backward is not None:
+                    on_backward(action)
+                start = time.perf_counter()
+                if out.requires_grad:
+                    torch.autograd.backward(out, grad)
+                end = time.perf_counter()
+                if s > 0:
+                    g = received.grad if received.grad is not None else torch.zeros_like(received)
+                    pending.append((comm.isend(g, self.axis, owner(s - 1, self.axis.size), self._tag(1, s, m)), g))
+            result.timeline.append(TimelineEntry(str(action), action.phase.value, s, m, start - t0, end - t0))
+        for handle, _ in pending:
+            handle.wait()
+        return result
+
+    def forward_only(self, my_stages: list[int], forward: Callable[[int, torch.Tensor | None], torch.Tensor],
+                     device: torch.device) -> torch.Tensor | None:
+        """Every stage once, in order, no microbatches (validation, prediction): the last stage's output on
+        the rank that holds it, None elsewhere."""
+        pending: list = []
+        out = None
+        for s in my_stages:
+            received = self._recv_activation(s, 0, device).detach() if s > 0 else None
+            out = forward(s, received)
+            if s < self.stages - 1:
+                self._send_activation(out, s, 0, pending)
+                out = None
+        for handle, _ in pending:
+            handle.wait()
+        return out

@@ -1,0 +1,211 @@
+"""Cutting a user's model into pipeline stages, and running the user's own code on one stage at a time.
+
+The model is cut at its list of blocks (the ``nn.ModuleList`` / ``nn.Sequential`` its forward runs in
+order, hidden states as the first argument): stage s gets a contiguous range of blocks, stage 0 also
+the modules registered before the list (embeddings), the last stage those registered after it (final norm,
+head). Ranges are balanced by parameter count (`partition`).
+
+The user's code is left as written. To run stage s, the list is swapped for one that holds only stage s's
+blocks; for s > 0 the first of them gets the activation received from stage s-1 in place of its input,
+and for s < last the last of them ends the forward by raising `StageDone` with its output. So the user's
+``training_step`` runs the pre-block code (cheap lookups, and on stages > 0 their result is dropped), this
+stage's blocks, and on the last stage the head and the user's loss.
+
+Parameters a rank does not own are replaced by zero-stride placeholders of the same shape (one element of
+storage) and frozen: the memory per stage is the stage's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class StageDone(Exception):
+    """Raised from inside the user's forward once this stage's last block has run."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__("pipeline stage finished")
+        self.output = output
+
+
+def find_blocks(module: nn.Module, name: str | None = None) -> str:
+    """The name of the list of blocks to cut: ``name`` if given, else the longest ModuleList/Sequential."""
+    if name is not None:
+        container = module.get_submodule(name)
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"pipeline_blocks={name!r} is a {type(container).__name__}, not an nn.ModuleList/Sequential")
+        return name
+    lists = [(len(m), n) for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+             and len(m) >= 2 and n and sum(1 for c in m if any(True for _ in c.parameters())) == len(m)]
+    if not lists:
+        raise ValueError(
+            "pipeline parallel cuts the model at its list of blocks, an nn.ModuleList or nn.Sequential whose "
+            "elements run one after the other (hidden states as their first argument); this model has none. "
+            "Keep the layers in such a list, or name it: PlanStrategy('pp2', pipeline_blocks='model.layers')."
+        )
+    return max(lists)[1]
+
+
+def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
+    """Contiguous ranges of ``weights`` (one per block), one range per stage, each non-empty, minimising the
+    heaviest stage; ``first_extra`` / ``last_extra`` weigh on the first and last stage (embeddings, head)."""
+    n = len(weights)
+    if stages > n:
+        raise ValueError(f"cannot cut {n} blocks into {stages} pipeline stages: each stage needs at least one block")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the lightest heaviest-stage for the first i blocks in k stages; cut[k][i]: where stage k starts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                w = prefix[i] - prefix[j] + (first_extra if k == 1 else 0) + (last_extra if k == stages else 0)
+                cost = max(best[k - 1][j], w)
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
+
+
+@dataclass
+class StageLayout:
+    """Where the model is cut: the blocks' list, its parent, and which parameters each stage owns."""
+
+    blocks_name: str
+    ranges: list[range]  # blocks of each global stage
+    pre: list[str]  # parameter names registered before the blocks: stage 0's
+    post: list[str]  # after the blocks: the last stage's
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranges)
+
+    def describe(self) -> str:
+        """The partition, one stage a line, for logs and errors."""
+        last = self.stages - 1
+        return "\n".join(
+            f"stage {s}: {'embeddings + ' if s == 0 and self.pre else ''}{self.blocks_name}[{r.start}:{r.stop}]"
+            f"{' + head' if s == last and self.post else ''}" for s, r in enumerate(self.ranges))
+
+
+def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None) -> StageLayout:
+    name = find_blocks(module, blocks_name)
+    blocks = module.get_submodule(name)
+    params = list(module.named_parameters(remove_duplicate=False))
+    seen: dict[int, str] = {}
+    for pname, p in params:
+        if id(p) in seen and seen[id(p)] != pname:
+            raise ValueError(
+                f"pipeline parallel puts each parameter on one stage, but {seen[id(p)]} and {pname} are the same "
+                "tensor (weight tying); untie them (e.g. a separate head) to use pp"
+            )
+        seen[id(p)] = pname
+    inside = [i for i, (pname, _) in enumerate(params) if pname.startswith(name + ".")]
+    if not inside:
+        raise ValueError(f"the blocks' list {name!r} holds no parameters")
+    pre = [pname for pname, _ in params[: inside[0]]]
+    post = [pname for pname, _ in params[inside[-1] + 1 :]]
+    weights = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    size = dict(params)
+    ranges = partition(weights, stages, sum(size[n].numel() for n in pre), sum(size[n].numel() for n in post))
+    return StageLayout(name, ranges, pre, post)
+
+
+class StageRunner:
+    """This rank's stages of ``module`` (global indices ``stages``), and the swap that runs one of them."""
+
+    def __init__(self, module: nn.Module, layout: StageLayout, stages: list[int]) -> None:
+        self.module, self.layout, self.stages = module, layout, stages
+        parent_name, _, self._attr = layout.blocks_name.rpartition(".")
+        self._parent = module.get_submodule(parent_name) if parent_name else module
+        self.blocks = module.get_submodule(layout.blocks_name)
+        last = layout.stages - 1
+        owned = set(layout.pre if 0 in stages else []) | set(layout.post if last in stages else [])
+        for s in stages:
+            owned |= {f"{layout.blocks_name}.{n}" for i in layout.ranges[s]
+                      for n, _ in self.blocks[i].named_parameters(prefix=str(i))}
+        self.owned = owned
+        self.shapes: dict[str, tuple[torch.Size, bool]] = {}
+        for name, p in module.named_parameters():
+            if name not in owned:  # a placeholder: the right shape, one element of storage, no gradient
+                self.shapes[name] = (p.shape, p.requires_grad)
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+                p.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def stage(self, stage: int, received: torch.Tensor | None) -> Iterator[None]:
+        """Run the user's code as stage ``stage``: its blocks only, fed ``received`` (stages > 0)."""
+        blocks = [self.blocks[i] for i in self.layout.ranges[stage]]
+        swapped = type(self.blocks)(*blocks) if isinstance(self.blocks, nn.Sequential) else nn.ModuleList(blocks)
+        hooks = []
+        if received is not None:
+            hooks.append(blocks[0].register_forward_pre_hook(lambda m, args: (received, *args[1:])))
+        if stage < self.layout.stages - 1:
+            hooks.append(blocks[-1].register_forward_hook(_finish))
+        setattr(self._parent, self._attr, swapped)
+        try:
+            yield
+        finally:
+            setattr(self._parent, self._attr, self.blocks)
+            for hook in hooks:
+                hook.remove()
+
+    def restore(self, full: dict[str, torch.Tensor]) -> None:
+        """Put full parameters (gathered from their owners) back in place of the placeholders."""
+        params = dict(self.module.named_parameters())
+        for name, (shape, requires_grad) in self.shapes.items():
+            params[name].data = full[name].to(params[name].device).reshape(shape)
+            params[name].requires_grad_(requires_grad)
+        self.shapes.clear()
+
+
+def _finish(module: nn.Module, args: tuple, output):
+    hidden = output[0] if isinstance(output, tuple) else output
+    raise StageDone(hidden)
+
+
+def split_microbatches(batch, microbatches: int) -> list:
+    """Cut every tensor of ``batch`` (a tensor, or a tuple/list/dict of them) into ``microbatches`` equal
+    parts along dim 0; a clear error when the batch does not divide."""
+    tensors = _tensors(batch)
+    if not tensors:
+        raise TypeError("pipeline parallel splits the batch into microbatches, but the batch holds no tensor")
+    size = tensors[0].shape[0]
+    if size % microbatches or any(t.shape[0] != size for t in tensors):
+        raise ValueError(
+            f"a batch of {size} samples does not split into mb{microbatches} equal microbatches; make the batch "
+            f"size a multiple of {microbatches} (and drop_last=True in the DataLoader), or change mb<N>"
+        )
+    return [_take(batch, k, size // microbatches) for k in range(microbatches)]
+
+
+def _tensors(batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _tensors(item)]
+    if isinstance(batch, dict):
+        return [t for item in batch.values() for t in _tensors(item)]
+    return []
+
+
+def _take(batch, k: int, size: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[k * size : (k + 1) * size]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(item, k, size) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _take(item, k, size) for key, item in batch.items()}
+    return batch
