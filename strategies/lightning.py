@@ -42,7 +42,9 @@ from strategies.data_parallel import (
 from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
+from strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from strategies.pipeline.engine import PipelineEngine
+from strategies.pipeline.stages import find_blocks
 from strategies.sequence_parallel import SequenceParallel
 from strategies.zero3 import Zero3GradSync
 from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_like, split_params
@@ -58,14 +60,13 @@ _NOT_YET = {
     "zero_tp": "ZeRO combined with tensor parallel (issue #6)",
     "zero_pp": "ZeRO combined with pipeline parallel (issue #6)",
     "tp_pp": "tensor parallel combined with pipeline parallel (issue #6)",
-    "ac": "activation checkpointing (issue #5)",
 }
 
 
 def missing_features(plan: ParallelPlan) -> list[str]:
     """The parts of ``plan`` this version cannot run yet (empty when it can)."""
     wanted = {"zero_tp": plan.data.is_zero and plan.tp > 1, "zero_pp": plan.data.is_zero and plan.pp > 1,
-              "tp_pp": plan.tp > 1 and plan.pp > 1, "ac": plan.ac}
+              "tp_pp": plan.tp > 1 and plan.pp > 1}
     return [_NOT_YET[key] for key, on in wanted.items() if on]
 
 
@@ -83,8 +84,9 @@ class PlanStrategy(ParallelStrategy):
             (default: the blocks of every ModuleList/Sequential, then each other module owning parameters).
         tp_plan: which submodules tensor parallel splits, ``{"*.attn.qkv": Colwise(chunks=3), ...}``
             (`strategies.tp_plan`); by default the shipped plan that fits the model.
-        pipeline_blocks: the name of the list of blocks pipeline parallel cuts into stages (e.g.
-            ``"model.layers"``); by default the longest ``nn.ModuleList``/``nn.Sequential`` of the module.
+        pipeline_blocks: the name of the list of blocks pipeline parallel cuts into stages and activation
+            checkpointing wraps (e.g. ``"model.layers"``); by default the longest ``nn.ModuleList`` /
+            ``nn.Sequential`` of the module.
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
@@ -136,6 +138,7 @@ class PlanStrategy(ParallelStrategy):
         self.pipeline: PipelineEngine | None = None
         self._pipeline_grads: dict[int, Tensor] = {}  # gradients the schedule made, handed back in backward()
         self._new_window = True  # no gradient accumulated since the last optimizer step
+        self._checkpointed: list = []  # blocks whose forward activation checkpointing wraps
         self.activation_bytes = self.peak_activation_bytes = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class PlanStrategy(ParallelStrategy):
             raise NotImplementedError(
                 f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
                 f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3, offload, "
-                f"tp<N> (with sp) with naive or dp, and pp<N> with naive or dp."
+                f"tp<N> (with sp) with naive or dp, pp<N> with naive or dp, and ac with all of them."
             )
         super().setup_environment()
         reset_seed()
@@ -225,6 +228,9 @@ class PlanStrategy(ParallelStrategy):
             if self.resolved_plan.sp:
                 split = set(split_params(self.model, self.tp_layers))
                 self.sequence_parallel = SequenceParallel(self.model, self.tp_layers, split, self.mesh.tp)
+        if self.resolved_plan.ac and not self._checkpointed:
+            blocks = self.model.get_submodule(find_blocks(self.model, self._pipeline_blocks))
+            self._checkpointed = apply_activation_checkpointing(blocks)
         broadcast_module(self.model, self.mesh.dp)
         if self.resolved_plan.pp > 1 and self.pipeline is None:
             if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -475,6 +481,8 @@ class PlanStrategy(ParallelStrategy):
         if self.pipeline is not None and self.lightning_module is not None:
             self.pipeline.restore_full_model()  # every parameter back from its stage: a whole module again
             self.pipeline = None
+        remove_activation_checkpointing(self._checkpointed)
+        self._checkpointed = []
         if self.sequence_parallel is not None:
             self.sequence_parallel.remove()
             self.sequence_parallel = None

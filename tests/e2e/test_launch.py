@@ -57,10 +57,10 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_plan_not_implemented_yet_fails_clearly_without_hanging():
-    proc = _cli("train", "pp2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
+    proc = _cli("train", "zero2_pp2", "--devices", "2", "--steps", "2", "--n-embd", "16", "--max-chars", "4000",
                 timeout=120)
     assert proc.returncode != 0
-    assert "cannot train it yet" in proc.stderr and "pipeline parallel" in proc.stderr
+    assert "cannot train it yet" in proc.stderr and "ZeRO combined with pipeline parallel" in proc.stderr
 
 
 def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):

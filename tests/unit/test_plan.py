@@ -346,18 +346,21 @@ def test_coordinates_need_a_resolved_plan():
 
 
 @pytest.mark.parametrize("text", ["dp", "naive", "dp4", "naive_dp2", "zero1", "zero2_dp2", "zero3_offload", "tp2",
-                                  "dp_tp2", "naive_tp4", "tp2_sp", "dp_tp4_sp"])
+                                  "dp_tp2", "naive_tp4", "tp2_sp", "dp_tp4_sp", "pp2",
+                                  "dp_pp4_interleaved_v2_mb8_ac", "naive_pp2_gpipe", "zero3_ac", "tp2_ac"])
 def test_missing_features_empty_for_implemented_plans(text):
     assert missing_features(ParallelPlan.parse(text)) == []
 
 
 def test_missing_features_name_the_missing_parts():
-    # ZeRO, offload and tp (with naive/dp) train now; ZeRO with tp, pipelines and checkpointing are to come.
+    # naive/dp/ZeRO, tp, pp and ac train now; ZeRO with tp or pp, and tp with pp, are to come (issue #6).
     missing = missing_features(ParallelPlan.parse("zero3_tp2_pp2"))
-    assert len(missing) == 2
     joined = " ".join(missing).lower()
-    assert "zero combined with tensor parallel" in joined and "pipeline" in joined
-    assert len(missing_features(ParallelPlan.parse("zero1_pp2_interleaved_v2_mb8_ac"))) == 2  # pp, ac
+    assert len(missing) == 3
+    assert "zero combined with tensor parallel" in joined and "zero combined with pipeline" in joined
+    assert "tensor parallel combined with pipeline" in joined
+    assert missing_features(ParallelPlan.parse("zero1_pp2_interleaved_v2_mb8_ac")) == [
+        "ZeRO combined with pipeline parallel (issue #6)"]
     assert missing_features(ParallelPlan.parse("zero3_offload")) == []
 
 
