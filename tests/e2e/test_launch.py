@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 import strategies
 from demos.gpt import make_demo
 
-TINY = dict(n_layer=1, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
+TINY = dict(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
 
 
 def _fit(strategy, devices: int, loader_batch: int) -> torch.nn.Module:
@@ -116,7 +116,7 @@ def _assert_same_params(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("plan,devices,replicas", [("dp", 2, 2), ("zero3", 4, 4), ("tp2", 2, 1)])
+@pytest.mark.parametrize("plan,devices,replicas", [("dp", 2, 2), ("zero3", 4, 4), ("tp2", 2, 1), ("pp2", 2, 1)])
 def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int, replicas: int):
     # Saved after epoch 1 and resumed: the same parameters (and Adam state) as two uninterrupted epochs.
     straight, trainer = _fit_epochs(tmp_path / "straight", 2, plan=plan, devices=devices)
