@@ -26,6 +26,8 @@ PAIRS = {
     "zero3": ("zero3", "deepspeed3"),
     "zero3-fsdp2": ("zero3", "fsdp2"),
     "tp": ("tp", "dtensor_tp"),
+    "pp-1f1b": ("pp_1f1b", "torch_pp_1f1b"),
+    "pp-gpipe": ("pp_gpipe", "torch_pp_gpipe"),
 }
 
 
@@ -43,7 +45,9 @@ class BenchConfig:
     seed: int = 0
 
 
-TENSOR_PARALLEL = ("tp", "dtensor_tp")  # every rank works on the same batch
+# Every rank works on the same batch: tensor-parallel peers, and pipeline stages (one batch flows through).
+TENSOR_PARALLEL = ("tp", "dtensor_tp", "pp_1f1b", "pp_gpipe", "torch_pp_1f1b", "torch_pp_gpipe")
+MICROBATCHES = 4
 
 
 def _model_and_data(cfg: BenchConfig, rank: int):
@@ -110,6 +114,23 @@ def _engine(impl: str, model, cfg: BenchConfig):
         for block in model.blocks:
             parallelize_module(block, mesh, style)
         return _plain_step(model, torch.optim.AdamW(model.parameters(), **opt_kwargs))
+    if impl.startswith("pp_"):  # our pipeline engine in a plain loop: the step function is the loss
+        from strategies.mesh import ParallelMesh
+        from strategies.pipeline.engine import PipelineEngine
+        from strategies.plan import ParallelPlan
+
+        plan = ParallelPlan.parse(f"pp{dist.get_world_size()}_{impl[3:]}_mb{MICROBATCHES}")
+        engine = PipelineEngine(model, plan.resolve(dist.get_world_size()), ParallelMesh(plan, "cpu"))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+
+        def step(batch):
+            engine.train_step(batch, 0, lambda mb, i: _loss(model, mb), torch.device("cpu"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step.finish = engine.finish  # the last loss is still on its way to the other stages
+        return step
+    if impl.startswith("torch_pp_"):
+        return _torch_pipeline(impl[len("torch_pp_"):], model, opt_kwargs)
     if impl == "torch_ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), **opt_kwargs)
@@ -144,6 +165,53 @@ def _engine(impl: str, model, cfg: BenchConfig):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
+def _torch_pipeline(schedule: str, model, opt_kwargs):
+    """torch.distributed.pipelining on the same cut as ours (embeddings + first blocks | last blocks + head)."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from strategies.pipeline.stages import plan_stages
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = plan_stages(model, world).ranges[rank]
+    blocks = model.blocks[mine.start : mine.stop]
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(blocks)
+            if rank == 0:
+                self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+            if rank == world - 1:
+                self.ln_f, self.head = model.ln_f, model.head
+
+        def forward(self, x):
+            if rank == 0:
+                x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x)) if rank == world - 1 else x
+
+    stage_module = Stage()
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    loss_fn = lambda logits, y: torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    runner = cls(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage_module.parameters(), **opt_kwargs)
+
+    def step(batch):
+        x, y = batch
+        if rank == 0:
+            runner.step(x)
+        elif rank == world - 1:
+            runner.step(target=y)
+        else:
+            runner.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def _plain_step(model, opt):
     def step(batch):
         _loss(model, batch).backward()
@@ -161,6 +229,7 @@ def _worker(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any
         start = time.perf_counter()
         step(batch)
         times.append(time.perf_counter() - start)
+    getattr(step, "finish", lambda: None)()
     timed = times[cfg.warmup_steps :]
     tokens = cfg.batch_per_rank * cfg.seq_len * replicas * len(timed)
     return {"impl": impl, "tokens_per_s": tokens / sum(timed), "step_s": statistics.median(timed)}

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_options(p)
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio")
-    p.add_argument("--pairs", default="dp,zero1,zero2,zero3,zero3-fsdp2,tp", help="comma-separated comparisons")
+    p.add_argument("--pairs", default="dp,zero1,zero2,zero3,zero3-fsdp2,tp,pp-1f1b,pp-gpipe",
+                   help="comma-separated comparisons")
     p.add_argument("--repeat", type=int, default=5, help="alternating pairs per comparison")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)

@@ -139,6 +139,7 @@ class PlanStrategy(ParallelStrategy):
         self._pipeline_grads: dict[int, Tensor] = {}  # gradients the schedule made, handed back in backward()
         self._new_window = True  # no gradient accumulated since the last optimizer step
         self._checkpointed: list = []  # blocks whose forward activation checkpointing wraps
+        self._in_schedule = False
         self.activation_bytes = self.peak_activation_bytes = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -377,7 +378,11 @@ class PlanStrategy(ParallelStrategy):
             return ParallelStrategy.training_step(self, microbatch, index, *args)
 
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        loss = self.pipeline.train_step(batch, batch_idx, step, self.root_device, self.grad_sync, accumulate)
+        self._in_schedule = True  # training_step runs on the last stage only: no world collective from it
+        try:
+            loss = self.pipeline.train_step(batch, batch_idx, step, self.root_device, self.grad_sync, accumulate)
+        finally:
+            self._in_schedule = False
         self._pipeline_grads = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None
@@ -465,6 +470,13 @@ class PlanStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if not isinstance(tensor, Tensor) or self.mesh is None:
             return tensor
+        if self._in_schedule:  # only the last stage's ranks get here: a world all-reduce would hang
+            raise RuntimeError(
+                "under pipeline parallel, training_step runs on the last stage's ranks only, so "
+                "self.log(..., sync_dist=True) inside it cannot reduce over every rank. Log with sync_dist=False "
+                "(the loss training_step returns is already the same on every rank), or log in "
+                "validation_step, which runs on every rank."
+            )
         mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
         if not mean and reduce_op not in (ReduceOp.SUM, "sum"):
             raise ValueError(f"reduce supports 'mean' and 'sum', got {reduce_op!r}")

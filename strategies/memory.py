@@ -59,33 +59,62 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
 class SavedTensorsMeter:
     """Bytes autograd saves for backward while a forward runs (activations), parameters left out.
 
-    Use as a context manager around the forward; ``bytes`` is what was saved, which is the peak, since
-    nothing saved is freed before backward starts. Storages are counted once.
+    Use as a context manager around the forward (and, under pipeline parallel, the backwards that run
+    inside the same step). ``bytes`` is the peak of what was held at once: each saved storage counts from
+    its first save until autograd drops the last reference to it (after its backward). Without a backward
+    inside the context that is everything saved, since nothing is freed before backward starts.
     """
 
     def __init__(self, module: nn.Module | None = None, param_buffers=None) -> None:
         self._exclude = {_storage_key(p) for p in module.parameters()} if module is not None else set()
         # ZeRO-3 gathers parameters into storage that did not exist when the meter started.
         self._param_buffers = param_buffers or (lambda: ())
-        self._seen: set[tuple[str, int]] = set()
+        self._live: dict[tuple[str, int], list[int]] = {}  # storage -> [references held, bytes]
+        self.live = 0
         self.bytes = 0
         self._hooks = None
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor):
         key = _storage_key(t)
-        if key in self._exclude or key in self._seen:
+        if key in self._exclude:
             return t
-        if any(_storage_key(b) == key for b in self._param_buffers()):
+        if key not in self._live and any(_storage_key(b) == key for b in self._param_buffers()):
             self._exclude.add(key)
-        else:
-            self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
+            return t
+        entry = self._live.setdefault(key, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.bytes = max(self.bytes, self.live)
+        entry[0] += 1
+        return _Held(t, self, key)
+
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._live[key]
 
     def __enter__(self) -> SavedTensorsMeter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """What autograd keeps in place of a saved tensor: it tells the meter when autograd lets go of it."""
+
+    __slots__ = ("tensor", "_meter", "_key")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedTensorsMeter, key) -> None:
+        self.tensor, self._meter, self._key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self._meter._release(self._key)
+
+
+def _unpack(held):
+    return held.tensor if isinstance(held, _Held) else held

@@ -30,6 +30,7 @@ class StrategyMonitor(L.Callback):
         self.local_losses: list[float] = []
         self.samples_per_step = 0
         self._pending_loss = 0.0
+        self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
         self.summary: dict[str, Any] = {}
 
     @override
@@ -39,11 +40,15 @@ class StrategyMonitor(L.Callback):
             stats.reset()  # leave out the set-up broadcast: count training steps only
         self.step_ends = [time.perf_counter()]
         self.local_losses = []
+        self.bubbles = []
         self._pending_loss = 0.0
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None and pipeline.last_step is not None:
+            self.bubbles.append(pipeline.last_step.bubble)
         self._pending_loss += float(loss.detach())  # Lightning already divided it by accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
@@ -81,4 +86,21 @@ class StrategyMonitor(L.Callback):
             "tokens_per_s": samples_per_s * tokens if tokens else None,
             "comm_per_step": comm,
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
+        }
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None:
+            self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
+
+    def _pipeline_summary(self, trainer: L.Trainer, pipeline: Any) -> dict[str, Any]:
+        """The measured bubble (mean over the ranks of each rank's median over the timed steps) beside the
+        schedule's theory, the partition, and this rank's timeline of the last step."""
+        timed = self.bubbles[self.warmup_steps :] or self.bubbles
+        mine = torch.tensor(float(torch.tensor(timed).median()) if timed else float("nan"), dtype=torch.float64)
+        measured = trainer.strategy.reduce(mine, reduce_op="mean") if trainer.world_size > 1 else mine
+        last = pipeline.last_step
+        return {
+            "bubble_ideal": pipeline.ideal_bubble,
+            "bubble_measured": float(measured),
+            "partition": pipeline.layout.describe().splitlines(),
+            "timeline": [vars(e) for e in last.timeline] if last is not None else [],
         }

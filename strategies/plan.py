@@ -110,7 +110,8 @@ class ParallelPlan:
                 "for gradient accumulation use Trainer(accumulate_grad_batches=N)"
             )
         if (self.schedule is Schedule.INTERLEAVED) != (self.virtual > 1):
-            raise ValueError("the interleaved schedule needs v<N> with N >= 2 virtual stages, and v<N> needs interleaved")
+            raise ValueError(
+                "the interleaved schedule needs v<N> with N >= 2 virtual stages, and v<N> needs interleaved")
         if self.schedule is Schedule.INTERLEAVED and self.microbatches is not None and self.microbatches % self.pp:
             raise ValueError(
                 f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
@@ -118,6 +119,12 @@ class ParallelPlan:
         if self.sp and self.tp == 1:
             raise ValueError("sp (sequence parallel) splits the sequence over the tensor-parallel ranks, so it "
                              "needs tp<N> with N > 1 (e.g. 'tp2_sp')")
+        if (self.pp > 1 and self.schedule is Schedule.ONE_F_ONE_B and self.microbatches is not None
+                and self.microbatches < self.pp):
+            raise ValueError(
+                f"1F1B needs at least as many microbatches as stages: mb{self.microbatches} < pp{self.pp}; use "
+                f"mb{self.pp} or more, or the gpipe schedule"
+            )
         if self.offload and not self.data.is_zero:
             raise ValueError(
                 f"offload moves ZeRO's sharded optimizer state to the CPU, so it needs zero1, zero2 or zero3, "

@@ -3,9 +3,9 @@
 Training: the batch is cut into microbatches; the schedule runs the user's ``training_step`` on each
 (stage, microbatch) through `StageRunner` and `PipelineRunner`; the last stage's losses, each scaled by
 1/mb (and 1/accumulate_grad_batches, as Lightning scales its own backward) so the gradients sum to the
-batch's, are summed and broadcast over the pp axis, so every rank returns
-the same loss to Lightning. Data-parallel sync is enabled only in the last backward of each stage, so each
-parameter's gradient is reduced once, complete, while the rest of the schedule still runs (overlap).
+batch's, are summed and sent to the other stages, so every rank returns the same loss to Lightning.
+Data-parallel sync is enabled only in the last backward of each stage, so each parameter's gradient is
+reduced once, complete, while the rest of the schedule still runs (overlap).
 
 Evaluation (validation, test, prediction): the whole batch runs once through the stages in order; the
 last stage captures the output of the model's top module, broadcasts it over the pp axis, and every rank
@@ -55,6 +55,7 @@ class PipelineEngine:
         top, _, _ = self.layout.blocks_name.partition(".")
         self.top = module.get_submodule(top) if "." in self.layout.blocks_name else module
         self.last_step: StepResult | None = None
+        self._loss_sends: list = []  # the last stage's sends of the previous step's loss
 
     @property
     def last_rank(self) -> int:
@@ -68,6 +69,7 @@ class PipelineEngine:
         Lightning's accumulate_grad_batches, which it would divide the loss by before its own backward."""
         micro = split_microbatches(batch, self.microbatches)
         scale = self.microbatches * accumulate
+        self.finish()
 
         def forward(stage: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
             with self.runner_stages.stage(stage, received):
@@ -93,8 +95,29 @@ class PipelineEngine:
                 grad_sync.require_sync = outer
         losses = self.last_step.losses
         loss = torch.stack(losses).sum().float() * accumulate if losses else torch.zeros((), device=device)
-        comm.broadcast(loss, self.axis, src=self.last_rank)
+        self._share_loss(loss)
         return loss
+
+    _LOSS_TAG = 2**30  # above every tag the runner uses
+
+    def _share_loss(self, loss: torch.Tensor) -> None:
+        # Point to point from the last stage, not a broadcast: a blocking broadcast would hold the last stage
+        # until stage 0 finishes its last backward, instead of letting it step its optimizer meanwhile.
+        if self.axis.size == 1:
+            return
+        if self.axis.index == self.last_rank:
+            sent = loss.detach().clone()
+            self._loss_sends = [(comm.isend(sent, self.axis, dst, self._LOSS_TAG), sent)
+                                for dst in range(self.axis.size) if dst != self.last_rank]
+        else:
+            comm.recv(loss, self.axis, self.last_rank, self._LOSS_TAG)
+
+    def finish(self) -> None:
+        """Complete what the last step left in flight (the loss sent to the other stages). Call it before
+        the process group goes away; the strategy does at teardown."""
+        for handle, _ in self._loss_sends:
+            handle.wait()
+        self._loss_sends = []
 
     # -- evaluation ----------------------------------------------------------------------------------------
 
@@ -143,6 +166,7 @@ class PipelineEngine:
         return state
 
     def restore_full_model(self) -> None:
+        self.finish()
         self.runner_stages.restore(self.full_state_dict())
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:

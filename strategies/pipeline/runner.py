@@ -3,9 +3,10 @@
 Receives block and sends do not (`comm.isend`), so a rank never waits on its own send; since every
 schedule in `schedules` is deadlock-free for that model (checked by `schedules.simulate`), neither does
 the pipeline. Each message is tagged with (kind, stage, microbatch): between two ranks activations and
-gradients can travel the same way (interleaved, pp = 2), and tags keep them apart. An activation goes
-with a small header (shape, dtype), since the receiver cannot know it in advance; a gradient has the shape
-of the output the receiver sent, so it needs none.
+gradients can travel the same way (interleaved, pp = 2), and tags keep them apart. The first microbatch's
+activation of each step goes with a small header (shape, dtype), since the receiver cannot know it in
+advance; the step's other microbatches have the same shape (the batch is cut evenly), so they go without
+one, and a gradient has the shape of the output the receiver sent, so it never needs one.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ class StepResult:
     timeline: list[TimelineEntry] = field(default_factory=list)
 
     @property
-    def busy_fraction(self) -> float:
+    def bubble(self) -> float:
+        """The idle fraction of this rank's step: 1 - (seconds computing) / (seconds from the step's start
+        to its last action's end). Waiting on a receive is idle, as in the schedule's theory."""
         if not self.timeline:
             return 0.0
-        span = max(e.end for e in self.timeline) - min(e.start for e in self.timeline)
-        return sum(e.end - e.start for e in self.timeline) / span if span > 0 else 1.0
+        span = max(e.end for e in self.timeline)
+        return 1.0 - sum(e.end - e.start for e in self.timeline) / span if span > 0 else 0.0
 
 
 class PipelineRunner:
@@ -53,6 +56,7 @@ class PipelineRunner:
 
     def __init__(self, axis: Axis, stages: int, microbatches: int) -> None:
         self.axis, self.stages, self.microbatches = axis, stages, microbatches
+        self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # this step's activation per stage
 
     def _tag(self, kind: int, stage: int, microbatch: int, part: int = 0) -> int:
         return ((kind * self.stages + stage) * self.microbatches + microbatch) * 2 + part
@@ -62,33 +66,68 @@ class PipelineRunner:
             raise TypeError(f"pipeline stages pass one tensor of at most 6 dims in {_DTYPES}; got {out.dtype} "
                             f"{tuple(out.shape)}")
         dst = owner(stage + 1, self.axis.size)
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=out.device)
-        header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
-        header[2 : 2 + out.dim()] = torch.tensor(out.shape)
+        if m == 0:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=out.device)
+            header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
+            header[2 : 2 + out.dim()] = torch.tensor(out.shape)
+            pending.append((comm.isend(header, self.axis, dst, self._tag(0, stage, m, 0)), header))
         payload = out.detach().contiguous()
-        pending.append((comm.isend(header, self.axis, dst, self._tag(0, stage, m, 0)), header))
         pending.append((comm.isend(payload, self.axis, dst, self._tag(0, stage, m, 1)), payload))
 
-    def _recv_activation(self, stage: int, m: int, device: torch.device) -> torch.Tensor:
+    def _recv_activation(self, stage: int, m: int, device: torch.device, posted: dict) -> torch.Tensor:
         src = owner(stage - 1, self.axis.size)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        comm.recv(header, self.axis, src, self._tag(0, stage - 1, m, 0))
-        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-        out = torch.empty(tuple(int(d) for d in header[2 : 2 + ndim]), dtype=dtype, device=device)
+        if (0, stage, m) in posted:  # received in the background while the previous action computed
+            handle, out = posted.pop((0, stage, m))
+            handle.wait()
+            return out.requires_grad_()
+        if m == 0:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            comm.recv(header, self.axis, src, self._tag(0, stage - 1, m, 0))
+            ndim = int(header[0])
+            self._shapes[stage] = (tuple(int(d) for d in header[2 : 2 + ndim]), _DTYPES[int(header[1])])
+        shape, dtype = self._shapes[stage]
+        out = torch.empty(shape, dtype=dtype, device=device)
         comm.recv(out, self.axis, src, self._tag(0, stage - 1, m, 1))
         return out.requires_grad_()
+
+    def _recv_grad(self, out: torch.Tensor, stage: int, m: int, posted: dict) -> torch.Tensor:
+        if (1, stage, m) in posted:
+            handle, grad = posted.pop((1, stage, m))
+            handle.wait()
+            return grad
+        grad = torch.empty_like(out)
+        comm.recv(grad, self.axis, owner(stage + 1, self.axis.size), self._tag(1, stage + 1, m))
+        return grad
+
+    def _prefetch(self, action: Action, kept: dict, posted: dict, device: torch.device) -> None:
+        """Post the receive of ``action``'s input now, so that the sender's message lands while this rank
+        computes (a send cannot finish before its receive is posted). Not for a step's first activation
+        of a stage, whose shape comes in a header first."""
+        s, m = action.stage, action.microbatch
+        if action.phase is Phase.FORWARD and s > 0 and m > 0:
+            shape, dtype = self._shapes[s]
+            out = torch.empty(shape, dtype=dtype, device=device)
+            src = owner(s - 1, self.axis.size)
+            posted[(0, s, m)] = (comm.irecv(out, self.axis, src, self._tag(0, s - 1, m, 1)), out)
+        elif action.phase is Phase.BACKWARD and s < self.stages - 1 and (s, m) in kept:
+            grad = torch.empty_like(kept[(s, m)][0])
+            src = owner(s + 1, self.axis.size)
+            posted[(1, s, m)] = (comm.irecv(grad, self.axis, src, self._tag(1, s + 1, m)), grad)
 
     def run(self, actions: list[Action], forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
             device: torch.device, on_backward: Callable[[Action], None] | None = None) -> StepResult:
         last = self.stages - 1
         kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         pending: list = []
+        posted: dict = {}
         result = StepResult(losses=[])
         t0 = time.perf_counter()
-        for action in actions:
+        for i, action in enumerate(actions):
             s, m = action.stage, action.microbatch
             if action.phase is Phase.FORWARD:
-                received = self._recv_activation(s, m, device) if s > 0 else None
+                received = self._recv_activation(s, m, device, posted) if s > 0 else None
+                if i + 1 < len(actions):
+                    self._prefetch(actions[i + 1], kept, posted, device)
                 start = time.perf_counter()
                 out = forward(s, m, received)
                 end = time.perf_counter()
@@ -99,10 +138,9 @@ class PipelineRunner:
                 kept[(s, m)] = (out, received)
             else:
                 out, received = kept.pop((s, m))
-                grad = None
-                if s < last:
-                    grad = torch.empty_like(out)
-                    comm.recv(grad, self.axis, owner(s + 1, self.axis.size), self._tag(1, s + 1, m))
+                grad = self._recv_grad(out, s, m, posted) if s < last else None
+                if i + 1 < len(actions):
+                    self._prefetch(actions[i + 1], kept, posted, device)
                 if on_backward is not None:
                     on_backward(action)
                 start = time.perf_counter()
@@ -124,7 +162,7 @@ class PipelineRunner:
         pending: list = []
         out = None
         for s in my_stages:
-            received = self._recv_activation(s, 0, device).detach() if s > 0 else None
+            received = self._recv_activation(s, 0, device, {}).detach() if s > 0 else None
             out = forward(s, received)
             if s < self.stages - 1:
                 self._send_activation(out, s, 0, pending)

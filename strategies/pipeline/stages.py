@@ -38,17 +38,22 @@ def find_blocks(module: nn.Module, name: str | None = None) -> str:
     if name is not None:
         container = module.get_submodule(name)
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            raise TypeError(f"pipeline_blocks={name!r} is a {type(container).__name__}, not an nn.ModuleList/Sequential")
+            raise TypeError(
+                f"pipeline_blocks={name!r} is a {type(container).__name__}, not an nn.ModuleList/Sequential")
         return name
-    lists = [(len(m), n) for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-             and len(m) >= 2 and n and sum(1 for c in m if any(True for _ in c.parameters())) == len(m)]
+    lists = []
+    for n, m in module.named_modules():
+        if n and isinstance(m, (nn.ModuleList, nn.Sequential)):
+            with_params = sum(1 for child in m if any(True for _ in child.parameters()))
+            if with_params >= 2:  # by the number of elements that hold parameters, then the shallowest name
+                lists.append((with_params, -n.count("."), n))
     if not lists:
         raise ValueError(
             "pipeline parallel cuts the model at its list of blocks, an nn.ModuleList or nn.Sequential whose "
             "elements run one after the other (hidden states as their first argument); this model has none. "
             "Keep the layers in such a list, or name it: PlanStrategy('pp2', pipeline_blocks='model.layers')."
         )
-    return max(lists)[1]
+    return max(lists)[2]
 
 
 def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:

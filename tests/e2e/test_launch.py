@@ -129,3 +129,48 @@ def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int, rep
         # ZeRO and tensor parallel save in the single-process format: one process resumes it the same way.
         single, _ = _fit_epochs(tmp_path / "single", 2, ckpt_path=ckpt, plan="single", replicas=replicas)
         _assert_same_params(single, straight)
+
+
+class SequentialRegression(L.LightningModule):
+    """A LightningModule around a plain nn.Sequential, written as for one device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                       torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _fit_sequential(strategy, devices: int):
+    torch.manual_seed(0)
+    module = SequentialRegression()
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=2)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, seed=0) if devices == 1 else None
+    trainer.fit(module, DataLoader(data, batch_size=8, sampler=sampler), DataLoader(data, batch_size=8))
+    return module, trainer.callback_metrics["val_mse"]
+
+
+def test_pipeline_on_a_plain_sequential():
+    # pp cuts the Sequential itself (the layers with parameters are balanced over the stages); validation
+    # runs through the stages and logs the same value on every rank.
+    ref, ref_val = _fit_sequential("auto", 1)
+    got, val = _fit_sequential(strategies.PlanStrategy("pp2_1f1b_mb4", start_method="spawn",
+                                                       timeout=__import__("datetime").timedelta(seconds=60)), 2)
+    torch.testing.assert_close(val, ref_val, rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(got.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")

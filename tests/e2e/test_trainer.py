@@ -106,6 +106,21 @@ def test_pipeline_matches_single_device(tmp_path, reference, deep_reference, str
     assert comm["send/pp"]["bytes_sent"] > 0  # activations and gradients went stage to stage
 
 
+def test_pipeline_bubble_and_activations_gpipe_vs_1f1b(tmp_path):
+    gpipe, _ = _train(tmp_path, "pp2_gpipe_mb4", 2)
+    one_f_one_b, _ = _train(tmp_path, "pp2_1f1b_mb4", 2)
+    # Rank 0 is stage 0: GPipe holds all 4 microbatches' activations at its peak, 1F1B at most pp = 2.
+    ratio = gpipe["memory_bytes"]["activations_peak"] / one_f_one_b["memory_bytes"]["activations_peak"]
+    assert 1.8 < ratio <= 2.05, ratio
+    for result, order in ((gpipe, "F0.0 F0.1 F0.2 F0.3 B0.0 B0.1 B0.2 B0.3"),
+                          (one_f_one_b, "F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3")):
+        pipeline = result["pipeline"]
+        assert pipeline["bubble_ideal"] == pytest.approx(1 / 5)  # (p-1) / (m+p-1)
+        assert 0 < pipeline["bubble_measured"] < 1
+        assert " ".join(e["action"] for e in pipeline["timeline"]) == order  # what ran, in the table's order
+        assert all(e["end"] >= e["start"] >= 0 for e in pipeline["timeline"])
+
+
 def test_activation_checkpointing_keeps_less_for_backward(tmp_path):
     plain, _ = _train(tmp_path, "dp", 2)
     checkpointed, _ = _train(tmp_path, "dp_ac", 2)

@@ -26,3 +26,21 @@ def test_saved_tensors_meter_counts_activations_not_parameters():
     with SavedTensorsMeter(net) as bigger:
         net(torch.randn(50, 8)).sum()
     assert bigger.bytes == 10 * meter.bytes
+
+
+def test_saved_tensors_meter_peak_falls_as_backward_frees():
+    # Two forwards and backwards inside one meter (as a pipeline step runs them): the peak is one forward's.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    with SavedTensorsMeter(net) as one:
+        net(torch.randn(5, 8)).sum().backward()
+    assert one.live == 0
+    with SavedTensorsMeter(net) as sequential:
+        for _ in range(2):
+            net(torch.randn(5, 8)).sum().backward()
+    with SavedTensorsMeter(net) as overlapped:  # both forwards before either backward: twice the peak
+        losses = [net(torch.randn(5, 8)).sum() for _ in range(2)]
+        for loss in losses:
+            loss.backward()
+    assert sequential.bytes == one.bytes == (5 * 8 + 5 * 16) * 4
+    assert overlapped.bytes == 2 * one.bytes

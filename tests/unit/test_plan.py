@@ -141,12 +141,15 @@ def test_round_trip_with_hypothesis():
             microbatches = None
         elif schedule is Schedule.INTERLEAVED:
             microbatches = draw(st.none() | st.integers(1, 8).map(lambda k: k * pp))
+        elif schedule is Schedule.ONE_F_ONE_B:
+            microbatches = draw(st.none() | st.integers(pp, pp + 64))
         else:
             microbatches = draw(st.none() | degrees)
         tp = draw(degrees)
         return ParallelPlan(
             data=data, dp=draw(st.none() | degrees), tp=tp, pp=pp, schedule=schedule,
-            virtual=virtual, microbatches=microbatches, sp=tp > 1 and draw(st.booleans()), ac=draw(st.booleans()),
+            virtual=virtual, microbatches=microbatches, sp=tp > 1 and draw(st.booleans()),
+            ac=draw(st.booleans()),
             offload=data.is_zero and draw(st.booleans()),
         )
 
@@ -209,6 +212,13 @@ def test_interleaved_microbatches_must_be_a_multiple_of_pp():
     message = parse_error("pp4_interleaved_mb6")
     assert "mb6 % pp4 != 0" in message
     assert str(ParallelPlan.parse("pp4_interleaved_mb8")) == "pp4_interleaved_v2_mb8"
+
+
+@pytest.mark.parametrize("text", ["pp4_mb2", "pp4_1f1b_mb3", "zero1_pp8_mb4"])
+def test_1f1b_needs_at_least_pp_microbatches(text):
+    with pytest.raises(ValueError, match=r"1F1B needs at least as many microbatches as stages: mb\d < pp\d"):
+        ParallelPlan.parse(text)
+    ParallelPlan.parse(text.replace("_1f1b", "") + "_gpipe")  # GPipe takes any number
 
 
 @pytest.mark.parametrize("text", ["sp", "dp_sp", "zero2_pp2_sp", "tp1_sp"])
