@@ -44,7 +44,7 @@ from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
 from strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from strategies.pipeline.engine import PipelineEngine
-from strategies.pipeline.stages import find_blocks
+from strategies.pipeline.stages import find_blocks, measure_times, split_microbatches
 from strategies.sequence_parallel import SequenceParallel
 from strategies.zero3 import Zero3GradSync
 from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_like, split_params
@@ -87,6 +87,8 @@ class PlanStrategy(ParallelStrategy):
         pipeline_blocks: the name of the list of blocks pipeline parallel cuts into stages and activation
             checkpointing wraps (e.g. ``"model.layers"``); by default the longest ``nn.ModuleList`` /
             ``nn.Sequential`` of the module.
+        pipeline_balance: cut the stages by parameter count (``"params"``), or by the forward time of each
+            block measured on the first training batch (``"time"``, agreed by all ranks).
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
@@ -105,6 +107,7 @@ class PlanStrategy(ParallelStrategy):
         zero3_units: Any = None,
         tp_plan: dict | None = None,
         pipeline_blocks: str | None = None,
+        pipeline_balance: Literal["params", "time"] = "params",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -135,6 +138,10 @@ class PlanStrategy(ParallelStrategy):
         self.tp_layers: dict = {}  # module name -> style, once tensor parallel has split the model
         self.sequence_parallel: SequenceParallel | None = None
         self._pipeline_blocks = pipeline_blocks
+        if pipeline_balance not in ("params", "time"):
+            raise ValueError(f"pipeline_balance must be 'params' or 'time', got {pipeline_balance!r}")
+        self._pipeline_balance = pipeline_balance
+        self._pipeline_deferred = False  # balanced by time: the engine is built at the first training step
         self.pipeline: PipelineEngine | None = None
         self._pipeline_grads: dict[int, Tensor] = {}  # gradients the schedule made, handed back in backward()
         self._new_window = True  # no gradient accumulated since the last optimizer step
@@ -237,19 +244,28 @@ class PlanStrategy(ParallelStrategy):
             if getattr(self.precision_plugin, "scaler", None) is not None:
                 raise ValueError("pipeline parallel does not support fp16 loss scaling (16-mixed) yet; use "
                                  "precision='bf16-mixed' or '32-true'")
-            # After the broadcast: this replaces the parameters other stages own by placeholders.
-            self.pipeline = PipelineEngine(self.model, self.resolved_plan, self.mesh, self._pipeline_blocks)
+            # After the broadcast: this replaces the parameters other stages own by placeholders. Balanced by
+            # time, it waits for the first training batch to measure the blocks on.
+            self._pipeline_deferred = self._pipeline_balance == "time" and trainer.state.fn == TrainerFn.FITTING
+            if not self._pipeline_deferred:
+                self.pipeline = PipelineEngine(self.model, self.resolved_plan, self.mesh, self._pipeline_blocks)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
-            self.grad_sync = self._make_grad_sync(self.model)
-            if isinstance(self.grad_sync, ZeroGradSync):
-                self._clip_across_shards(self.grad_sync)
-            elif self.tp_layers:
-                self._clip_across_tp()
-                self.grad_sync.sync_nonfinite = getattr(self.precision_plugin, "scaler", None) is not None
+            if not self._pipeline_deferred:
+                self._setup_grad_sync()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_grad_sync(self) -> None:
+        self.grad_sync = self._make_grad_sync(self.model)
+        if self.pipeline is not None:
+            self._clip_across_stages()
+        if isinstance(self.grad_sync, ZeroGradSync):
+                self._clip_across_shards(self.grad_sync)
+        elif self.tp_layers:
+            self._clip_across_tp()
+            self.grad_sync.sync_nonfinite = getattr(self.precision_plugin, "scaler", None) is not None
 
     def _make_grad_sync(self, module: torch.nn.Module) -> GradSync:
         options, axis = self._sync_options, self.mesh.dp
@@ -273,6 +289,14 @@ class PlanStrategy(ParallelStrategy):
         # local norm is not the gradient's norm. This instance's clip-by-norm reduces it across the dp axis.
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             clip_grad_norm(sync.flats, float(clip_val), sync.axis)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _clip_across_stages(self) -> None:
+        pipeline = self.pipeline
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            pipeline.clip_grad_norm(float(clip_val))
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
 
@@ -354,7 +378,7 @@ class PlanStrategy(ParallelStrategy):
         # Under pipeline parallel: what all of this rank's microbatches saved, summed.
         flats = getattr(self.grad_sync, "flats", [])
         with SavedTensorsMeter(self.lightning_module, lambda: [f.full for f in flats]) as meter:
-            if self.pipeline is not None:
+            if self.pipeline is not None or self._pipeline_deferred:
                 output = self._pipeline_training_step(*args, **kwargs)
             else:
                 output = super().training_step(*args, **kwargs)
@@ -364,7 +388,28 @@ class PlanStrategy(ParallelStrategy):
 
     # -- pipeline parallel: the schedule runs forward and backward inside training_step ----------------------
 
+    def _build_timed_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> None:
+        # The whole model is still on every rank: time its blocks on the first microbatch (a warm-up run, then
+        # a measured one), take the slowest rank's figures so that every rank cuts the same way, then build.
+        micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
+        blocks = find_blocks(self.model, self._pipeline_blocks)
+
+        def run() -> None:
+            with torch.no_grad():
+                ParallelStrategy.training_step(self, micro, batch_idx, *args)
+
+        run()
+        times, first, last = measure_times(self.model, blocks, run)
+        agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=self.root_device)
+        comm.all_reduce(agreed, self.mesh.world, op=ReduceOp.MAX)
+        weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
+        self.pipeline = PipelineEngine(self.model, self.resolved_plan, self.mesh, blocks, weights)
+        self._pipeline_deferred = False
+        self._setup_grad_sync()
+
     def _pipeline_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+        if self._pipeline_deferred:
+            self._build_timed_pipeline(batch, batch_idx, *args)
         # Lightning calls zero_grad *after* training_step on the first micro-step of an accumulation window and
         # backward() after that. So: start the window's gradients here, run the schedule (it backpropagates),
         # and keep its gradients aside until backward(), where they are handed back.

@@ -37,11 +37,12 @@ class _TopDone(Exception):
 
 
 class PipelineEngine:
-    def __init__(self, module: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, blocks: str | None = None):
+    def __init__(self, module: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, blocks: str | None = None,
+                 weights: tuple[list[float], float, float] | None = None):
         self.module, self.axis = module, mesh.pp
         pp, self.virtual, self.microbatches = plan.pp, plan.virtual, plan.microbatches
         self.stages = pp * self.virtual
-        self.layout = plan_stages(module, self.stages, blocks)
+        self.layout = plan_stages(module, self.stages, blocks, weights)
         self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
         self.runner_stages = StageRunner(module, self.layout, self.my_stages)
         self.table = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)[self.axis.index]
@@ -52,8 +53,13 @@ class PipelineEngine:
             if action.phase is schedules.Phase.BACKWARD:
                 last_backward[action.stage] = action
         self._last_backward = set(last_backward.values())
+        # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
+        # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
         top, _, _ = self.layout.blocks_name.partition(".")
-        self.top = module.get_submodule(top) if "." in self.layout.blocks_name else module
+        container = module.get_submodule(self.layout.blocks_name)
+        self._sequential_top = "." not in self.layout.blocks_name and isinstance(container, nn.Sequential)
+        self.top = module.get_submodule(top) if "." in self.layout.blocks_name else (
+            container if self._sequential_top else module)
         self.last_step: StepResult | None = None
         self._loss_sends: list = []  # the last stage's sends of the previous step's loss
 
@@ -119,12 +125,28 @@ class PipelineEngine:
             handle.wait()
         self._loss_sends = []
 
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: each stage's sum of squares, summed over the pp
+        axis (data-parallel replicas hold the same reduced gradients, so they are not summed again)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        total = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), dtype=torch.float64, device=device)
+        comm.all_reduce(total, self.axis)
+        norm = total.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return norm.float()
+
     # -- evaluation ----------------------------------------------------------------------------------------
 
     def eval_step(self, batch: Any, batch_idx: int, step: Callable[..., Any], device: torch.device, *args) -> Any:
         def forward(stage: int, received: torch.Tensor | None) -> Any:
-            last = stage == self.stages - 1
-            hook = self.top.register_forward_hook(_capture) if last else None
+            hook = None
+            if stage == self.stages - 1:
+                at = self.runner_stages.blocks[self.layout.ranges[stage].stop - 1] if self._sequential_top else self.top
+                hook = at.register_forward_hook(_capture)
             try:
                 with self.runner_stages.stage(stage, received):
                     step(batch, batch_idx, *args)
@@ -133,7 +155,10 @@ class PipelineEngine:
             finally:
                 if hook is not None:
                     hook.remove()
-            raise RuntimeError(f"pipeline evaluation: the step never called {type(self.top).__name__}'s forward")
+            raise RuntimeError(
+                f"pipeline evaluation: the step never called {type(self.top).__name__}'s forward. Evaluation under "
+                "pp captures the model's output there: keep the blocks under a submodule the step calls "
+                "(self.model(x)), or call the nn.Sequential of blocks directly")
 
         with torch.no_grad():
             output = self.runner.forward_only(self.my_stages, forward, device)

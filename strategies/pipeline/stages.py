@@ -18,6 +18,7 @@ storage) and frozen: the memory per stage is the stage's own.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -105,7 +106,10 @@ class StageLayout:
             f"{' + head' if s == last and self.post else ''}" for s, r in enumerate(self.ranges))
 
 
-def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None) -> StageLayout:
+def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None,
+                weights: tuple[list[float], float, float] | None = None) -> StageLayout:
+    """Where to cut ``module`` into ``stages``: by parameter count, or by ``weights`` (per block, and for
+    the code before and after the blocks), e.g. measured times (`measure_times`)."""
     name = find_blocks(module, blocks_name)
     blocks = module.get_submodule(name)
     params = list(module.named_parameters(remove_duplicate=False))
@@ -122,10 +126,40 @@ def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None) 
         raise ValueError(f"the blocks' list {name!r} holds no parameters")
     pre = [pname for pname, _ in params[: inside[0]]]
     post = [pname for pname, _ in params[inside[-1] + 1 :]]
-    weights = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    size = dict(params)
-    ranges = partition(weights, stages, sum(size[n].numel() for n in pre), sum(size[n].numel() for n in post))
-    return StageLayout(name, ranges, pre, post)
+    if weights is None:
+        size = dict(params)
+        weights = ([sum(p.numel() for p in block.parameters()) for block in blocks],
+                   sum(size[n].numel() for n in pre), sum(size[n].numel() for n in post))
+    per_block, first, last = weights
+    if len(per_block) != len(blocks):
+        raise ValueError(f"{len(per_block)} block weights for {len(blocks)} blocks")
+    return StageLayout(name, partition(list(per_block), stages, first, last), pre, post)
+
+
+def measure_times(module: nn.Module, blocks_name: str, run) -> tuple[list[float], float, float]:
+    """Seconds each block's forward takes in ``run()`` (a forward of the whole model), and the seconds
+    before the first block and after the last (embeddings; head and loss): weights for `plan_stages`."""
+    blocks = module.get_submodule(blocks_name)
+    marks: dict[tuple[str, int], float] = {}
+    hooks = []
+    def mark(kind: str, i: int) -> None:
+        marks[(kind, i)] = time.perf_counter()
+
+    for i, block in enumerate(blocks):
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: mark("start", i)))
+        hooks.append(block.register_forward_hook(lambda m, a, o, i=i: mark("end", i)))
+    try:
+        start = time.perf_counter()
+        run()
+        end = time.perf_counter()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n = len(blocks)
+    if any(("start", i) not in marks or ("end", i) not in marks for i in range(n)):
+        raise RuntimeError(f"measuring the stages: the forward did not run every block of {blocks_name!r}")
+    times = [marks[("end", i)] - marks[("start", i)] for i in range(n)]
+    return times, marks[("start", 0)] - start, end - marks[("end", n - 1)]
 
 
 class StageRunner:

@@ -165,12 +165,14 @@ def _fit_sequential(strategy, devices: int):
     return module, trainer.callback_metrics["val_mse"]
 
 
-def test_pipeline_on_a_plain_sequential():
-    # pp cuts the Sequential itself (the layers with parameters are balanced over the stages); validation
-    # runs through the stages and logs the same value on every rank.
+@pytest.mark.parametrize("balance", ["params", "time"])
+def test_pipeline_on_a_plain_sequential(balance: str):
+    # pp cuts the Sequential itself (balanced by parameters, or by each layer's forward time measured on the
+    # first batch); validation runs through the stages and logs the same value on every rank.
     ref, ref_val = _fit_sequential("auto", 1)
-    got, val = _fit_sequential(strategies.PlanStrategy("pp2_1f1b_mb4", start_method="spawn",
-                                                       timeout=__import__("datetime").timedelta(seconds=60)), 2)
+    strategy = strategies.PlanStrategy("pp2_1f1b_mb4", start_method="spawn", pipeline_balance=balance,
+                                       timeout=__import__("datetime").timedelta(seconds=60))
+    got, val = _fit_sequential(strategy, 2)
     torch.testing.assert_close(val, ref_val, rtol=1e-5, atol=1e-7)
     for (name, a), b in zip(got.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")

@@ -154,7 +154,7 @@ def test_bf16_mixed_matches_single_device_bf16(tmp_path, bf16_reference, strateg
     assert all(p.dtype == torch.float32 for p in params.values())  # fp32 master weights, bf16 only in autocast
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "tp2"])
+@pytest.mark.parametrize("strategy", ["zero3", "tp2", "pp2_mb4"])
 def test_gradient_clipping_through_the_trainer_is_global(tmp_path, strategy: str):
     # Lightning clips in its precision plugin, over the optimizer's params: under ZeRO the shards, under
     # tensor parallel the slices. The norm must be the whole gradient's, or the ranks clip differently. SGD, since Adam
