@@ -94,58 +94,25 @@ def _split_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     return x.chunk(axis.size, dim=dim)[axis.index].contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence-parallel f: all-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
+class _Conjugate(torch.autograd.Function):
+    """``forward_op`` along ``dim`` forward, its conjugate ``backward_op`` on the gradient backward. The four
+    sequence-parallel operators are pairs of `_gather_dim`, `_reduce_scatter_dim` and `_split_dim`:
+
+        gather_sequence (f):      all-gather      /  reduce-scatter
+        scatter_sequence (g):     reduce-scatter  /  all-gather
+        enter_sequence_parallel:  keep my slice   /  all-gather (every replica then holds the full gradient)
+        leave_sequence_parallel:  all-gather      /  keep my slice (replicated layers follow, so the gradient
+                                                     that comes back is the same on every rank)
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _gather_dim(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_dim(grad, ctx.axis, ctx.dim), None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Sequence-parallel g: reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _reduce_scatter_dim(x, axis, dim)
+    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int, forward_op, backward_op) -> torch.Tensor:
+        ctx.axis, ctx.dim, ctx.backward_op = axis, dim, backward_op
+        return forward_op(x, axis, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_dim(grad, ctx.axis, ctx.dim), None, None
-
-
-class _EnterSequence(torch.autograd.Function):
-    """Into a sequence-parallel region: keep this rank's slice of a replicated ``x`` forward; backward,
-    all-gather the slices' gradients (every rank then holds the same full gradient, as replicas must)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _split_dim(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_dim(grad, ctx.axis, ctx.dim), None, None
-
-
-class _LeaveSequence(torch.autograd.Function):
-    """Out of a sequence-parallel region: all-gather forward; the gradient that comes back is the same on
-    every rank (replicated layers follow), so backward keeps this rank's slice, with no communication."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
-        ctx.axis, ctx.dim = axis, dim
-        return _gather_dim(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split_dim(grad, ctx.axis, ctx.dim), None, None
+        return ctx.backward_op(grad, ctx.axis, ctx.dim), None, None, None, None
 
 
 def _check_sequence(x: torch.Tensor, axis: Axis, dim: int) -> None:
@@ -157,23 +124,23 @@ def _check_sequence(x: torch.Tensor, axis: Axis, dim: int) -> None:
 
 
 def gather_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
-    return x if axis.size == 1 else _GatherSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _gather_dim, _reduce_scatter_dim)
 
 
 def scatter_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
     if axis.size > 1:
         _check_sequence(x, axis, dim)
-    return x if axis.size == 1 else _ScatterSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _reduce_scatter_dim, _gather_dim)
 
 
 def enter_sequence_parallel(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
     if axis.size > 1:
         _check_sequence(x, axis, dim)
-    return x if axis.size == 1 else _EnterSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _split_dim, _gather_dim)
 
 
 def leave_sequence_parallel(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
-    return x if axis.size == 1 else _LeaveSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _gather_dim, _split_dim)
 
 
 def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
