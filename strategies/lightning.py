@@ -43,17 +43,15 @@ from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
 from strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from strategies.lightning_pipeline import PipelineStepsMixin
+from strategies.lightning_state import StateRoutingMixin
 from strategies.pipeline.engine import PipelineEngine
-from strategies.pipeline.stages import find_blocks, measure_times, split_microbatches
+from strategies.pipeline.stages import find_blocks
 from strategies.sequence_parallel import SequenceParallel
-from strategies.zero3 import Zero3GradSync
-from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_like, split_params
-from strategies.tp_plan import clip_grad_norm as tp_clip_grad_norm
-from strategies.tp_plan import full_optimizer_state as tp_full_optimizer_state
-from strategies.tp_plan import full_state_dict as tp_full_state_dict
-from strategies.tp_plan import load_full_optimizer_state as tp_load_optimizer_state
-from strategies.zero_state import full_optimizer_state, load_full_optimizer_state, refresh_shards
 from strategies.plan import DataMode, ParallelPlan
+from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_params
+from strategies.tp_plan import clip_grad_norm as tp_clip_grad_norm
+from strategies.zero3 import Zero3GradSync
 
 # What this version can train. Everything else in the grammar parses, resolves and is refused at setup.
 _NOT_YET = {
@@ -70,7 +68,7 @@ def missing_features(plan: ParallelPlan) -> list[str]:
     return [_NOT_YET[key] for key, on in wanted.items() if on]
 
 
-class PlanStrategy(ParallelStrategy):
+class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
     """Train a LightningModule, written as for one device, with a parallel plan such as ``"dp"`` or ``"naive"``.
 
     Args:
@@ -316,62 +314,6 @@ class PlanStrategy(ParallelStrategy):
             self.grad_sync.after_step()  # all-gather the updated shards (ZeRO-1/2), refresh offloaded ones
         return output
 
-    # -- state: ZeRO checkpoints are saved in the single-process format, so they load at any world size --
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        sync = self.grad_sync
-        if self.pipeline is not None:  # each parameter from the stage that owns it
-            return self.pipeline.full_state_dict()
-        if self.tp_layers:  # the single-device layout: split weights gathered back
-            return tp_full_state_dict(self.lightning_module, self.tp_layers, self.mesh.tp)
-        if not isinstance(sync, Zero3GradSync):
-            return super().lightning_module_state_dict()
-        sync.gather_all()
-        try:
-            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
-        finally:
-            sync.release_all()
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self.pipeline is not None:
-            return self.pipeline.full_optimizer_state(optimizer)
-        if isinstance(self.grad_sync, ZeroGradSync):
-            return full_optimizer_state(self.grad_sync, optimizer)
-        if self.tp_layers:
-            return tp_full_optimizer_state(optimizer, self.lightning_module, self.tp_layers, self.mesh.tp)
-        return super().optimizer_state(optimizer)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self.pipeline is not None:
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-                self.pipeline.load_optimizer_state(optimizer, state)
-            return None
-        if self.tp_layers:
-            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-                tp_load_optimizer_state(optimizer, self.lightning_module, self.tp_layers, self.mesh.tp, state)
-            return None
-        if not isinstance(self.grad_sync, ZeroGradSync):
-            return super().load_optimizer_state_dict(checkpoint)
-        load_full_optimizer_state(self.grad_sync, self.optimizers[0], checkpoint["optimizer_states"][0])
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        # Lightning restores weights before setup (a full module, sharded afterwards); this path is for loads
-        # after setup, where ZeRO-3's parameters are freed and offloaded masters are separate copies, and
-        # tensor-parallel layers hold slices of the (full) saved weights.
-        if self.tp_layers:
-            split = {name: style for name, style in split_params(self.lightning_module, self.tp_layers).values()}
-            state = {k: split_like(v, split[k], self.mesh.tp) if k in split else v
-                     for k, v in checkpoint["state_dict"].items()}
-            return self.lightning_module.load_state_dict(state, strict=strict)
-        if not isinstance(self.grad_sync, ZeroGradSync):
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        refresh_shards(self.grad_sync, self.lightning_module, checkpoint["state_dict"])
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
@@ -385,87 +327,6 @@ class PlanStrategy(ParallelStrategy):
         self.activation_bytes = meter.bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
         return output
-
-    # -- pipeline parallel: the schedule runs forward and backward inside training_step ----------------------
-
-    def _build_timed_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> None:
-        # The whole model is still on every rank: time its blocks on the first microbatch (a warm-up run, then
-        # a measured one), take the slowest rank's figures so that every rank cuts the same way, then build.
-        micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
-        blocks = find_blocks(self.model, self._pipeline_blocks)
-
-        def run() -> None:
-            with torch.no_grad():
-                ParallelStrategy.training_step(self, micro, batch_idx, *args)
-
-        run()
-        times, first, last = measure_times(self.model, blocks, run)
-        agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=self.root_device)
-        comm.all_reduce(agreed, self.mesh.world, op=ReduceOp.MAX)
-        weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
-        self.pipeline = PipelineEngine(self.model, self.resolved_plan, self.mesh, blocks, weights)
-        self._pipeline_deferred = False
-        self._setup_grad_sync()
-
-    def _pipeline_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
-        if self._pipeline_deferred:
-            self._build_timed_pipeline(batch, batch_idx, *args)
-        # Lightning calls zero_grad *after* training_step on the first micro-step of an accumulation window and
-        # backward() after that. So: start the window's gradients here, run the schedule (it backpropagates),
-        # and keep its gradients aside until backward(), where they are handed back.
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        if self._new_window:
-            for p in params:
-                p.grad = None
-            self._new_window = False
-
-        def step(microbatch: Any, index: int) -> Any:
-            return ParallelStrategy.training_step(self, microbatch, index, *args)
-
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        self._in_schedule = True  # training_step runs on the last stage only: no world collective from it
-        try:
-            loss = self.pipeline.train_step(batch, batch_idx, step, self.root_device, self.grad_sync, accumulate)
-        finally:
-            self._in_schedule = False
-        self._pipeline_grads = {id(p): p.grad for p in params}
-        for p in params:
-            p.grad = None
-        return loss
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        for p in self.lightning_module.parameters():  # the schedule already ran backward: hand its gradients back
-            if id(p) in self._pipeline_grads:
-                p.grad = self._pipeline_grads[id(p)]
-        self._pipeline_grads = {}
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def _pipeline_eval(self, hook: str, batch: Any, batch_idx: int, *args: Any) -> Any:
-        step = getattr(ParallelStrategy, hook)
-        return self.pipeline.eval_step(batch, batch_idx, lambda b, i, *a: step(self, b, i, *a), self.root_device,
-                                       *args)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        return self._pipeline_eval("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().test_step(*args, **kwargs)
-        return self._pipeline_eval("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        return self._pipeline_eval("predict_step", *args, **kwargs)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""
