@@ -85,7 +85,7 @@ def test_trainer_matches_single_device(tmp_path, reference, strategy: str, devic
 PIPELINES = [("pp2_gpipe_mb4", 2, ()), ("pp2_1f1b_mb4", 2, ()), ("pp4_1f1b_mb8", 4, DEEP),
              ("pp2_interleaved_v2_mb4", 2, DEEP), ("dp_pp2", 4, ()), ("pp2_mb4", 2, ("--accumulate", "2")),
              ("pp2_gpipe_mb4_ac", 2, ()), ("pp4_1f1b_mb8_ac", 4, DEEP), ("pp2_interleaved_v2_mb4_ac", 2, DEEP),
-             ("dp_pp2_ac", 4, ())]
+             ("dp_pp2_ac", 4, ()), ("naive_pp2", 4, ())]
 
 
 @pytest.mark.parametrize("strategy,devices,extra", PIPELINES, ids=[f"{s}-n{d}" + "".join(e) for s, d, e in PIPELINES])
@@ -142,7 +142,7 @@ def bf16_reference(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("single-bf16"), "single", 1, "--precision", "bf16-mixed")
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "pp2_mb4"])
 def test_bf16_mixed_matches_single_device_bf16(tmp_path, bf16_reference, strategy: str):
     ref_result, ref_params = bf16_reference
     result, params = _train(tmp_path, strategy, 2, "--precision", "bf16-mixed")
