@@ -62,7 +62,8 @@ def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra:
     heaviest stage; ``first_extra`` / ``last_extra`` weigh on the first and last stage (embeddings, head)."""
     n = len(weights)
     if stages > n:
-        raise ValueError(f"cannot cut {n} blocks into {stages} pipeline stages: each stage needs at least one block")
+        raise ValueError(f"cannot cut {n} blocks into {stages} pipeline stages (pp x v): each stage needs at least "
+                         "one block; use a smaller pp (or v), or a model with more blocks")
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
