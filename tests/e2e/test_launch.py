@@ -148,6 +148,9 @@ class SequentialRegression(L.LightningModule):
         x, y = batch
         self.log("val_mse", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
@@ -176,3 +179,28 @@ def test_pipeline_on_a_plain_sequential(balance: str):
     torch.testing.assert_close(val, ref_val, rtol=1e-5, atol=1e-7)
     for (name, a), b in zip(got.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class _SavePredictions(L.Callback):
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        torch.save(outputs, self.folder / f"rank{trainer.global_rank}-batch{batch_idx}.pt")
+
+
+def test_pipeline_predict_returns_the_model_output_on_every_rank(tmp_path):
+    # (Lightning's spawn launcher returns no predictions to the caller, so each rank saves what it got.)
+    torch.manual_seed(0)
+    module = SequentialRegression()
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        expected = module.net(x)
+    strategy = strategies.PlanStrategy("pp2", start_method="spawn",
+                                       timeout=__import__("datetime").timedelta(seconds=60))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[_SavePredictions(tmp_path)])
+    trainer.predict(module, DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(8, 1)), batch_size=4))
+    for rank in (0, 1):
+        got = torch.cat([torch.load(tmp_path / f"rank{rank}-batch{b}.pt") for b in (0, 1)])
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
