@@ -260,7 +260,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         if self.pipeline is not None:
             self._clip_across_stages()
         if isinstance(self.grad_sync, ZeroGradSync):
-                self._clip_across_shards(self.grad_sync)
+            self._clip_across_shards(self.grad_sync)
         elif self.tp_layers:
             self._clip_across_tp()
             self.grad_sync.sync_nonfinite = getattr(self.precision_plugin, "scaler", None) is not None
@@ -317,7 +317,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
-        # Under pipeline parallel: what all of this rank's microbatches saved, summed.
+        # Under pipeline parallel the backwards run inside too, so this is the peak held across the schedule.
         flats = getattr(self.grad_sync, "flats", [])
         with SavedTensorsMeter(self.lightning_module, lambda: [f.full for f in flats]) as meter:
             if self.pipeline is not None or self._pipeline_deferred:

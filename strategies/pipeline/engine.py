@@ -168,22 +168,11 @@ class PipelineEngine:
 
     # -- state ---------------------------------------------------------------------------------------------
 
-    def owner_of(self, name: str) -> int:
-        layout = self.layout
-        if name in layout.pre:
-            stage = 0
-        elif name in layout.post:
-            stage = self.stages - 1
-        else:
-            index = int(name[len(layout.blocks_name) + 1 :].split(".")[0])
-            stage = next(s for s, r in enumerate(layout.ranges) if index in r)
-        return schedules.owner(stage, self.axis.size)
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter from the rank that owns it (every rank must call this), buffers as they are."""
         state = {k: v.detach() for k, v in self.module.state_dict().items()}
         for name, p in self.module.named_parameters():
-            src = self.owner_of(name)
+            src = schedules.owner(self.layout.stage_of(name), self.axis.size)
             value = p.detach().clone() if src == self.axis.index else torch.empty(p.shape, dtype=p.dtype,
                                                                                   device=p.device)
             comm.broadcast(value, self.axis, src=src)
@@ -197,7 +186,7 @@ class PipelineEngine:
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The union of the stages' optimizer states (each holds its own parameters')."""
         state = optimizer.state_dict()
-        merged = dict(state["state"])
+        merged: dict = {}
         for src in range(self.axis.size):
             theirs = comm.broadcast_object(state["state"] if src == self.axis.index else None, self.axis, src=src)
             merged.update(theirs)
@@ -218,7 +207,7 @@ def _capture(module: nn.Module, args: tuple, output: Any):
 
 @contextlib.contextmanager
 def _answering(module: nn.Module, output: Any) -> Iterator[None]:
-    """``module(...)`` returns ``output`` (moved to the module's device) without computing."""
+    """``module(...)`` returns ``output`` without computing."""
     module.forward = lambda *args, **kwargs: output
     try:
         yield

@@ -99,6 +99,15 @@ class StageLayout:
     def stages(self) -> int:
         return len(self.ranges)
 
+    def stage_of(self, name: str) -> int:
+        """The stage that owns parameter ``name``: 0 before the blocks, the last after, else its block's."""
+        if name in self.pre:
+            return 0
+        if name in self.post:
+            return self.stages - 1
+        index = int(name[len(self.blocks_name) + 1 :].split(".")[0])
+        return next(s for s, r in enumerate(self.ranges) if index in r)
+
     def describe(self) -> str:
         """The partition, one stage a line, for logs and errors."""
         last = self.stages - 1
@@ -171,15 +180,10 @@ class StageRunner:
         parent_name, _, self._attr = layout.blocks_name.rpartition(".")
         self._parent = module.get_submodule(parent_name) if parent_name else module
         self.blocks = module.get_submodule(layout.blocks_name)
-        last = layout.stages - 1
-        owned = set(layout.pre if 0 in stages else []) | set(layout.post if last in stages else [])
-        for s in stages:
-            owned |= {f"{layout.blocks_name}.{n}" for i in layout.ranges[s]
-                      for n, _ in self.blocks[i].named_parameters(prefix=str(i))}
-        self.owned = owned
+        self.owned = {name for name, _ in module.named_parameters() if layout.stage_of(name) in stages}
         self.shapes: dict[str, tuple[torch.Size, bool]] = {}
         for name, p in module.named_parameters():
-            if name not in owned:  # a placeholder: the right shape, one element of storage, no gradient
+            if name not in self.owned:  # a placeholder: the right shape, one element of storage, no gradient
                 self.shapes[name] = (p.shape, p.requires_grad)
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
                 p.requires_grad_(False)
