@@ -7,7 +7,7 @@
 
 from strategies.comm import Axis, CommStats, Op
 from strategies.data_parallel import BucketedDataParallel, NaiveDataParallel
-from strategies.lightning import DataParallelStrategy, NaiveDataParallelStrategy, PlanStrategy, missing_features
+from strategies.lightning import DataParallelStrategy, NaiveDataParallelStrategy, PlanStrategy
 from strategies.mesh import ParallelMesh
 from strategies.plan import DataMode, ParallelPlan, Schedule
 from strategies.registry import install as _install_registry
@@ -31,5 +31,4 @@ __all__ = [
     "Rowwise",
     "Schedule",
     "VocabEmbedding",
-    "missing_features",
 ]

@@ -146,7 +146,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from strategies.lightning import missing_features
     from strategies.plan import ParallelPlan
 
     try:
@@ -159,8 +158,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"axes (outermost first): pp={resolved.pp} dp={resolved.dp} tp={resolved.tp}")
     for rank in range(args.world_size):
         print(f"  rank {rank}: {resolved.coordinates(rank)}")
-    missing = missing_features(plan)
-    print("trains in this version: " + ("yes" if not missing else "no (" + ", ".join(missing) + ")"))
     return 0
 
 

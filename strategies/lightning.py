@@ -41,7 +41,8 @@ from strategies.data_parallel import (
 )
 from strategies.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
-from strategies.zero import ZeroGradSync, clip_grad_norm, shard_model
+from strategies.zero import ZeroGradSync, shard_model, shard_slices
+from strategies.clipping import clip_pieces
 from strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from strategies.lightning_pipeline import PipelineStepsMixin
 from strategies.lightning_state import StateRoutingMixin
@@ -50,22 +51,26 @@ from strategies.pipeline.stages import find_blocks
 from strategies.sequence_parallel import SequenceParallel
 from strategies.plan import DataMode, ParallelPlan
 from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_params
-from strategies.tp_plan import clip_grad_norm as tp_clip_grad_norm
 from strategies.zero3 import Zero3GradSync
 
-# What this version can train. Everything else in the grammar parses, resolves and is refused at setup.
-_NOT_YET = {
-    "zero_tp": "ZeRO combined with tensor parallel (issue #6)",
-    "zero_pp": "ZeRO combined with pipeline parallel (issue #6)",
-    "tp_pp": "tensor parallel combined with pipeline parallel (issue #6)",
-}
+TIMEOUT_ENV = "STRATPACK_TIMEOUT"
 
 
-def missing_features(plan: ParallelPlan) -> list[str]:
-    """The parts of ``plan`` this version cannot run yet (empty when it can)."""
-    wanted = {"zero_tp": plan.data.is_zero and plan.tp > 1, "zero_pp": plan.data.is_zero and plan.pp > 1,
-              "tp_pp": plan.tp > 1 and plan.pp > 1}
-    return [_NOT_YET[key] for key, on in wanted.items() if on]
+def collective_timeout(timeout: timedelta | float | None = None) -> timedelta:
+    """The process-group timeout: ``timeout``, else ``$STRATPACK_TIMEOUT`` (seconds), else torch's 30 minutes."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return default_pg_timeout
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"the collective timeout must be positive, got {timeout}")
+    return timeout
 
 
 class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
@@ -88,7 +93,8 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         pipeline_balance: cut the stages by parameter count (``"params"``), or by the forward time of each
             block measured on the first training batch (``"time"``, agreed by all ranks).
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
-        timeout: process-group timeout.
+        timeout: how long a collective may wait for the other ranks before the job fails with each rank's last
+            collectives (a timedelta or seconds); by default ``$STRATPACK_TIMEOUT`` seconds, else 30 minutes.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
     """
 
@@ -112,7 +118,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -125,7 +131,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         self._sync_options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                                   ring=ring_all_reduce, server=server_rank, units=zero3_units)
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = collective_timeout(timeout)
         self._start_method = start_method
         self._num_nodes = 1
         self.resolved_plan: ParallelPlan | None = None
@@ -146,6 +152,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         self._checkpointed: list = []  # blocks whose forward activation checkpointing wraps
         self._in_schedule = False
         self.activation_bytes = self.peak_activation_bytes = 0
+        self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -202,13 +209,6 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        missing = missing_features(self.plan)
-        if missing:
-            raise NotImplementedError(
-                f"strategy '{self.plan}' parses and fits {self.world_size} ranks, but this version cannot train "
-                f"it yet: {', '.join(missing)} not implemented. Implemented now: naive, dp (our DDP), zero1/2/3, offload, "
-                f"tp<N> (with sp) with naive or dp, pp<N> with naive or dp, and ac with all of them."
-            )
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -257,12 +257,10 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
 
     def _setup_grad_sync(self) -> None:
         self.grad_sync = self._make_grad_sync(self.model)
-        if self.pipeline is not None:
-            self._clip_across_stages()
-        if isinstance(self.grad_sync, ZeroGradSync):
-            self._clip_across_shards(self.grad_sync)
-        elif self.tp_layers:
-            self._clip_across_tp()
+        # Lightning clips by norm in the precision plugin, over the optimizer's params (here shards, slices or
+        # one stage's): this instance's clip-by-norm takes the whole model's norm across the mesh instead.
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(float(clip_val))
+        if isinstance(self.grad_sync, ZeroGradSync):  # fp16: one rank's overflow skips the step everywhere
             self.grad_sync.sync_nonfinite = getattr(self.precision_plugin, "scaler", None) is not None
 
     def _make_grad_sync(self, module: torch.nn.Module) -> GradSync:
@@ -282,29 +280,22 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         return BucketedDataParallel(module, axis, bucket_cap_mb=options["bucket_cap_mb"],
                                     find_unused_parameters=options["find_unused_parameters"], ring=options["ring"])
 
-    def _clip_across_shards(self, sync: ZeroGradSync) -> None:
-        # Lightning clips by norm in the precision plugin, over the optimizer's params: here the shards, whose
-        # local norm is not the gradient's norm. This instance's clip-by-norm reduces it across the dp axis.
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            clip_grad_norm(sync.flats, float(clip_val), sync.axis)
+    def gradient_pieces(self) -> list[tuple[Tensor, bool]]:
+        """The gradient this rank holds, as ``(tensor, split over tp?)`` pieces: ZeRO's shard of each flat
+        (cut at parameter boundaries), or the gradients of this stage's (possibly tp-sliced) parameters."""
+        module = self.lightning_module
+        split = {name for name, _ in split_params(module, self.tp_layers).values()} if self.tp_layers else set()
+        if isinstance(self.grad_sync, ZeroGradSync):
+            return [(piece, flat.names[i] in split) for flat in self.grad_sync.flats if flat.master.grad is not None
+                    for i, piece in shard_slices(flat, flat.master.grad)]
+        return [(p.grad, name in split) for name, p in module.named_parameters() if p.grad is not None]
 
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
-
-    def _clip_across_stages(self) -> None:
-        pipeline = self.pipeline
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            pipeline.clip_grad_norm(float(clip_val))
-
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
-
-    def _clip_across_tp(self) -> None:
-        module, found, axis = self.lightning_module, self.tp_layers, self.mesh.tp
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            tp_clip_grad_norm(module, found, float(clip_val), axis)
-
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip every rank's gradient by the whole model's norm (over tp slices, ZeRO shards and pipeline
+        stages); returns that norm. Every rank must call it."""
+        disjoint = [self.mesh.pp] + ([self.mesh.dp] if isinstance(self.grad_sync, ZeroGradSync) else [])
+        return clip_pieces(self.gradient_pieces(), max_norm, tp=self.mesh.tp, disjoint=disjoint,
+                           norm_type=norm_type, device=self.root_device)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -345,7 +336,16 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         if self.grad_sync is not None:
             self.grad_sync.finish()
             if self.sequence_parallel is not None and self.grad_sync.require_sync:
-                self.sequence_parallel.reduce_partial_grads()  # norms saw 1/tp of the sequence each
+                self.sequence_parallel.reduce_partial_grads(self._partial_grads())  # norms saw 1/tp of the sequence
+
+    def _partial_grads(self) -> list[Tensor]:
+        # Sequence parallel's partial gradients: whole under dp/naive; under ZeRO, this rank's pieces of them in
+        # the shards (the flats are laid out alike on every tp rank, so tp peers hold the same pieces).
+        partial = {id(p) for p in self.sequence_parallel.partial}
+        if not isinstance(self.grad_sync, ZeroGradSync):
+            return [p.grad for p in self.sequence_parallel.partial if p.grad is not None]
+        return [piece for flat in self.grad_sync.flats if flat.master.grad is not None
+                for i, piece in shard_slices(flat, flat.master.grad) if id(flat.params[i]) in partial]
 
     @contextlib.contextmanager
     @override
@@ -393,7 +393,19 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         return out / self.world_size if mean else out
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Name the rank in the message: with N processes writing to one terminal, the traceback alone does not
+        # say whose it is. Then teardown skips everything that talks to other ranks (they may be waiting in a
+        # different collective, or be gone), so this process exits and the launcher stops the others.
+        self._failed = exception
+        print(f"[rank {self.global_rank}] {self.plan} failed: {type(exception).__name__}: {exception}",
+              file=sys.stderr, flush=True)
+
+    @override
     def teardown(self) -> None:
+        if self._failed is not None:
+            self._teardown_after_failure()
+            return
         if isinstance(self.grad_sync, Zero3GradSync):
             self.grad_sync.gather_all()  # leave a normal module behind: every parameter full again
         if self.pipeline is not None and self.lightning_module is not None:
@@ -407,6 +419,21 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         if self.tp_layers and self.lightning_module is not None:
             restore_full_layers(self.lightning_module, self.tp_layers, self.mesh.tp)  # the same for tp
             self.tp_layers = {}
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+            self.grad_sync = None
+        super().teardown()
+
+
+    def _teardown_after_failure(self) -> None:
+        # Local undo only (hooks), no gathering: the module is left as it was when the step failed.
+        if self.pipeline is not None:
+            self.pipeline = None
+        remove_activation_checkpointing(self._checkpointed)
+        self._checkpointed = []
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.remove()
+            self.sequence_parallel = None
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None

@@ -80,10 +80,12 @@ class SequenceParallel:
             return (leave_sequence_parallel(output[0], self.axis, self.dim), *output[1:])
         raise TypeError("sequence parallel needs the last block to return its hidden states (or a tuple led by them)")
 
-    def reduce_partial_grads(self) -> None:
+    def reduce_partial_grads(self, grads: list[torch.Tensor] | None = None) -> None:
         """Sum the partial gradients of the region's replicated parameters over the tensor-parallel ranks,
-        in one flat all-reduce."""
-        grads = [p.grad for p in self.partial if p.grad is not None]
+        in one flat all-reduce. ``grads``: where those gradients are (by default their ``.grad``; under ZeRO,
+        pieces of the shards)."""
+        if grads is None:
+            grads = [p.grad for p in self.partial if p.grad is not None]
         if not grads or self.axis.size == 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -6,8 +6,11 @@ timeout and a wall-clock limit, so a broken collective fails the test instead of
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -122,3 +125,28 @@ def _nullcontext():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+# -- Trainer-level runs of the demo GPT (tests/e2e): one `stratpack train` per strategy ------------------------
+
+# fp32 tolerances of a distributed run against one process: losses rel 1e-5 / abs 1e-6; parameters rel 1e-5 /
+# abs 5e-5 (attention's key bias has an exact gradient of zero, whose float noise AdamW's normalised update
+# turns into steps of a few 1e-6; see tests/e2e/test_trainer.py).
+RTOL, ATOL, PARAM_ATOL = 1e-5, 1e-6, 5e-5
+DEEP = ("--n-layer", "4")  # four blocks: enough for pp4, and for pp2 with two virtual stages each
+COMMON = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--max-chars", "20000"]
+
+
+def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tuple[str, ...] = (),
+               timeout_s: float = 420) -> tuple[dict, dict]:
+    """Train the demo GPT with ``strategy`` on ``devices`` CPU ranks (a subprocess); return the run's result
+    and its final parameters (the single-device layout)."""
+    out, params = tmp_path / f"{strategy}-{devices}.json", tmp_path / f"{strategy}-{devices}.pt"
+    python = list(launcher) or [sys.executable]
+    cmd = [*python, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
+           "--out", str(out), "--params-out", str(params), *COMMON, *extra]
+    env = {**os.environ, "STRATPACK_TIMEOUT": os.environ.get("STRATPACK_TIMEOUT", "120")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{strategy} on {devices} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text()), torch.load(params)

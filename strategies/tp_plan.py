@@ -205,24 +205,11 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Modul
 def clip_grad_norm(module: nn.Module, found: dict[str, Style], max_norm: float, axis: Axis) -> torch.Tensor:
     """Clip by the norm of the whole (unsplit) gradient: split parameters' squares summed over the tp
     ranks, replicated ones (identical on every tp rank) counted once."""
+    from strategies.clipping import clip_pieces
+
     split = split_params(module, found)
-    grads = [(p.grad, id(p) in split) for p in module.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    device = grads[0][0].device
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
-    for g, is_split in grads:
-        if is_split:
-            sharded += g.detach().double().pow(2).sum()
-        else:
-            replicated += g.detach().double().pow(2).sum()
-    comm.all_reduce(sharded, axis)
-    total = (sharded + replicated).sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g, _ in grads:
-        g.mul_(scale.to(g.dtype))
-    return total.float()
+    pieces = [(p.grad, id(p) in split) for p in module.parameters() if p.grad is not None]
+    return clip_pieces(pieces, max_norm, tp=axis)
 
 
 def restore_full_layers(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:

@@ -265,20 +265,23 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, flats: list[FlatParam]) ->
 def clip_grad_norm(flats: list[FlatParam], max_norm: float, axis: Axis, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the master gradients by the norm of the *whole* gradient: every shard's partial sum, reduced
     over the data-parallel axis (padding is zero and adds nothing). Returns the total norm."""
-    grads = [flat.master.grad for flat in flats if flat.master.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    if math.isinf(norm_type):
-        total = torch.stack([g.detach().abs().max() for g in grads]).max().double()
-        comm.all_reduce(total, axis, op=torch.distributed.ReduceOp.MAX)
-    else:
-        total = torch.stack([g.detach().double().pow(norm_type).sum() for g in grads]).sum()
-        comm.all_reduce(total, axis)
-        total = total.pow(1.0 / norm_type)
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
-    return total.float()
+    from strategies.clipping import clip_pieces
+
+    grads = [(flat.master.grad, False) for flat in flats if flat.master.grad is not None]
+    device = flats[0].full.device if flats else None
+    return clip_pieces(grads, max_norm, disjoint=[axis], norm_type=norm_type, device=device)
+
+
+def shard_slices(flat: FlatParam, shard: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(i, piece)`` for each parameter ``i`` of ``flat`` that overlaps this rank's shard: ``piece`` is the
+    part of ``shard`` (the shard's gradient, say) that belongs to it."""
+    start = flat.axis.index * flat.shard_size
+    out = []
+    for i, (offset, n) in enumerate(zip(flat.offsets, flat.numels)):
+        lo, hi = max(offset, start), min(offset + n, start + flat.shard_size)
+        if lo < hi:
+            out.append((i, shard[lo - start : hi - start]))
+    return out
 
 
 def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, stage: int, *,

@@ -142,6 +142,9 @@ class Zero3GradSync(ZeroGradSync):
     def _pre_backward(self, unit: Unit) -> Callable:
         def hook(grad):
             self._recorded = True  # a backward means the first forward is over
+            # A new backward through this unit (under pipeline parallel, one per microbatch before the step):
+            # its parameters' gradients are counted afresh, so it is freed only once this backward is done.
+            unit.reduced.clear()
             unit.gather(self.axis)
             self._prefetch(unit, -1)
             self._track_peak()

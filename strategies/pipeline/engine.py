@@ -125,20 +125,6 @@ class PipelineEngine:
             handle.wait()
         self._loss_sends = []
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient: each stage's sum of squares, summed over the pp
-        axis (data-parallel replicas hold the same reduced gradients, so they are not summed again)."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        total = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum() if grads else \
-            torch.zeros((), dtype=torch.float64, device=device)
-        comm.all_reduce(total, self.axis)
-        norm = total.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-        return norm.float()
-
     # -- evaluation ----------------------------------------------------------------------------------------
 
     def eval_step(self, batch: Any, batch_idx: int, step: Callable[..., Any], device: torch.device, *args) -> Any:

@@ -9,26 +9,12 @@ steps of a few 1e-6 (observed 3.9e-6 after 5 steps under dp, 1.2e-5 under tp2, w
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-RTOL, ATOL, PARAM_ATOL = 1e-5, 1e-6, 5e-5
-DEEP = ("--n-layer", "4")  # four blocks: enough for pp4, and for pp2 with two virtual stages each
-COMMON = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--max-chars", "20000"]
-
-
-def _train(tmp_path, strategy: str, devices: int, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[dict, dict]:
-    out, params = tmp_path / f"{strategy}-{devices}.json", tmp_path / f"{strategy}-{devices}.pt"
-    python = list(launcher) or [sys.executable]
-    cmd = [*python, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
-           "--out", str(out), "--params-out", str(params), *COMMON, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), torch.load(params)
+from strategies.testing import ATOL, DEEP, PARAM_ATOL, RTOL, train_demo as _train
 
 
 @pytest.fixture(scope="module")

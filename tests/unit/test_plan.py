@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from strategies.lightning import missing_features
 from strategies.plan import VALID_TOKENS, DataMode, ParallelPlan, Schedule
 
 EXAMPLES = [
@@ -350,28 +349,6 @@ def test_coordinates_layout():
 def test_coordinates_need_a_resolved_plan():
     with pytest.raises(ValueError, match="resolve"):
         ParallelPlan.parse("tp2_pp2").coordinates(0)
-
-
-# -- what this version trains ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("text", ["dp", "naive", "dp4", "naive_dp2", "zero1", "zero2_dp2", "zero3_offload", "tp2",
-                                  "dp_tp2", "naive_tp4", "tp2_sp", "dp_tp4_sp", "pp2",
-                                  "dp_pp4_interleaved_v2_mb8_ac", "naive_pp2_gpipe", "zero3_ac", "tp2_ac"])
-def test_missing_features_empty_for_implemented_plans(text):
-    assert missing_features(ParallelPlan.parse(text)) == []
-
-
-def test_missing_features_name_the_missing_parts():
-    # naive/dp/ZeRO, tp, pp and ac train now; ZeRO with tp or pp, and tp with pp, are to come (issue #6).
-    missing = missing_features(ParallelPlan.parse("zero3_tp2_pp2"))
-    joined = " ".join(missing).lower()
-    assert len(missing) == 3
-    assert "zero combined with tensor parallel" in joined and "zero combined with pipeline" in joined
-    assert "tensor parallel combined with pipeline" in joined
-    assert missing_features(ParallelPlan.parse("zero1_pp2_interleaved_v2_mb8_ac")) == [
-        "ZeRO combined with pipeline parallel (issue #6)"]
-    assert missing_features(ParallelPlan.parse("zero3_offload")) == []
 
 
 # -- regressions: suggestions are always valid plans; v1, out-of-range ranks ------------------------------
