@@ -187,6 +187,9 @@ class GPTModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.compute_loss(batch), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "sgd":  # not scale-invariant like Adam: shows what gradient clipping does
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)

@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 SINGLE = "single"  # one process, Lightning's default single-device strategy: the reference
 
@@ -40,6 +40,9 @@ class RunConfig:
     gradient_clip_val: float | None = None
     optimizer: str = "adamw"
     lr: float = 3e-3
+    epoch_steps: int | None = None  # optimizer steps per epoch (default: the whole dataset)
+    checkpoint_dir: str | None = None  # save a checkpoint there at the end of every epoch
+    resume: str | None = None  # a checkpoint to resume from (sharded directory or single file)
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -61,6 +64,9 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     import strategies  # noqa: F401  (registers the plan names)
     from demos.data import load_corpus
     from demos.gpt import make_demo
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from strategies.checkpoint import ShardedCheckpointIO
     from strategies.monitor import StrategyMonitor
 
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -71,22 +77,40 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     replicas = data_parallel_degree(config.strategy, config.devices)
     if config.batch_size % replicas:
         raise ValueError(f"global batch {config.batch_size} does not split over {replicas} data-parallel ranks")
+    if config.epoch_steps and config.steps % config.epoch_steps:
+        raise ValueError(f"steps ({config.steps}) must be a whole number of epochs of epoch_steps ({config.epoch_steps})")
+    if config.epoch_steps:
+        # An epoch of exactly epoch_steps optimizer steps: a dataset of that many global batches (rather than
+        # limit_train_batches, which a resumed run does not honour for the epoch it resumes in).
+        dataset = Subset(dataset, range(config.epoch_steps * config.batch_size * config.accumulate))
     sampler = None
     if config.strategy == SINGLE:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
     loader = DataLoader(dataset, batch_size=config.batch_size // replicas, sampler=sampler, drop_last=True)
     monitor = StrategyMonitor(warmup_steps=config.warmup_steps)
     single = config.strategy == SINGLE
+    callbacks: list = [monitor]
+    if config.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, every_n_epochs=1))
+    val_loaders = None
+    if config.checkpoint_dir:
+        # A one-batch validation after each epoch (the checkpoint is saved after it), as in a real run.
+        val_loaders = DataLoader(Subset(dataset, range(config.batch_size)), batch_size=config.batch_size // replicas)
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if single else config.devices, strategy="auto" if single else config.strategy,
-        max_steps=config.steps, accumulate_grad_batches=config.accumulate, precision=config.precision,
+        # With epochs of a known length, the run is counted in epochs: Lightning 2.6 resumes an epoch-end
+        # checkpoint of a max_steps run as an unfinished epoch (one batch too many), not of a max_epochs run.
+        max_steps=-1 if config.epoch_steps else config.steps,
+        max_epochs=config.steps // config.epoch_steps if config.epoch_steps else None, accumulate_grad_batches=config.accumulate, precision=config.precision,
         gradient_clip_val=config.gradient_clip_val,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[monitor],
+        logger=False, enable_checkpointing=bool(config.checkpoint_dir), enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, limit_val_batches=1 if val_loaders else 0,
+        # One process reads the pack's sharded checkpoints too (a plan's strategy reads them itself).
+        plugins=[ShardedCheckpointIO()] if single else None,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        trainer.fit(module, loader)
+        trainer.fit(module, loader, val_loaders, ckpt_path=config.resume)
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
     # The single-device view of the weights (tensor-parallel slices gathered back): a collective, all ranks.
     state = trainer.strategy.lightning_module_state_dict()

@@ -35,6 +35,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-clip-val", type=float, default=None, help="clip by the global gradient norm")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
+    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file)")
 
 
 def _config(args: argparse.Namespace, strategy: str):
@@ -187,6 +190,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from strategies.checkpoint import CheckpointError, convert, read_manifest
+
+    try:
+        manifest = read_manifest(args.checkpoint)
+        obj = convert(args.checkpoint, args.out, model_only=args.model_only, strip_prefix=args.strip_prefix)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    what = f"model state_dict ({len(obj)} tensors)" if args.model_only else "Lightning checkpoint"
+    print(f"{args.out}: {what} from a {manifest.get('plan', '?')} checkpoint of {manifest['world_size']} rank(s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stratpack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -215,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-per-rank", type=int, default=8)
     p.add_argument("--out", default=None, help="also write the results as JSON")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("convert", help="a sharded checkpoint directory -> one file (torch.save)")
+    p.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. epoch=0-step=3.ckpt)")
+    p.add_argument("out", help="the file to write")
+    p.add_argument("--model-only", action="store_true",
+                   help="write only the model's state_dict, which model.load_state_dict accepts")
+    p.add_argument("--strip-prefix", default="", help="with --model-only: keep keys under this prefix, without it "
+                   "(e.g. 'model.' for the nn.Module inside the LightningModule)")
+    p.set_defaults(func=_cmd_convert)
     p = sub.add_parser("plan", help="parse a strategy string and show its layout")
     p.add_argument("plan")
     p.add_argument("--world-size", type=int, default=8)

@@ -190,6 +190,15 @@ def broadcast_object(obj: Any, axis: Axis, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any, axis: Axis) -> list[Any]:
+    """Every rank's ``obj`` in axis order (pickled; not counted: control messages)."""
+    if axis.size == 1:
+        return [obj]
+    out: list[Any] = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    return out
+
+
 def barrier(axis: Axis) -> None:
     if axis.size > 1:
         _run(Op.BARRIER, axis, lambda: dist.barrier(group=axis.group), 0, 0, False)

@@ -31,6 +31,7 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from strategies import comm
+from strategies.checkpoint import load_any, save_sharded
 from strategies.comm import CommStats
 from strategies.data_parallel import (
     DEFAULT_BUCKET_CAP_MB,
@@ -54,6 +55,15 @@ from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, spl
 from strategies.zero3 import Zero3GradSync
 
 TIMEOUT_ENV = "STRATPACK_TIMEOUT"
+
+
+def _pack_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stratpack")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def collective_timeout(timeout: timedelta | float | None = None) -> timedelta:
@@ -356,6 +366,23 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
             return
         with self.grad_sync.no_sync():
             yield
+
+    # -- checkpoints: every rank writes its part (strategies.checkpoint) ------------------------------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("PlanStrategy's sharded checkpoints take no storage_options")
+        world = self.mesh.world
+        save_sharded(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size,
+                     broadcast=lambda obj: comm.broadcast_object(obj, world, src=0),
+                     gather=lambda obj: comm.all_gather_object(obj, world), barrier=lambda: comm.barrier(world),
+                     info={"plan": str(self.resolved_plan), "pack_version": _pack_version()})
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # A sharded directory from any plan and world size, or a single-file checkpoint (single process, ddp).
+        return load_any(checkpoint_path)
 
     # -- Lightning's own collectives, through comm.py on the world axis -------------------------------------
 

@@ -167,39 +167,39 @@ def split_params(module: nn.Module, found: dict[str, Style]) -> dict[int, tuple[
     return out
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, found: dict[str, Style],
-                         axis: Axis) -> dict:
-    """``optimizer.state_dict()`` with every split parameter's state gathered to the full shape."""
-    split = split_params(module, found)
-    state = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, p in enumerate(params):
-        if id(p) not in split or index not in state["state"]:
-            continue
-        style = split[id(p)][1]
-        entry = dict(state["state"][index])  # state_dict() shares these dicts with the live optimizer
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                entry[key] = _unsplit(value, style, axis, 1 if isinstance(style, Rowwise) else 0)
-        state["state"][index] = entry
-    return state
+def split_styles(module: nn.Module, found: dict[str, Style]) -> dict[str, Style]:
+    """``{parameter name: style}`` for the parameters the plan split."""
+    return {name: style for name, style in split_params(module, found).values()}
 
 
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, found: dict[str, Style],
-                              axis: Axis, state: dict) -> None:
-    """Load a single-device-format optimizer state: every split parameter keeps its slice."""
-    split = split_params(module, found)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {"state": {k: dict(v) for k, v in state["state"].items()}, "param_groups": state["param_groups"]}
-    for index, p in enumerate(params):
-        entry = state["state"].get(index)
-        if id(p) not in split or entry is None:
-            continue
-        style = split[id(p)][1]
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
-                entry[key] = split_like(value, style, axis)
-    optimizer.load_state_dict(state)
+def unsplit_states(states: dict[int, dict], names: list[str], styles: dict[str, Style],
+                   shapes: dict[str, torch.Size], axis: Axis) -> dict[int, dict]:
+    """Per-parameter optimizer states (index -> {key: value}, ``names[index]`` the parameter) with every
+    split parameter's tensors gathered to the full shape (every tp rank must call it, with the same keys)."""
+    out = {}
+    for index in sorted(states, key=int):
+        entry, name = dict(states[index]), names[int(index)]
+        if name in styles:
+            style = styles[name]
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.shape == shapes[name]:
+                    entry[key] = _unsplit(value, style, axis, 1 if isinstance(style, Rowwise) else 0)
+        out[index] = entry
+    return out
+
+
+def split_states(states: dict[int, dict], names: list[str], styles: dict[str, Style],
+                 axis: Axis) -> dict[int, dict]:
+    """The inverse: this rank's slice of every split parameter's full-shaped state tensors."""
+    out = {}
+    for index, entry in states.items():
+        entry, name = dict(entry), names[int(index)]
+        if name in styles:
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and key != "step":
+                    entry[key] = split_like(value, styles[name], axis)
+        out[index] = entry
+    return out
 
 
 def clip_grad_norm(module: nn.Module, found: dict[str, Style], max_norm: float, axis: Axis) -> torch.Tensor:

@@ -154,13 +154,16 @@ class PipelineEngine:
 
     # -- state ---------------------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter from the rank that owns it (every rank must call this), buffers as they are."""
-        state = {k: v.detach() for k, v in self.module.state_dict().items()}
-        for name, p in self.module.named_parameters():
+    def full_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Every parameter from the rank that owns it (every rank must call this), buffers as they are.
+        ``state``: this rank's view to take the owned values from (default: the module's own; tensor
+        parallel passes its gathered, full-shaped one: placeholders then have the full shape too)."""
+        state = dict(state) if state is not None else {k: v.detach() for k, v in self.module.state_dict().items()}
+        for name, _ in self.module.named_parameters():
             src = schedules.owner(self.layout.stage_of(name), self.axis.size)
-            value = p.detach().clone() if src == self.axis.index else torch.empty(p.shape, dtype=p.dtype,
-                                                                                  device=p.device)
+            mine = state[name]
+            value = mine.clone() if src == self.axis.index else torch.empty(mine.shape, dtype=mine.dtype,
+                                                                            device=mine.device)
             comm.broadcast(value, self.axis, src=src)
             state[name] = value
         return state
@@ -169,22 +172,16 @@ class PipelineEngine:
         self.finish()
         self.runner_stages.restore(self.full_state_dict())
 
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The union of the stages' optimizer states (each holds its own parameters')."""
-        state = optimizer.state_dict()
+    def owns(self, name: str) -> bool:
+        """Whether this rank's stages hold parameter ``name``."""
+        return name in self.runner_stages.owned
+
+    def merge_states(self, state: dict[int, Any]) -> dict[int, Any]:
+        """The union of every stage's per-parameter optimizer states (each holds its own parameters')."""
         merged: dict = {}
         for src in range(self.axis.size):
-            theirs = comm.broadcast_object(state["state"] if src == self.axis.index else None, self.axis, src=src)
-            merged.update(theirs)
-        return {"state": merged, "param_groups": state["param_groups"]}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Keep only the states of this rank's parameters."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        mine = {i for i, p in enumerate(params) if names.get(id(p)) in self.runner_stages.owned}
-        optimizer.load_state_dict({"state": {k: v for k, v in state["state"].items() if int(k) in mine},
-                                   "param_groups": state["param_groups"]})
+            merged.update(comm.broadcast_object(state if src == self.axis.index else None, self.axis, src=src))
+        return merged
 
 
 def _capture(module: nn.Module, args: tuple, output: Any):
