@@ -226,6 +226,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         self._process_group_backend = backend
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        comm.RECORDER.timeout = self._timeout
         self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
 
     # -- model ------------------------------------------------------------------------------------------

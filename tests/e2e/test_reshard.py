@@ -1,0 +1,67 @@
+"""Checkpoints that move between plans and world sizes: saved by one, resumed by another, the run goes on with
+the losses and parameters of an uninterrupted single-process run (tolerances of test_trainer.py).
+
+The runs have epochs of 3 steps; each saves a checkpoint after each epoch (after a one-batch validation),
+and the resumed runs start from the one after epoch 0 (step 3) and train to step 6.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from strategies.testing import ATOL, PARAM_ATOL, RTOL, train_demo
+
+EPOCHS = ("--epoch-steps", "3", "--steps", "6")
+STEP3 = "epoch=0-step=3.ckpt"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train_demo(tmp_path_factory.mktemp("ref"), "single", 1, *EPOCHS)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, reference):
+    # The headline plan saves: dp2 x tp2 x pp2, ZeRO-3 over dp, each rank writing its part.
+    tmp = tmp_path_factory.mktemp("zero3_tp2_pp2")
+    result, params = train_demo(tmp, "zero3_tp2_pp2", 8, *EPOCHS, "--checkpoint-dir", str(tmp / "ckpt"))
+    return result, params, str(tmp / "ckpt" / STEP3)
+
+
+def _assert_continues(result, params, reference) -> None:
+    ref_result, ref_params = reference
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"][3:]), rtol=RTOL,
+                               atol=ATOL)
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=RTOL, atol=PARAM_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_sharded_save_is_a_directory_of_parts_with_a_manifest(saved, reference):
+    result, params, path = saved
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference[0]["losses"]), rtol=RTOL,
+                               atol=ATOL)  # saving does not disturb the run
+    names = sorted(os.listdir(path))
+    assert names == ["manifest.json", "meta.pt"] + [f"shard-{r:05d}-of-00008.pt" for r in range(8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,devices", [("zero1_pp2", 4), ("single", 1), ("zero3_tp2_pp2", 8),
+                                              ("dp_tp2_sp", 4)])
+def test_resume_under_another_plan_and_world_size(tmp_path, saved, reference, strategy: str, devices: int):
+    result, params = train_demo(tmp_path, strategy, devices, *EPOCHS, "--resume", saved[2])
+    _assert_continues(result, params, reference)
+
+
+@pytest.mark.slow
+def test_single_file_checkpoint_resumes_under_a_plan(tmp_path, reference):
+    first = tmp_path / "single"
+    first.mkdir()
+    train_demo(first, "single", 1, *EPOCHS, "--checkpoint-dir", str(first / "ckpt"))
+    assert os.path.isfile(first / "ckpt" / STEP3)  # Lightning's own single-file format
+    result, params = train_demo(tmp_path, "zero2_tp2", 4, *EPOCHS, "--resume", str(first / "ckpt" / STEP3))
+    _assert_continues(result, params, reference)
