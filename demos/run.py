@@ -61,7 +61,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     """Fit the demo GPT for ``config.steps`` optimizer steps; the monitor's summary plus the config.
 
     ``params_out``: rank 0 also saves the final parameters there (``torch.save`` of the state dict)."""
-    import strategies  # noqa: F401  (registers the plan names)
+    import strategies  # noqa: F401  (registers the plan names)  # pyflakes: used for its side effect
     from demos.data import load_corpus
     from demos.gpt import make_demo
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -112,6 +112,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(module, loader, val_loaders, ckpt_path=config.resume)
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
+    # What this rank's loggers saw last (rank 0 writes the logs): e.g. train_loss of the last step.
+    result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     # The single-device view of the weights (tensor-parallel slices gathered back): a collective, all ranks.
     state = trainer.strategy.lightning_module_state_dict()
     result["num_params"] = sum(v.numel() for v in state.values())

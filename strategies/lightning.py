@@ -401,6 +401,17 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         return comm.broadcast_object(obj, self.mesh.world, src=src)
 
     @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """Every rank's ``tensor`` stacked in rank order (no gradient flows back through it)."""
+        if sync_grads:
+            raise NotImplementedError("PlanStrategy.all_gather does not propagate gradients (sync_grads=True)")
+        if self.mesh is None:
+            return tensor.unsqueeze(0)
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        comm.all_gather(out.view(-1), tensor.detach().contiguous().view(-1), self.mesh.world)
+        return out
+
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if not isinstance(tensor, Tensor) or self.mesh is None:
             return tensor

@@ -8,6 +8,8 @@ pipeline parallel"). Evaluation steps go through `PipelineEngine.eval_step`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,13 +63,35 @@ class PipelineStepsMixin(ParallelStrategy):
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         self._in_schedule = True  # training_step runs on the last stage only: no world collective from it
         try:
-            loss = self.pipeline.train_step(batch, batch_idx, step, self.root_device, self.grad_sync, accumulate)
+            with _deferred_logs(self.lightning_module) as logged:
+                loss = self.pipeline.train_step(batch, batch_idx, step, self.root_device, self.grad_sync, accumulate)
         finally:
             self._in_schedule = False
+        self._replay_logs(logged)
         self._pipeline_grads = {id(p): p.grad for p in params}
         for p in params:
             p.grad = None
         return loss
+
+    def _replay_logs(self, logged: list[tuple[str, Any, tuple, dict]]) -> None:
+        # What training_step logged, per microbatch, on the last stage: averaged over the microbatches (equal
+        # sizes: the batch's mean), sent to every pp rank and logged there with the user's options. So rank 0,
+        # which holds stage 0 and writes the logs, logs the batch's values, and sync_dist reduces over every rank.
+        pipeline = self.pipeline
+        payload = None
+        if self.mesh.pp.index == pipeline.last_rank:
+            entries: dict[str, tuple[list[float], tuple, dict]] = {}
+            for name, value, args, kwargs in logged:
+                if isinstance(value, Tensor):
+                    value = value.detach().float().mean().item() if value.numel() == 1 else None
+                if not isinstance(value, (int, float)) or value is None:
+                    raise TypeError(f"under pipeline parallel, training_step can log numbers and one-element "
+                                    f"tensors (averaged over the microbatches); {name!r} is neither")
+                entries.setdefault(name, ([], args, kwargs))[0].append(float(value))
+            payload = [(name, sum(v) / len(v), args, kwargs) for name, (v, args, kwargs) in entries.items()]
+        payload = comm.broadcast_object(payload, self.mesh.pp, src=pipeline.last_rank)
+        for name, value, args, kwargs in payload:
+            self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -102,3 +126,18 @@ class PipelineStepsMixin(ParallelStrategy):
         if self.pipeline is None:
             return super().predict_step(*args, **kwargs)
         return self._pipeline_eval("predict_step", *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _deferred_logs(module: Any) -> Iterator[list[tuple[str, Any, tuple, dict]]]:
+    """``module.log(...)`` calls are collected instead of reaching Lightning (self.log_dict goes through log)."""
+    calls: list[tuple[str, Any, tuple, dict]] = []
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append((name, value, args, kwargs))
+
+    module.log = log
+    try:
+        yield calls
+    finally:
+        del module.log

@@ -73,10 +73,12 @@ class StrategyMonitor(L.Callback):
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         comm = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
-        memory = {}
+        memory: dict[str, float] = {}
         if hasattr(trainer.strategy, "model_state_bytes"):
             memory = dict(trainer.strategy.model_state_bytes())
             memory["activations_peak"] = trainer.strategy.peak_activation_bytes
+        memory["peak_rss"] = _peak_rss_bytes()
+        per_rank = _gather_per_rank(trainer, memory)
         self.summary = {
             "steps": steps,
             "world_size": trainer.world_size,
@@ -86,6 +88,7 @@ class StrategyMonitor(L.Callback):
             "tokens_per_s": samples_per_s * tokens if tokens else None,
             "comm_per_step": comm,
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
+            "memory_bytes_per_rank": per_rank,  # every rank's, in rank order
         }
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
@@ -104,3 +107,20 @@ class StrategyMonitor(L.Callback):
             "partition": pipeline.layout.describe().splitlines(),
             "timeline": [vars(e) for e in last.timeline] if last is not None else [],
         }
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (what the OS saw: Python, torch, buffers and all)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _gather_per_rank(trainer: L.Trainer, values: dict[str, float]) -> list[dict[str, float]]:
+    """``values`` of every rank (the same keys on each), gathered in rank order."""
+    keys = sorted(values)
+    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=trainer.strategy.root_device)
+    rows = trainer.strategy.all_gather(mine) if trainer.world_size > 1 else mine.unsqueeze(0)
+    return [{k: int(v) for k, v in zip(keys, row.tolist())} for row in rows.reshape(trainer.world_size, len(keys))]

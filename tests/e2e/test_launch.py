@@ -145,7 +145,9 @@ class SequentialRegression(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_mse", loss, sync_dist=True)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -168,18 +170,21 @@ def _fit_sequential(strategy, devices: int):
                         limit_val_batches=2)
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, seed=0) if devices == 1 else None
     trainer.fit(module, DataLoader(data, batch_size=8, sampler=sampler), DataLoader(data, batch_size=8))
-    return module, trainer.callback_metrics["val_mse"]
+    return module, trainer.callback_metrics["val_mse"], trainer.callback_metrics["train_mse"]
 
 
 @pytest.mark.parametrize("balance", ["params", "time"])
 def test_pipeline_on_a_plain_sequential(balance: str):
     # pp cuts the Sequential itself (balanced by parameters, or by each layer's forward time measured on the
     # first batch); validation runs through the stages and logs the same value on every rank.
-    ref, ref_val = _fit_sequential("auto", 1)
+    ref, ref_val, ref_train = _fit_sequential("auto", 1)
     strategy = strategies.PlanStrategy("pp2_1f1b_mb4", start_method="spawn", pipeline_balance=balance,
                                        timeout=__import__("datetime").timedelta(seconds=60))
-    got, val = _fit_sequential(strategy, 2)
+    got, val, train = _fit_sequential(strategy, 2)
     torch.testing.assert_close(val, ref_val, rtol=1e-5, atol=1e-7)
+    # training_step's self.log(sync_dist=True) runs on the last stage per microbatch: replayed on every rank
+    # as the mean over the microbatches, it is the batch's value, as in one process.
+    torch.testing.assert_close(train, ref_train, rtol=1e-5, atol=1e-7)
     for (name, a), b in zip(got.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
