@@ -77,6 +77,10 @@ class StrategyMonitor(L.Callback):
         if hasattr(trainer.strategy, "model_state_bytes"):
             memory = dict(trainer.strategy.model_state_bytes())
             memory["activations_peak"] = trainer.strategy.peak_activation_bytes
+        else:  # another strategy (one process, Lightning's ddp): what the module and its optimizers hold
+            from strategies.memory import model_state_bytes
+
+            memory = dict(model_state_bytes(pl_module, trainer.optimizers))
         memory["peak_rss"] = _peak_rss_bytes()
         per_rank = _gather_per_rank(trainer, memory)
         self.summary = {

@@ -144,7 +144,11 @@ class ParallelPlan:
 
         def put(key: str, value: object, token: str) -> None:
             if key in seen:
-                raise ValueError(f"{text!r}: {token!r} repeats the {key} already given; each part appears once")
+                why = ""
+                if key == "data":  # e.g. naive_zero1: two ways of running data parallel at once
+                    why = (f" ({fields[key].value} and {token} are both data-parallel modes, and the dp ranks run "
+                           "one: naive, dp, zero1, zero2 or zero3)")
+                raise ValueError(f"{text!r}: {token!r} repeats the {key} already given; each part appears once{why}")
             seen.add(key)
             fields[key] = value
 
