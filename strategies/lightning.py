@@ -442,37 +442,22 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._failed is not None:
-            self._teardown_after_failure()
-            return
-        if isinstance(self.grad_sync, Zero3GradSync):
+        # After a failure, only local undoing (hooks): gathering would wait on ranks that may be gone or stuck
+        # elsewhere, and the module is left as it was when the step failed.
+        gather = self._failed is None and self.lightning_module is not None
+        if gather and isinstance(self.grad_sync, Zero3GradSync):
             self.grad_sync.gather_all()  # leave a normal module behind: every parameter full again
-        if self.pipeline is not None and self.lightning_module is not None:
+        if gather and self.pipeline is not None:
             self.pipeline.restore_full_model()  # every parameter back from its stage: a whole module again
-            self.pipeline = None
+        self.pipeline = None
         remove_activation_checkpointing(self._checkpointed)
         self._checkpointed = []
         if self.sequence_parallel is not None:
             self.sequence_parallel.remove()
             self.sequence_parallel = None
-        if self.tp_layers and self.lightning_module is not None:
+        if gather and self.tp_layers:
             restore_full_layers(self.lightning_module, self.tp_layers, self.mesh.tp)  # the same for tp
-            self.tp_layers = {}
-        if self.grad_sync is not None:
-            self.grad_sync.remove()
-            self.grad_sync = None
-        super().teardown()
-
-
-    def _teardown_after_failure(self) -> None:
-        # Local undo only (hooks), no gathering: the module is left as it was when the step failed.
-        if self.pipeline is not None:
-            self.pipeline = None
-        remove_activation_checkpointing(self._checkpointed)
-        self._checkpointed = []
-        if self.sequence_parallel is not None:
-            self.sequence_parallel.remove()
-            self.sequence_parallel = None
+        self.tp_layers = {}
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None
