@@ -43,6 +43,9 @@ class RunConfig:
     epoch_steps: int | None = None  # optimizer steps per epoch (default: the whole dataset)
     checkpoint_dir: str | None = None  # save a checkpoint there at the end of every epoch
     resume: str | None = None  # a checkpoint to resume from (sharded directory or single file)
+    runs_dir: str | None = None  # the run store (default $STRATPACK_RUNS or ./runs)
+    comparison: str | None = None  # the id shared by the runs of one `stratpack compare`
+    wandb: str = "auto"  # auto (offline unless logged in; off without wandb), offline, online, off
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -65,8 +68,9 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     from demos.data import load_corpus
     from demos.gpt import make_demo
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import WandbLogger
 
-    from strategies.checkpoint import ShardedCheckpointIO
+    from strategies.sharded_checkpoint import ShardedCheckpointIO
     from strategies.monitor import StrategyMonitor
 
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -87,7 +91,9 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     if config.strategy == SINGLE:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
     loader = DataLoader(dataset, batch_size=config.batch_size // replicas, sampler=sampler, drop_last=True)
-    monitor = StrategyMonitor(warmup_steps=config.warmup_steps)
+    monitor = StrategyMonitor(warmup_steps=config.warmup_steps, runs_dir=config.runs_dir,
+                              comparison=config.comparison, label=config.strategy,
+                              meta={"seed": config.seed, "run_config": asdict(config)})
     single = config.strategy == SINGLE
     callbacks: list = [monitor]
     if config.checkpoint_dir:
@@ -103,7 +109,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         max_steps=-1 if config.epoch_steps else config.steps,
         max_epochs=config.steps // config.epoch_steps if config.epoch_steps else None, accumulate_grad_batches=config.accumulate, precision=config.precision,
         gradient_clip_val=config.gradient_clip_val,
-        logger=False, enable_checkpointing=bool(config.checkpoint_dir), enable_progress_bar=False,
+        logger=_wandb_logger(config) or False, enable_checkpointing=bool(config.checkpoint_dir), enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, limit_val_batches=1 if val_loaders else 0,
         # One process reads the pack's sharded checkpoints too (a plan's strategy reads them itself).
         plugins=[ShardedCheckpointIO()] if single else None,
@@ -111,7 +117,12 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(module, loader, val_loaders, ckpt_path=config.resume)
+    if isinstance(trainer.logger, WandbLogger) and trainer.global_rank == 0:
+        import wandb
+
+        wandb.finish()  # flush the run to disk now: the CLI ends its processes with os._exit
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
+    result["model"] = asdict(module.config)  # the shape the estimator needs (strategies.estimate)
     # What this rank's loggers saw last (rank 0 writes the logs): e.g. train_loss of the last step.
     result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     # The single-device view of the weights (tensor-parallel slices gathered back): a collective, all ranks.
@@ -125,6 +136,38 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return result
+
+
+def _wandb_logger(config: RunConfig):
+    """A WandbLogger grouped by comparison: offline unless the user is logged in or asks for online; None
+    when wandb is off or not installed (training never depends on it)."""
+    if config.wandb == "off":
+        return None
+    try:
+        import wandb  # noqa: F401
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:
+        if config.wandb != "auto":
+            warnings.warn(f"wandb={config.wandb!r} asked for, but wandb is not installed: not logging to wandb")
+        return None
+    mode = os.environ.get("WANDB_MODE")
+    if config.wandb in ("offline", "online"):
+        mode = config.wandb
+    elif mode is None:
+        mode = "online" if _wandb_logged_in() else "offline"
+    from strategies.runstore import runs_dir
+
+    save_dir = runs_dir(config.runs_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    return WandbLogger(project="stratpack", group=config.comparison, name=config.strategy, save_dir=str(save_dir),
+                       offline=mode != "online", config=asdict(config))
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.expanduser("~/.netrc")
+    return os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read()
 
 
 def write_result(result: dict[str, Any], path: str) -> None:

@@ -11,6 +11,7 @@ from strategies.lightning import DataParallelStrategy, NaiveDataParallelStrategy
 from strategies.mesh import ParallelMesh
 from strategies.plan import DataMode, ParallelPlan, Schedule
 from strategies.registry import install as _install_registry
+from strategies.sharded_checkpoint import ShardedCheckpointIO
 from strategies.tp_plan import Colwise, Rowwise, VocabEmbedding
 
 _install_registry()
@@ -30,5 +31,6 @@ __all__ = [
     "PlanStrategy",
     "Rowwise",
     "Schedule",
+    "ShardedCheckpointIO",
     "VocabEmbedding",
 ]

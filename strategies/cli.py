@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import fields
-from typing import Any
 
-DEFAULT_COMPARE = "single,naive,dp,ddp,zero1,zero2,zero3"
+from strategies.compare import DEFAULT as DEFAULT_COMPARE
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -38,6 +34,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file)")
+    p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
+    p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")
+    p.add_argument("--wandb", choices=("auto", "offline", "online", "off"), default=defaults.wandb,
+                   help="auto: offline unless logged in (off when wandb is not installed)")
 
 
 def _config(args: argparse.Namespace, strategy: str):
@@ -63,85 +63,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _run_in_subprocess(args: argparse.Namespace, strategy: str, out_dir: str, index: int) -> dict[str, Any]:
-    # Each run in its own interpreter: Lightning's popen launcher re-executes the command line, and one
-    # process group per process is all torch.distributed allows.
-    out = os.path.join(out_dir, f"run{index}.json")
-    cmd = [sys.executable, "-m", "strategies.cli", "train", strategy, "--out", out]
-    config = _config(args, strategy)
-    for field in fields(config):
-        value = getattr(config, field.name)
-        if field.name != "strategy" and value is not None:
-            cmd += [f"--{field.name.replace('_', '-')}", str(value)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-        return {"label": strategy, "error": "\n".join(tail) or f"exit code {proc.returncode}"}
-    with open(out) as f:
-        return json.load(f)
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def comm_bytes_per_step(result: dict[str, Any], axis: str = "dp") -> float | None:
-    """Bytes this rank sent per step on one mesh axis (None for strategies the pack does not count)."""
-    comm = result.get("comm_per_step")
-    if not comm:
-        return None
-    return sum(rec["bytes_sent"] for key, rec in comm.items() if key.endswith(f"/{axis}"))
-
-
-def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
-    """One row per strategy (repeats averaged): loss, speed, speed ratio against ``baseline``, traffic."""
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        rows.setdefault(r["label"], []).append(r)
-    base = rows.get(baseline, [])
-    base_tps = _mean([r.get("tokens_per_s") for r in base if "error" not in r])
-    header = f"{'strategy':<16}{'ranks':>6}{'final loss':>12}{'tokens/s':>12}{'vs ' + (baseline or '-'):>12}" \
-             f"{'dp KiB/step/rank0':>19}{'state KiB/rank0':>17}{'act KiB/rank0':>15}"
-    lines = [header, "-" * len(header)]
-    for label, runs in rows.items():
-        ok = [r for r in runs if "error" not in r]
-        if not ok:
-            lines.append(f"{label:<16}  FAILED: {runs[0]['error'].splitlines()[-1]}")
-            continue
-        tps = _mean([r.get("tokens_per_s") for r in ok])
-        loss = _mean([r["losses"][-1] for r in ok])
-        sent = comm_bytes_per_step(ok[0])
-        ratio = tps / base_tps if tps and base_tps else None
-        memory = ok[0].get("memory_bytes") or {}
-        state = memory.get("total")
-        act = memory.get("activations_peak")
-        lines.append(
-            f"{label:<16}{ok[0]['world_size']:>6}{_fmt(loss, '.4f'):>12}{_fmt(tps, ',.0f'):>12}"
-            f"{_fmt(ratio, '.3f'):>12}{_fmt(sent / 1024 if sent is not None else None, ',.1f'):>19}"
-            f"{_fmt(state / 1024 if state else None, ',.1f'):>17}{_fmt(act / 1024 if act else None, ',.1f'):>15}"
-        )
-    return "\n".join(lines)
-
-
-def _mean(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(values) / len(values) if values else None
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from strategies.compare import format_table, run_comparison
+
     labels = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    results = []
-    with tempfile.TemporaryDirectory(prefix="stratpack_") as tmp:
-        index = 0
-        for repeat in range(args.repeat):
-            # Alternate the order each repeat so slow drift on the machine does not favour one strategy.
-            order = labels if repeat % 2 == 0 else labels[::-1]
-            for label in order:
-                print(f"[{repeat + 1}/{args.repeat}] {label} on {1 if label == 'single' else args.devices} "
-                      f"rank(s)...", file=sys.stderr, flush=True)
-                results.append(_run_in_subprocess(args, label, tmp, index))
-                index += 1
+    args.runs_dir = args.runs_dir or None
+
+    def make_config(label: str, comparison: str):
+        args.comparison = comparison
+        return _config(args, label)
+
+    comparison, results = run_comparison(labels, make_config, args.repeat, args.runs_dir)
     print(format_table(results, args.baseline if args.baseline in labels else labels[0]))
+    print(f"comparison id: {comparison} (in the run store; `stratpack dashboard` shows it)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -151,6 +85,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from strategies.plan import ParallelPlan
 
+    if args.plan is None:
+        if args.params is None:
+            print("error: give a plan to explain, or --params (and --gpus, --gpu-mem) to rank the plans that fit",
+                  file=sys.stderr)
+            return 2
+        return _rank_plans(args)
     try:
         plan = ParallelPlan.parse(args.plan)
         resolved = plan.resolve(args.world_size)
@@ -161,6 +101,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"axes (outermost first): pp={resolved.pp} dp={resolved.dp} tp={resolved.tp}")
     for rank in range(args.world_size):
         print(f"  rank {rank}: {resolved.coordinates(rank)}")
+    return 0
+
+
+def _rank_plans(args: argparse.Namespace) -> int:
+    from strategies.estimate import GiB, Hardware, ModelShape, rank_plans
+
+    shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
+    hw = Hardware(gpus=args.gpus, memory=args.gpu_mem * GiB)
+    batch = args.global_batch or 8 * args.gpus
+    ranked = rank_plans(shape, hw, batch, precision=args.precision)
+    fits = [r for r in ranked if r.fits]
+    print(f"{args.params:.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, "
+          f"sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs of {args.gpu_mem:g} GiB "
+          f"(plans may fill {hw.usable:.0%}); {args.precision} precision with Adam")
+    print(f"{len(fits)} of {len(ranked)} plans fit. Predicted step time = compute + bubble + recompute + exposed "
+          f"communication at {hw.flops / 1e12:.0f} TFLOP/s per GPU, tp at {hw.tp_bandwidth / 1e9:.0f} GB/s, "
+          f"dp/pp at {hw.dp_bandwidth / 1e9:.0f} GB/s (a model to rank by, not a promise):")
+    best = fits[0] if fits else None
+    for r in (fits or ranked)[: args.top]:
+        print("  " + r.explain(shape, best))
+    if not fits:
+        print("none fits: more GPUs, more memory per GPU, or a smaller batch", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -191,7 +154,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from strategies.checkpoint import CheckpointError, convert, read_manifest
+    from strategies.sharded_checkpoint import CheckpointError, convert, read_manifest
 
     try:
         manifest = read_manifest(args.checkpoint)
@@ -240,9 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strip-prefix", default="", help="with --model-only: keep keys under this prefix, without it "
                    "(e.g. 'model.' for the nn.Module inside the LightningModule)")
     p.set_defaults(func=_cmd_convert)
-    p = sub.add_parser("plan", help="parse a strategy string and show its layout")
-    p.add_argument("plan")
+    p = sub.add_parser("plan", help="show a strategy string's layout, or rank the plans that fit a model (--params)")
+    p.add_argument("plan", nargs="?", default=None)
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--params", type=float, default=None, help="model size to plan for, e.g. 7e9")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpu-mem", type=float, default=80, help="GiB per GPU")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per GPU)")
+    p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    p.add_argument("--top", type=int, default=10, help="plans to show")
     p.set_defaults(func=_cmd_plan)
     args = parser.parse_args(argv)
     return args.func(args)

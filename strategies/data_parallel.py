@@ -147,7 +147,8 @@ class BucketedDataParallel(GradSync):
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.ring = ring  # explicit p2p ring (synchronous): shows the algorithm, tested equal to all_reduce
-        self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20))
+        # One replica (tp or pp using every rank): nothing to reduce, so no bucket buffers either (4 Psi saved).
+        self.buckets = _make_buckets(self.params, int(bucket_cap_mb * 2**20)) if axis.size > 1 else []
         self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._index = {id(p): k for k, p in enumerate(self.params)}
         self._fired = [False] * len(self.params)  # which params produced a gradient in this backward

@@ -31,7 +31,7 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from strategies import comm
-from strategies.checkpoint import load_any, save_sharded
+from strategies.sharded_checkpoint import load_any, save_sharded
 from strategies.comm import CommStats
 from strategies.data_parallel import (
     DEFAULT_BUCKET_CAP_MB,

@@ -1,11 +1,20 @@
-"""StrategyMonitor: what a run cost, measured per step on every rank.
+"""StrategyMonitor: what a run cost, measured per optimizer step on every rank, into the run store and wandb.
 
-This first version records step times, the global mean loss, throughput and the communication counters of
-the pack's strategies; the run store, memory and wandb arrive with the measurement issue (#7).
+Each rank appends one record per optimizer step to its own file of the run store (`runstore`): step time,
+its loss, learning rate, throughput, memory by category (the tensors it really holds, the activations
+autograd saved, the process's peak RSS, and on CUDA the allocator's peaks), the bytes and waiting time of
+every collective during the step (comm.py's counters), and under pipeline parallel its idle fraction. At
+the end rank 0 writes the run's summary (global mean losses, per-rank memory, the pipeline timeline); a
+run that crashed has no summary and reads as incomplete, with every step logged before the crash.
+
+Rank 0 also logs the same figures to any WandbLogger of the Trainer (keys ``loss``, ``memory/params``,
+``comm/all_reduce/dp/bytes_sent``, ``pipeline/bubble``...).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Any
 
@@ -13,25 +22,40 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from strategies import runstore
+
 
 class StrategyMonitor(L.Callback):
-    """Per-step wall times and losses; tokens/s after ``warmup_steps``; comm bytes per step.
+    """Per-step records on every rank; tokens/s after ``warmup_steps``; a summary at the end.
 
-    Losses are kept locally and averaged over the ranks once, at the end, so that measuring adds no
-    collective to the steps being timed.
+    Args:
+        warmup_steps: steps left out of the throughput figures.
+        tokens_per_sample: tokens in one sample (default: the module's ``tokens_per_sample``).
+        runs_dir: the run store (default ``$STRATPACK_RUNS`` or ``./runs``); ``store=False`` writes nothing.
+        run_id, comparison, label: the run's folder name (default: made up), the id shared by the runs of
+            one comparison, and the name shown for it (default: the strategy).
+        meta: more fields for the run's meta.json (model config, seed...).
     """
 
-    def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None) -> None:
+    def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None, *,
+                 runs_dir: str | os.PathLike | None = None, store: bool = True, run_id: str | None = None,
+                 comparison: str | None = None, label: str | None = None, meta: dict | None = None) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.warmup_steps = warmup_steps
         self.tokens_per_sample = tokens_per_sample
+        self.runs_dir, self.store, self.run_id = runs_dir, store, run_id
+        self.comparison, self.label, self.extra_meta = comparison, label, dict(meta or {})
+        self.writer: runstore.RunWriter | None = None
         self.step_ends: list[float] = []
         self.local_losses: list[float] = []
         self.samples_per_step = 0
         self._pending_loss = 0.0
+        self._last_comm: dict[str, dict[str, float]] = {}
         self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
         self.summary: dict[str, Any] = {}
+
+    # -- start --------------------------------------------------------------------------------------------
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -39,16 +63,25 @@ class StrategyMonitor(L.Callback):
         if stats is not None:
             stats.reset()  # leave out the set-up broadcast: count training steps only
         self.step_ends = [time.perf_counter()]
-        self.local_losses = []
-        self.bubbles = []
-        self._pending_loss = 0.0
+        self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
+        if self.store:
+            label = self.label or _strategy_label(trainer)
+            run_id = self.run_id or (runstore.new_run_id(label) if trainer.global_rank == 0 else None)
+            self.run_id = trainer.strategy.broadcast(run_id, src=0) if trainer.world_size > 1 else run_id
+            self.writer = runstore.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
+            if trainer.global_rank == 0:
+                meta = _meta(trainer, pl_module, label, self.comparison, self.extra_meta)
+                self.writer.write_meta({**meta, "run_id": self.run_id})
+
+    # -- each step ----------------------------------------------------------------------------------------
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         pipeline = getattr(trainer.strategy, "pipeline", None)
-        if pipeline is not None and pipeline.last_step is not None:
-            self.bubbles.append(pipeline.last_step.bubble)
+        bubble = pipeline.last_step.bubble if pipeline is not None and pipeline.last_step is not None else None
+        if bubble is not None:
+            self.bubbles.append(bubble)
         self._pending_loss += float(loss.detach())  # Lightning already divided it by accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
@@ -59,6 +92,36 @@ class StrategyMonitor(L.Callback):
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if trainer.world_size > 1 else 1
             self.samples_per_step = len(x) * replicas * trainer.accumulate_grad_batches
+        record = self._record(trainer, pl_module, bubble)
+        if self.writer is not None:
+            self.writer.append(record)
+        if trainer.global_rank == 0:
+            _to_wandb(trainer, record)
+
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, bubble: float | None) -> dict[str, Any]:
+        step_time = self.step_ends[-1] - self.step_ends[-2]
+        samples_per_s = self.samples_per_step / step_time if step_time > 0 else None
+        tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        tokens_per_s = samples_per_s * tokens if samples_per_s and tokens else None
+        return {
+            "step": trainer.global_step, "time": time.time(), "step_time_s": step_time,
+            "loss": self.local_losses[-1], "lr": optimizer.param_groups[0].get("lr") if optimizer else None,
+            "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
+            **_flops(trainer, pl_module, tokens_per_s),
+            "memory": _memory(trainer, pl_module, current=True), "comm": self._comm_delta(trainer), "bubble": bubble,
+        }
+
+    def _comm_delta(self, trainer: L.Trainer) -> dict[str, dict[str, float]]:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is None:
+            return {}
+        now = stats.snapshot()
+        delta = {key: {k: v - self._last_comm.get(key, {}).get(k, 0) for k, v in rec.items()} for key, rec in now.items()}
+        self._last_comm = now
+        return {key: rec for key, rec in delta.items() if rec["calls"] or rec["bytes_sent"] or rec["wait_s"]}
+
+    # -- end ----------------------------------------------------------------------------------------------
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -73,16 +136,7 @@ class StrategyMonitor(L.Callback):
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         comm = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
-        memory: dict[str, float] = {}
-        if hasattr(trainer.strategy, "model_state_bytes"):
-            memory = dict(trainer.strategy.model_state_bytes())
-            memory["activations_peak"] = trainer.strategy.peak_activation_bytes
-        else:  # another strategy (one process, Lightning's ddp): what the module and its optimizers hold
-            from strategies.memory import model_state_bytes
-
-            memory = dict(model_state_bytes(pl_module, trainer.optimizers))
-        memory["peak_rss"] = _peak_rss_bytes()
-        per_rank = _gather_per_rank(trainer, memory)
+        memory = _memory(trainer, pl_module)
         self.summary = {
             "steps": steps,
             "world_size": trainer.world_size,
@@ -90,13 +144,25 @@ class StrategyMonitor(L.Callback):
             "step_time_s": seconds / timed_steps if timed_steps > 0 else float("nan"),
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * tokens if tokens else None,
+            **_flops(trainer, pl_module, samples_per_s * tokens if tokens else None),
             "comm_per_step": comm,
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
-            "memory_bytes_per_rank": per_rank,  # every rank's, in rank order
+            "memory_bytes_per_rank": _gather_per_rank(trainer, memory),  # every rank's, in rank order
         }
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
             self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
+        if self.writer is not None:
+            self.writer.finish(self.summary if trainer.global_rank == 0 else None)
+            self.summary["run_dir"] = str(self.writer.path)
+            self.writer = None
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Every step so far is already on disk (flushed per step); without a summary the run reads incomplete.
+        if self.writer is not None:
+            self.writer.finish(None)
+            self.writer = None
 
     def _pipeline_summary(self, trainer: L.Trainer, pipeline: Any) -> dict[str, Any]:
         """The measured bubble (mean over the ranks of each rank's median over the timed steps) beside the
@@ -113,10 +179,122 @@ class StrategyMonitor(L.Callback):
         }
 
 
+# Dense peaks Lightning's table (lightning.fabric.utilities.throughput) lacks or mistakes (FLOP/s, by dtype).
+_PEAKS = {"h200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+          "b200": {torch.bfloat16: 2250e12, torch.float16: 2250e12, torch.float32: 80e12},
+          "l40s": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12}}
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """The device's dense peak FLOP/s for ``dtype`` and where the figure comes from (None on CPU)."""
+    if device.type != "cuda":
+        return None, "no peak known for CPUs"
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in _PEAKS.items():
+        if key in name.lower().replace(" ", ""):
+            return peaks.get(dtype), f"{name} (the pack's table)"
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    return get_available_flops(device, dtype), f"{name} (Lightning's table)"
+
+
+def _flops(trainer: L.Trainer, pl_module: L.LightningModule, tokens_per_s: float | None) -> dict[str, Any]:
+    """Model FLOP/s per device (6N + 12·L·h·s per token, the module's ``flops_per_token``) and MFU: model
+    FLOPs, not hardware FLOPs, so recomputation under ``ac`` does not count as useful work."""
+    per_token = getattr(pl_module, "flops_per_token", None)
+    if tokens_per_s is None or not callable(per_token):
+        return {"flops_per_s": None, "mfu": None}
+    flops = per_token() * tokens_per_s / trainer.world_size
+    dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else (
+        torch.float16 if "16" in str(trainer.precision) else torch.float32)
+    peak, source = device_peak_flops(trainer.strategy.root_device, dtype)
+    return {"flops_per_s": flops, "mfu": flops / peak if peak else None, "peak_flops": peak, "peak_source": source}
+
+
+def _strategy_label(trainer: L.Trainer) -> str:
+    plan = getattr(trainer.strategy, "resolved_plan", None)
+    return str(plan) if plan is not None else type(trainer.strategy).__name__
+
+
+def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = False) -> dict[str, float]:
+    """This rank's bytes by category: model states, activations saved for backward (this step's when
+    ``current``, else the run's peak), the process's peak RSS, and on CUDA the allocator's peaks."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "model_state_bytes"):
+        memory: dict[str, float] = dict(strategy.model_state_bytes())
+        memory["activations_peak"] = strategy.activation_bytes if current else strategy.peak_activation_bytes
+    else:  # another strategy (one process, Lightning's ddp): what the module and its optimizers hold
+        from strategies.memory import model_state_bytes
+
+        memory = dict(model_state_bytes(pl_module, trainer.optimizers))
+    memory["peak_rss"] = _peak_rss_bytes()
+    device = strategy.root_device
+    if device.type == "cuda":
+        memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
+        memory["max_reserved"] = torch.cuda.max_memory_reserved(device)
+    return memory
+
+
+def _meta(trainer: L.Trainer, pl_module: L.LightningModule, label: str, comparison: str | None,
+          extra: dict[str, Any]) -> dict[str, Any]:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import lightning
+
+    try:
+        pack = version("stratpack")
+    except PackageNotFoundError:
+        pack = None
+    plan = getattr(trainer.strategy, "resolved_plan", None)
+    device = trainer.strategy.root_device
+    config = getattr(pl_module, "config", None)
+    return {
+        "comparison": comparison, "label": label, "plan": str(plan) if plan is not None else None,
+        "degrees": {k: getattr(plan, k) for k in ("dp", "tp", "pp", "microbatches", "virtual")} if plan else None,
+        "world_size": trainer.world_size, "accumulate": trainer.accumulate_grad_batches,
+        "precision": str(trainer.precision),
+        "devices": [torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"],
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "stratpack": pack,
+                     "python": sys.version.split()[0]},
+        "model": vars(config) if config is not None and hasattr(config, "__dict__") else None,
+        "num_params": sum(p.numel() for p in pl_module.parameters()),
+        "git": _git_revision(), "started": time.time(), **extra,
+    }
+
+
+def _git_revision() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def _to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:
+    """The step's record, flattened, to every WandbLogger of the Trainer (rank 0)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+    if not loggers:
+        return
+    flat: dict[str, float] = {}
+    for key in ("loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "bubble"):
+        if isinstance(record.get(key), (int, float)):
+            flat["pipeline/bubble" if key == "bubble" else key] = float(record[key])
+    flat.update({f"memory/{k}": float(v) for k, v in record["memory"].items()})
+    for key, rec in record["comm"].items():
+        flat[f"comm/{key}/bytes_sent"] = float(rec["bytes_sent"])
+        flat[f"comm/{key}/wait_s"] = float(rec["wait_s"])
+    for logger in loggers:
+        logger.log_metrics(flat, step=record["step"])
+
+
 def _peak_rss_bytes() -> int:
     """This process's peak resident memory (what the OS saw: Python, torch, buffers and all)."""
     import resource
-    import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux

@@ -145,7 +145,10 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
     python = list(launcher) or [sys.executable]
     cmd = [*python, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
            "--out", str(out), "--params-out", str(params), *COMMON, *extra]
-    env = {**os.environ, "STRATPACK_TIMEOUT": os.environ.get("STRATPACK_TIMEOUT", "120")}
+    env = {**os.environ, "STRATPACK_TIMEOUT": os.environ.get("STRATPACK_TIMEOUT", "120"),
+           "STRATPACK_RUNS": str(tmp_path / "runs")}
+    if "--wandb" not in extra:
+        cmd += ["--wandb", "off"]  # wandb's offline service costs seconds a run; tested on its own
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{strategy} on {devices} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

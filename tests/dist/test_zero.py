@@ -14,6 +14,8 @@ import torch.distributed as dist
 from strategies.comm import Axis, CommStats
 from strategies.data_parallel import BucketedDataParallel
 from strategies.memory import model_state_bytes
+from strategies.estimate import data_parallel_bytes, model_states
+from strategies.plan import ParallelPlan
 from strategies.testing import TinyNet, global_batches, run_ranks, train
 from strategies.zero import shard_model
 from strategies.zero_state import full_optimizer_state, load_full_optimizer_state
@@ -163,12 +165,15 @@ def _memory_rank(rank: int, world: int, mode: str):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", ["dp", "zero1", "zero2", "zero3"])
 def test_model_state_bytes_match_the_formulas(mode: str, world: int):
+    # The estimator's ZeRO formulas: DDP 16 Psi, ZeRO-1 8 Psi + 8 Psi/N, ZeRO-2 4 Psi + 12 Psi/N, ZeRO-3 16 Psi/N.
     n = world
-    formula = {"dp": lambda psi: 16 * psi, "zero1": lambda psi: 8 * psi + 8 * psi / n,
-               "zero2": lambda psi: 4 * psi + 12 * psi / n, "zero3": lambda psi: 16 * psi / n}[mode]
+    plan = ParallelPlan.parse(mode).resolve(world)
     for memory, n_flats, units, peak_gathered, psi in run_ranks(_memory_rank, world, mode):
+        predicted = model_states(psi, plan)
         padding = 16 * (n - 1) * n_flats  # at most N-1 padding elements per flat, in each of 4 fp32 states
-        assert abs(memory["total"] - formula(psi)) <= 0.01 * formula(psi) + padding, (memory, formula(psi))
+        for category in ("params", "grads", "optimizer"):
+            assert abs(memory[category] - predicted[category]) <= 0.01 * predicted[category] + padding, (
+                category, memory, predicted)
         if mode == "zero3":  # between uses only the shards are held; in use, one unit plus the prefetched one
             largest_two = sum(sorted(units)[-2:])
             assert max(units) <= peak_gathered <= largest_two
@@ -206,3 +211,6 @@ def test_bytes_moved_per_step(stage: int, world: int):
             expected = 3 * ring * psi_bytes
         total = scattered + gathered
         assert expected - ring * last_unit <= total <= expected + 3 * ring * (padded_bytes - psi_bytes)
+        # The estimator's figure (one flat's padding; these flats are many small buckets).
+        predicted = data_parallel_bytes(171, ParallelPlan.parse(f"zero{stage}").resolve(world), last_unit // 4)
+        assert abs(total - sum(predicted.values())) <= 3 * ring * (padded_bytes - psi_bytes)

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 
 import strategies  # noqa: F401  (registers the plan names)
 from demos.gpt import GPTModule, make_demo
+from strategies.monitor import StrategyMonitor
 
 plan, devices, fault, fault_rank, fault_step = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 
@@ -37,6 +38,6 @@ base, dataset = make_demo(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=
 module = Faulty(base.config)
 trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=plan, max_steps=6, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    callbacks=[Kill()])
+                    callbacks=[Kill(), StrategyMonitor(warmup_steps=0)])  # the run store: $STRATPACK_RUNS
 trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=4, drop_last=True))
 print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)

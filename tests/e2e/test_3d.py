@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strategies.estimate import ModelShape, estimate
 from strategies.testing import ATOL, DEEP, PARAM_ATOL, RTOL, train_demo
 
 EIGHT = [("dp_tp2_pp2", ()), ("zero1_tp2_pp2", ()), ("zero2_tp2_pp2", ()), ("zero3_tp2_pp2", ()),
@@ -48,5 +49,14 @@ def test_3d_matches_single_device(tmp_path, references, strategy: str, devices: 
     assert any(key.endswith("/tp") for key in comm) == ("tp" in strategy)
     dp = devices // (2 if "tp2" in strategy else 1) // (2 if "pp2" in strategy else 1)
     assert any(key.endswith("/dp") for key in comm) == (dp > 1)
+    # What the estimator predicted for rank 0: its model states (1% plus ZeRO's padding) and the bytes of
+    # every collective it models (ZeRO-3 re-gathers per microbatch under pp: modelled to a few %).
+    predicted = estimate(ModelShape.from_config(result["model"], batch=8 // dp), strategy, devices)
+    states = sum(predicted.memory[0][k] for k in ("params", "grads", "optimizer", "host"))
+    assert abs(result["memory_bytes"]["total"] - states) <= 0.01 * states + 16 * dp * 16, (result["memory_bytes"],
+                                                                                          predicted.memory[0])
+    for key, value in predicted.comm.items():
+        rel = 0.06 if "zero3" in strategy and "pp" in strategy and key == "all_gather/dp" else 0.02
+        assert comm[key]["bytes_sent"] == pytest.approx(value, rel=rel, abs=256), (key, comm[key], value)
     if dp == 1:  # what rank 0 (stage 0) logged is the last stage's batch loss, averaged over the microbatches
         assert result["logged"]["train_loss"] == pytest.approx(result["losses"][-1], rel=1e-6)

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import strategies
-from strategies.checkpoint import ShardedCheckpointIO
+from strategies.sharded_checkpoint import ShardedCheckpointIO
 from demos.gpt import make_demo
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
@@ -66,15 +66,25 @@ def test_model_a_plan_cannot_split_fails_clearly_without_hanging():
 
 
 def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):
+    from strategies import runstore
+
     out = tmp_path / "runs.json"
-    proc = _cli("compare", "--strategies", "single,dp,ddp", "--devices", "2", "--steps", "4", "--n-embd", "16",
-                "--seq-len", "16", "--max-chars", "8000", "--json", str(out), timeout=600)
+    proc = _cli("compare", "--strategies", "single,dp,ddp,zero2", "--devices", "2", "--steps", "4", "--n-embd", "16",
+                "--seq-len", "16", "--max-chars", "8000", "--json", str(out), "--runs-dir", str(tmp_path / "runs"),
+                "--wandb", "off", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
-    assert set(rows) == {"single", "dp", "ddp"}
-    assert rows["single"][1] == "1" and rows["dp"][1] == rows["ddp"][1] == "2"
-    assert rows["single"][2] == rows["dp"][2] == rows["ddp"][2]  # final loss, 4 decimals
-    assert rows["dp"][5] != "-" and rows["ddp"][5] == "-"  # only the pack counts its own traffic
+    assert "[####################] 4/4" in proc.stderr  # the progress bar
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:6]}
+    assert set(rows) == {"single", "dp", "ddp", "zero2"}
+    assert rows["single"][1] == "1" and rows["dp"][1] == rows["ddp"][1] == rows["zero2"][1] == "2"
+    assert rows["single"][2] == rows["dp"][2] == rows["ddp"][2] == rows["zero2"][2]  # final loss, 4 decimals
+    assert all(float(rows[k][3]) < 1e-5 for k in rows)  # loss match against single
+    # state KiB measured / predicted: the estimator's ZeRO formulas, to the KiB (dp 16 Psi, ZeRO-2 4 + 12/N)
+    assert rows["dp"][6] == rows["dp"][8] and rows["zero2"][6] == rows["zero2"][8]
+    assert rows["dp"][9] == rows["dp"][11] != "-" and rows["ddp"][9] == "-"  # comm: only the pack counts its own
+    runs = [runstore.read_run(p) for p in runstore.list_runs(tmp_path / "runs")]
+    assert len(runs) == 4 and len({r["meta"]["comparison"] for r in runs}) == 1
+    assert all(r["status"] == "complete" for r in runs)
 
 
 def test_acceptance_one_liners():

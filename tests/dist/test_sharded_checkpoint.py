@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from strategies import checkpoint as ckpt
+from strategies import sharded_checkpoint as ckpt
 from strategies import comm
 from strategies.comm import Axis, CommStats
 from strategies.testing import run_ranks

@@ -1,0 +1,85 @@
+"""The estimator's formulas, its model of the demo GPT (exact), and the plan ranking.
+
+Measured figures are compared with it elsewhere: per-rank model states and dp bytes of the ZeRO engines in
+tests/dist/test_zero.py, and every 3D plan's rank-0 states and bytes per collective in tests/e2e/test_3d.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from demos.gpt import GPT, GPTConfig
+from strategies.cli import main as cli_main
+from strategies.estimate import GiB, Hardware, ModelShape, estimate, model_states, rank_plans, stage_params
+from strategies.plan import ParallelPlan
+
+
+def _plan(text: str, world: int) -> ParallelPlan:
+    return ParallelPlan.parse(text).resolve(world)
+
+
+@pytest.mark.parametrize("mode,expected", [("dp", 16), ("zero1", 8 + 8 / 4), ("zero2", 4 + 12 / 4), ("zero3", 16 / 4)])
+def test_zero_paper_model_states_fp32(mode: str, expected: float):
+    states = model_states(1000, _plan(mode, 4))
+    assert states["params"] + states["grads"] + states["optimizer"] == pytest.approx(expected * 1000)
+    assert states["host"] == 0
+
+
+def test_mixed_precision_is_the_papers_k_of_12_and_offload_moves_it_to_the_host():
+    assert sum(model_states(1000, _plan("dp", 8), "mixed").values()) == 16 * 1000  # 2 + 2 + 12
+    on_gpu = model_states(1000, _plan("zero3", 8), "mixed")
+    assert on_gpu["optimizer"] == 12 * 125
+    offloaded = model_states(1000, _plan("zero3_offload", 8), "mixed")
+    assert offloaded["optimizer"] == 0 and offloaded["host"] == 12 * 125 + 4 * 125
+
+
+def test_demo_gpt_parameter_count_is_exact():
+    config = GPTConfig(vocab_size=88, n_layer=3, n_head=4, n_embd=32, seq_len=16)
+    shape = ModelShape.from_config(vars(config))
+    assert shape.total() == sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_stage_params_split_and_cut_the_model():
+    shape = ModelShape(layers=4, hidden=32, heads=4, seq=16, vocab=88)
+    assert sum(stage_params(shape, _plan("pp2", 2))) == shape.total()
+    assert sum(stage_params(shape, _plan("pp2_interleaved_v2_mb2", 2))) == shape.total()
+    split, whole = shape.block()
+    assert stage_params(shape, _plan("tp2", 2)) == [shape.total() - 4 * split // 2]
+
+
+def test_pipeline_bubble_and_in_flight_activations():
+    shape = ModelShape(layers=4, hidden=32, heads=4, seq=16, vocab=88, batch=8)
+    gpipe, one_f_one_b = estimate(shape, "pp2_gpipe_mb4", 2), estimate(shape, "pp2_1f1b_mb4", 2)
+    assert gpipe.bubble == one_f_one_b.bubble == pytest.approx(1 / 5)
+    assert gpipe.memory[0]["activations"] == pytest.approx(2 * one_f_one_b.memory[0]["activations"])
+    recompute = estimate(shape, "pp2_1f1b_mb4_ac", 2)
+    assert recompute.memory[0]["activations"] < one_f_one_b.memory[0]["activations"] / 5
+
+
+def test_estimate_refuses_what_cannot_be():
+    shape = ModelShape(layers=2, hidden=30, heads=3, seq=16, vocab=88)
+    with pytest.raises(ValueError, match="3 heads do not divide by tp = 2"):
+        estimate(shape, "tp2", 2)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        estimate(shape, "dp", 2, precision="fp8")
+
+
+def test_ranking_puts_plans_that_fit_first_and_explains_each():
+    shape = ModelShape.from_params(7e9)
+    ranked = rank_plans(shape, Hardware(gpus=8, memory=80 * GiB), global_batch=64)
+    fits = [r for r in ranked if r.fits]
+    assert fits and ranked[: len(fits)] == fits
+    assert all(r.seconds >= fits[0].seconds for r in fits)
+    assert "fastest predicted" in fits[0].explain(shape, fits[0])
+    worst = ranked[-1]
+    assert not worst.fits and "does not fit" in worst.explain(shape, fits[0])
+    assert not any(r.fits for r in rank_plans(shape, Hardware(gpus=1, memory=16 * GiB), global_batch=8))
+
+
+def test_cli_plan_ranks_plans_for_a_model(capsys):
+    assert cli_main(["plan", "--params", "7e9", "--gpus", "8", "--gpu-mem", "80", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "of 140 plans fit" in out or "plans fit" in out
+    lines = [line for line in out.splitlines() if line.startswith("  ")]
+    assert len(lines) == 3 and "GiB/GPU (top:" in lines[0] and "fastest predicted" in lines[0]
+    assert cli_main(["plan", "--params", "70e9", "--gpus", "1", "--gpu-mem", "16"]) == 1
