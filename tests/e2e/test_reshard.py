@@ -65,3 +65,14 @@ def test_single_file_checkpoint_resumes_under_a_plan(tmp_path, reference):
     assert os.path.isfile(first / "ckpt" / STEP3)  # Lightning's own single-file format
     result, params = train_demo(tmp_path, "zero2_tp2", 4, *EPOCHS, "--resume", str(first / "ckpt" / STEP3))
     _assert_continues(result, params, reference)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_fails_naming_the_mismatch(tmp_path, saved):
+    with pytest.raises(AssertionError) as failed:
+        train_demo(tmp_path, "zero1_pp2", 4, *EPOCHS, "--n-embd", "16", "--resume", saved[2])
+    message = str(failed.value)
+    # Lightning's strict load names each parameter: "size mismatch for model.head.weight: copying a param
+    # with shape torch.Size([88, 32]) from checkpoint, the shape in current model is torch.Size([88, 16])"
+    assert "size mismatch for model." in message
+    assert "torch.Size([88, 32]) from checkpoint, the shape in current model is torch.Size([88, 16])" in message
