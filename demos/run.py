@@ -46,6 +46,7 @@ class RunConfig:
     runs_dir: str | None = None  # the run store (default $STRATPACK_RUNS or ./runs)
     comparison: str | None = None  # the id shared by the runs of one `stratpack compare`
     wandb: str = "auto"  # auto (offline unless logged in; off without wandb), offline, online, off
+    accelerator: str = "cpu"  # "gpu" / "auto" on a machine with GPUs (nccl)
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -71,6 +72,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     from lightning.pytorch.loggers import WandbLogger
 
     from strategies.sharded_checkpoint import ShardedCheckpointIO
+    from strategies.estimate import predict_run
     from strategies.monitor import StrategyMonitor
 
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -91,9 +93,11 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     if config.strategy == SINGLE:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
     loader = DataLoader(dataset, batch_size=config.batch_size // replicas, sampler=sampler, drop_last=True)
+    world = 1 if config.strategy == SINGLE else config.devices
+    predicted = predict_run(config.strategy, world, asdict(module.config), config.batch_size, config.accumulate)
     monitor = StrategyMonitor(warmup_steps=config.warmup_steps, runs_dir=config.runs_dir,
                               comparison=config.comparison, label=config.strategy,
-                              meta={"seed": config.seed, "run_config": asdict(config)})
+                              meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted})
     single = config.strategy == SINGLE
     callbacks: list = [monitor]
     if config.checkpoint_dir:
@@ -103,7 +107,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         # A one-batch validation after each epoch (the checkpoint is saved after it), as in a real run.
         val_loaders = DataLoader(Subset(dataset, range(config.batch_size)), batch_size=config.batch_size // replicas)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1 if single else config.devices, strategy="auto" if single else config.strategy,
+        accelerator=config.accelerator, devices=1 if single else config.devices, strategy="auto" if single else config.strategy,
         # With epochs of a known length, the run is counted in epochs: Lightning 2.6 resumes an epoch-end
         # checkpoint of a max_steps run as an unfinished epoch (one batch too many), not of a max_epochs run.
         max_steps=-1 if config.epoch_steps else config.steps,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from dataclasses import fields
 
@@ -34,6 +35,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file)")
+    p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
     p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")
     p.add_argument("--wandb", choices=("auto", "offline", "online", "off"), default=defaults.wandb,
@@ -67,6 +69,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from strategies.compare import format_table, run_comparison
 
     labels = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.strategies == DEFAULT_COMPARE:
+        labels += _gpu_reference_rows(args.accelerator)
     args.runs_dir = args.runs_dir or None
 
     def make_config(label: str, comparison: str):
@@ -80,6 +84,45 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 1 if any("error" in r for r in results) else 0
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("streamlit") is None:
+        print("error: the dashboard needs streamlit and plotly: pip install -e '.[dashboard]' (scripts/setup.sh "
+              "installs them)", file=sys.stderr)
+        return 2
+    from strategies.runstore import RUNS_ENV, runs_dir
+
+    app = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dashboard", "app.py")
+    env = {**os.environ, RUNS_ENV: str(runs_dir(args.runs_dir).resolve())}
+    if args.address != "127.0.0.1":
+        print(f"warning: serving on {args.address}: anyone who can reach this machine on port {args.port} can "
+              "read the run store", file=sys.stderr)
+    print(f"dashboard: http://{args.address}:{args.port} over {env[RUNS_ENV]} (Ctrl-C stops it)", file=sys.stderr,
+          flush=True)
+    cmd = [sys.executable, "-m", "streamlit", "run", app, "--server.address", args.address, "--server.port",
+           str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _gpu_reference_rows(accelerator: str) -> list[str]:
+    """Lightning's fsdp and DeepSpeed as reference rows where they run: on GPUs (Lightning refuses them on
+    CPU), DeepSpeed where it is installed."""
+    import importlib.util
+
+    import torch
+
+    if accelerator == "cpu" or not torch.cuda.is_available():
+        return []
+    rows = ["fsdp"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        rows += ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
+    return rows
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -195,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-per-rank", type=int, default=8)
     p.add_argument("--out", default=None, help="also write the results as JSON")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("dashboard", help="open the comparison dashboard over the run store")
+    p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
+    p.add_argument("--address", default="127.0.0.1", help="where to listen (default: this machine only)")
+    p.add_argument("--port", type=int, default=8501)
+    p.set_defaults(func=_cmd_dashboard)
     p = sub.add_parser("convert", help="a sharded checkpoint directory -> one file (torch.save)")
     p.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. epoch=0-step=3.ckpt)")
     p.add_argument("out", help="the file to write")

@@ -21,8 +21,6 @@ from dataclasses import fields
 from typing import Any
 
 DEFAULT = "single,naive,dp,ddp,zero1,zero2,zero3,tp2,pp2"
-_AS_PLAN = {"single": "dp", "ddp": "dp", "fsdp": "zero3", "deepspeed_stage_1": "zero1",
-            "deepspeed_stage_2": "zero2", "deepspeed_stage_3": "zero3"}
 
 
 def run_in_subprocess(config, out_dir: str, index: int) -> dict[str, Any]:
@@ -42,23 +40,19 @@ def run_in_subprocess(config, out_dir: str, index: int) -> dict[str, Any]:
 
 
 def predicted(result: dict[str, Any]) -> dict[str, float] | None:
-    """The estimator's rank-0 model-state bytes and bytes sent per step for a run's result (None when the
-    strategy has no plan equivalent)."""
-    from strategies.estimate import ModelShape, estimate
-    from strategies.plan import ParallelPlan
-    from strategies.registry import looks_like_plan
+    """The estimator's rank-0 model-state bytes, bytes sent per step and activations for a run's result
+    (None when the strategy has no plan equivalent)."""
+    from strategies.estimate import predict_run
 
-    label, world = result["label"], result["world_size"]
-    text = _AS_PLAN.get(label, label)
-    if not looks_like_plan(text) or "model" not in result:
+    if "model" not in result:
         return None
-    plan = ParallelPlan.parse(text).resolve(world)
     config = result["config"]
-    shape = ModelShape.from_config(result["model"], batch=config["batch_size"] // plan.dp * config["accumulate"])
-    est = estimate(shape, plan, world)
-    rank0 = est.memory[0]
-    return {"state": sum(rank0[k] for k in ("params", "grads", "optimizer", "host")),
-            "comm": sum(est.comm.values()), "activations": rank0["activations"]}
+    guess = predict_run(result["label"], result["world_size"], result["model"], config["batch_size"],
+                        config["accumulate"])
+    if guess is None:
+        return None
+    return {"state": guess["model_states"][0], "comm": sum(guess["comm"].values()),
+            "activations": guess["memory"][0]["activations"]}
 
 
 def loss_match(result: dict[str, Any], reference: dict[str, Any] | None) -> float | None:

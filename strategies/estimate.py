@@ -310,3 +310,30 @@ def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: st
         parts = step_time(local, est, plan, hw)
         ranked.append(Ranked(text, est, sum(parts.values()), parts, est.peak() <= hw.usable * hw.memory))
     return sorted(ranked, key=lambda r: (not r.fits, r.seconds))
+
+
+# -- a run's prediction, as the run store keeps it ---------------------------------------------------------
+
+LIGHTNING_AS_PLAN = {"single": "dp", "ddp": "dp", "fsdp": "zero3", "deepspeed_stage_1": "zero1",
+                     "deepspeed_stage_2": "zero2", "deepspeed_stage_3": "zero3"}
+
+
+def predict_run(label: str, world_size: int, model: dict, global_batch: int, accumulate: int = 1,
+                precision: str = "fp32") -> dict | None:
+    """What the estimator predicts for a run of ``label`` (a plan, or one of Lightning's names that does the
+    same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble.
+    None when the label has no plan equivalent or the model config is not a transformer's."""
+    from strategies.registry import looks_like_plan
+
+    text = LIGHTNING_AS_PLAN.get(label, label)
+    if not looks_like_plan(text):
+        return None
+    try:
+        plan = ParallelPlan.parse(text).resolve(world_size)
+        shape = ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate)
+        est = estimate(shape, plan, world_size, precision)
+    except (KeyError, ValueError):
+        return None
+    per_rank = [est.memory[plan.coordinates(rank)["pp"]] for rank in range(world_size)]
+    return {"plan": est.plan, "memory": per_rank, "comm": est.comm, "bubble": est.bubble,
+            "model_states": [sum(m[k] for k in ("params", "grads", "optimizer", "host")) for m in per_rank]}

@@ -22,7 +22,8 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from strategies import runstore
+from strategies import comm, runstore
+from strategies.pipeline import schedules
 
 
 class StrategyMonitor(L.Callback):
@@ -135,7 +136,7 @@ class StrategyMonitor(L.Callback):
         timed_steps = len(timed) - 1
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
-        comm = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
+        per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
         memory = _memory(trainer, pl_module)
         self.summary = {
             "steps": steps,
@@ -145,7 +146,7 @@ class StrategyMonitor(L.Callback):
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * tokens if tokens else None,
             **_flops(trainer, pl_module, samples_per_s * tokens if tokens else None),
-            "comm_per_step": comm,
+            "comm_per_step": per_step,
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
             "memory_bytes_per_rank": _gather_per_rank(trainer, memory),  # every rank's, in rank order
         }
@@ -171,11 +172,21 @@ class StrategyMonitor(L.Callback):
         mine = torch.tensor(float(torch.tensor(timed).median()) if timed else float("nan"), dtype=torch.float64)
         measured = trainer.strategy.reduce(mine, reduce_op="mean") if trainer.world_size > 1 else mine
         last = pipeline.last_step
+        mine_timeline = [vars(e) for e in last.timeline] if last is not None else []
+        mesh = getattr(trainer.strategy, "mesh", None)
+        every = comm.all_gather_object(mine_timeline, mesh.world) if mesh is not None else [mine_timeline]
+        plan = trainer.strategy.resolved_plan
+        table = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)
         return {
             "bubble_ideal": pipeline.ideal_bubble,
             "bubble_measured": float(measured),
             "partition": pipeline.layout.describe().splitlines(),
-            "timeline": [vars(e) for e in last.timeline] if last is not None else [],
+            "timeline": mine_timeline,  # this rank's last step
+            "timelines": {str(rank): events for rank, events in enumerate(every)},  # every rank's
+            # The schedule's table run on unit-time stages: what the measured timelines would be with equal
+            # stage times and free communication (pp rank -> [action, start]).
+            "ideal": {str(r): [[str(a), t] for a, t in actions] for r, actions in
+                      enumerate(schedules.simulate(table, plan.pp))},
         }
 
 

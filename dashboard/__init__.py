@@ -1,0 +1,1 @@
+"""The comparison dashboard (Streamlit + Plotly) over the run store: `stratpack dashboard`."""

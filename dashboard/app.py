@@ -1,0 +1,148 @@
+"""The comparison dashboard: `stratpack dashboard` (or `streamlit run dashboard/app.py`).
+
+Reads only the run store (``$STRATPACK_RUNS``, else ``./runs``). Nothing here imports torch at page load;
+the planner page imports the estimator (and so torch) when it is opened.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `streamlit run dashboard/app.py` from anywhere
+
+from dashboard import charts, data  # noqa: E402
+
+PAGES = ("Compare", "Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner")
+
+st.set_page_config(page_title="stratpack: strategies compared", layout="wide")
+root = os.environ.get(data.runstore.RUNS_ENV) or "runs"
+page = st.sidebar.radio("Page", PAGES)
+st.sidebar.caption(f"run store: `{root}`")
+
+
+def _csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return out.getvalue()
+
+
+def _chart(fig, name: str) -> None:
+    st.plotly_chart(fig, use_container_width=True)
+    st.download_button(f"Download {name} (HTML)", fig.to_html(include_plotlyjs="cdn"), f"{name}.html",
+                       mime="text/html", key=f"html-{name}")
+
+
+def _select(runs: list[dict]) -> list[dict]:
+    """The sidebar's filters: comparison, model size, world size, device."""
+    comparisons = sorted({r["meta"].get("comparison") or "(none)" for r in runs})
+    chosen = st.sidebar.multiselect("Comparison", comparisons, default=comparisons[-1:])
+    picked = [r for r in runs if (r["meta"].get("comparison") or "(none)") in chosen]
+    for title, key in (("Model parameters", "num_params"), ("World size", "world_size")):
+        values = sorted({r["meta"].get(key) for r in picked if r["meta"].get(key) is not None})
+        if len(values) > 1:
+            keep = st.sidebar.multiselect(title, values, default=values)
+            picked = [r for r in picked if r["meta"].get(key) in keep]
+    devices = sorted({", ".join(r["meta"].get("devices") or []) for r in picked})
+    if len(devices) > 1:
+        keep = st.sidebar.multiselect("Device", devices, default=devices)
+        picked = [r for r in picked if ", ".join(r["meta"].get("devices") or []) in keep]
+    return picked
+
+
+def page_planner() -> None:
+    st.header("Planner: which plans fit, before running anything")
+    col = st.columns(4)
+    params = col[0].number_input("Parameters (billions)", 0.1, 1000.0, 7.0)
+    gpus = col[1].number_input("GPUs", 1, 4096, 8)
+    memory = col[2].number_input("GiB per GPU", 1.0, 1024.0, 80.0)
+    batch = col[3].number_input("Global batch (samples)", 1, 65536, 64)
+    from strategies.estimate import GiB, Hardware, ModelShape, rank_plans  # torch: only on this page
+
+    shape = ModelShape.from_params(params * 1e9)
+    ranked = rank_plans(shape, Hardware(gpus=int(gpus), memory=memory * GiB), int(batch))
+    fits = [r for r in ranked if r.fits]
+    st.caption(f"{shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, sequence {shape.seq}; "
+               f"mixed precision Adam; {len(fits)} of {len(ranked)} plans fit")
+    best = fits[0] if fits else None
+    rows = [{"plan": r.label, "fits": r.fits, "GiB/GPU": round(r.estimate.peak() / GiB, 1),
+             "step s": round(r.seconds, 2), "bubble": round(r.estimate.bubble, 3),
+             "why": r.explain(shape, best).split(": ", 1)[-1]} for r in (fits or ranked)[:25]]
+    st.dataframe(rows, use_container_width=True)
+
+
+def main() -> None:
+    st.title("Strategies compared")
+    if page == "Planner":
+        page_planner()
+        return
+    runs, problems = data.load_runs(root)
+    for problem in problems:
+        st.warning(f"Skipped: {problem}")
+    if not runs:
+        st.info(f"No runs in `{root}` yet. Run `stratpack compare` (it writes there), or point "
+                f"${data.runstore.RUNS_ENV} at a run store.")
+        return
+    runs = _select(runs)
+    if not runs:
+        st.info("No run matches the filters.")
+        return
+    incomplete = [r["id"] for r in runs if r["status"] != "complete"]
+    if incomplete:
+        st.warning(f"Incomplete (crashed or still running; shown up to their last step): {', '.join(incomplete)}")
+    rows = data.summary_rows(runs)
+    if page == "Compare":
+        st.header("Side by side")
+        st.dataframe(rows, use_container_width=True)
+        st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
+        _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
+    elif page == "Memory":
+        st.header("Memory per rank")
+        memory = data.memory_rows(runs)
+        _chart(charts.memory_figure(memory), "memory")
+        _chart(charts.heatmap_figure(memory), "memory-heatmap")
+    elif page == "Throughput":
+        st.header("Throughput")
+        _chart(charts.throughput_figure(rows), "throughput")
+        scaling = charts.scaling_figure(rows)
+        if scaling is not None:
+            _chart(scaling, "scaling")
+        else:
+            st.caption("Scaling curves appear when a strategy has runs at several world sizes.")
+    elif page == "Communication":
+        st.header("Communication by collective and axis")
+        _chart(charts.comm_figure(data.comm_rows(runs)), "communication")
+    elif page == "Loss":
+        st.header("Loss: runs of the same model and data should coincide")
+        x = st.radio("against", ("step", "seconds"), horizontal=True)
+        _chart(charts.loss_figure(data.loss_rows(runs), x), "loss-curves")
+    elif page == "Pipeline":
+        page_pipeline(runs)
+
+
+def page_pipeline(runs: list[dict]) -> None:
+    st.header("Pipeline timeline")
+    piped = [r for r in runs if (r["summary"] or {}).get("pipeline")]
+    if not piped:
+        st.info("No pipeline-parallel run (pp > 1) among the selected runs.")
+        return
+    run = piped[[data.label(r) for r in piped].index(st.selectbox("Run", [data.label(r) for r in piped]))]
+    pipeline = run["summary"]["pipeline"]
+    st.metric("bubble measured / ideal", f"{pipeline['bubble_measured']:.3f} / {pipeline['bubble_ideal']:.3f}")
+    st.text("\n".join(pipeline.get("partition") or []))
+    timelines = pipeline.get("timelines") or {"0": pipeline.get("timeline") or []}
+    _chart(charts.timeline_figure(timelines, "Measured (last step)"), "timeline")
+    if pipeline.get("ideal"):
+        _chart(charts.timeline_figure(charts.ideal_timelines(pipeline["ideal"]), "The schedule's table (unit-time stages)"),
+               "timeline-ideal")
+
+
+main()

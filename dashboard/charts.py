@@ -1,0 +1,112 @@
+"""Plotly figures for the dashboard, built by pure functions from the tidy rows of `data` (tested alone)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import plotly.graph_objects as go
+
+COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "host": "#B279A2",
+          "activations": "#E45756", "forward": "#4C78A8", "backward": "#F58518"}
+MiB = 2**20
+
+
+def memory_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Stacked bars of memory per rank by category, measured beside predicted, for every run."""
+    fig = go.Figure()
+    x_of = lambda r: [f"{r['run']} r{r['rank']}", r["source"][:4]]  # noqa: E731 - two-level axis
+    for category in ("params", "grads", "optimizer", "host", "activations"):
+        picked = [r for r in rows if r["category"] == category]
+        if picked:
+            fig.add_bar(name=category, marker_color=COLORS[category], x=list(zip(*[x_of(r) for r in picked])),
+                        y=[r["bytes"] / MiB for r in picked])
+    fig.update_layout(barmode="stack", yaxis_title="MiB per rank", legend_title="category",
+                      title="Memory per rank: measured (meas) beside predicted (pred)")
+    return fig
+
+
+def heatmap_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Rank x strategy heatmap of measured memory (model states + activations): uneven stages show."""
+    totals: dict[tuple[str, int], float] = defaultdict(float)
+    for r in rows:
+        if r["source"] == "measured" and r["category"] != "host":
+            totals[(r["run"], r["rank"])] += r["bytes"] / MiB
+    runs = sorted({run for run, _ in totals})
+    ranks = sorted({rank for _, rank in totals})
+    z = [[totals.get((run, rank)) for run in runs] for rank in ranks]
+    fig = go.Figure(go.Heatmap(z=z, x=runs, y=[f"rank {r}" for r in ranks], colorscale="Viridis",
+                               colorbar_title="MiB"))
+    fig.update_layout(title="Device memory per rank (model states + activations)", yaxis_autorange="reversed")
+    return fig
+
+
+def throughput_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Tokens/s per run, and MFU where the device's peak is known."""
+    fig = go.Figure()
+    fig.add_bar(name="tokens/s", x=[r["run"] for r in rows], y=[r["tokens/s"] for r in rows],
+                marker_color=COLORS["params"])
+    if any(r.get("MFU") is not None for r in rows):
+        fig.add_scatter(name="MFU", x=[r["run"] for r in rows], y=[r.get("MFU") for r in rows], yaxis="y2",
+                        mode="markers", marker_size=12)
+        fig.update_layout(yaxis2={"overlaying": "y", "side": "right", "title": "MFU", "tickformat": ".0%"})
+    fig.update_layout(title="Throughput", yaxis_title="tokens/s")
+    return fig
+
+
+def scaling_figure(rows: list[dict[str, Any]]) -> go.Figure | None:
+    """Tokens/s against world size, one line per strategy: only when some strategy ran at several sizes."""
+    by_strategy: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in rows:
+        if r.get("tokens/s") and r.get("world size"):
+            by_strategy[r["strategy"]].append((r["world size"], r["tokens/s"]))
+    lines = {k: sorted(v) for k, v in by_strategy.items() if len({n for n, _ in v}) > 1}
+    if not lines:
+        return None
+    fig = go.Figure()
+    for strategy, points in lines.items():
+        fig.add_scatter(name=strategy, x=[n for n, _ in points], y=[t for _, t in points], mode="lines+markers")
+    fig.update_layout(title="Scaling", xaxis_title="ranks", yaxis_title="tokens/s")
+    return fig
+
+
+def comm_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Bytes rank 0 sends per step, stacked by collective and axis, per run."""
+    fig = go.Figure()
+    for key in sorted({f"{r['collective']}/{r['axis']}" for r in rows}):
+        picked = [r for r in rows if f"{r['collective']}/{r['axis']}" == key]
+        fig.add_bar(name=key, x=[r["run"] for r in picked], y=[r["bytes"] / 1024 for r in picked])
+    fig.update_layout(barmode="stack", title="Communication per step (rank 0)", yaxis_title="KiB sent")
+    return fig
+
+
+def loss_figure(rows: list[dict[str, Any]], x: str = "step") -> go.Figure:
+    """Loss curves overlaid: runs of the same model and data should coincide."""
+    fig = go.Figure()
+    for run in sorted({r["run"] for r in rows}):
+        picked = [r for r in rows if r["run"] == run]
+        fig.add_scatter(name=run, x=[r[x] for r in picked], y=[r["loss"] for r in picked], mode="lines+markers")
+    fig.update_layout(title=f"Loss against {x}", xaxis_title=x, yaxis_title="loss")
+    return fig
+
+
+def timeline_figure(timelines: dict[str, list[dict[str, Any]]], title: str) -> go.Figure:
+    """Gantt of a pipeline step: one row per rank, a bar per forward (blue) / backward (orange) action."""
+    fig = go.Figure()
+    for phase in ("forward", "backward"):
+        bars = [(rank, e) for rank, events in sorted(timelines.items(), key=lambda kv: int(kv[0]))
+                for e in events if e["phase"] == phase]
+        if bars:
+            fig.add_bar(name=phase, orientation="h", marker_color=COLORS[phase],
+                        y=[f"rank {rank}" for rank, _ in bars], x=[e["end"] - e["start"] for _, e in bars],
+                        base=[e["start"] for _, e in bars], text=[e["action"] for _, e in bars],
+                        textposition="inside")
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="seconds (or schedule slots)",
+                      yaxis_autorange="reversed")
+    return fig
+
+
+def ideal_timelines(ideal: dict[str, list[list[Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The schedule's table on unit-time stages, as timeline events."""
+    return {rank: [{"action": a, "phase": "forward" if a.startswith("F") else "backward", "start": t, "end": t + 1}
+                   for a, t in actions] for rank, actions in ideal.items()}

@@ -1,0 +1,144 @@
+"""The dashboard's view of the run store: runs as plain dicts and tidy tables, without importing torch.
+
+The store's reader (`strategies/runstore.py`, stdlib only) is loaded from its file, not as
+``strategies.runstore``: importing the ``strategies`` package registers the plan names with Lightning and so
+imports torch, which would cost the page seconds to open.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+_RUNSTORE = Path(__file__).resolve().parent.parent / "strategies" / "runstore.py"
+_spec = importlib.util.spec_from_file_location("stratpack_runstore", _RUNSTORE)
+runstore = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("stratpack_runstore", runstore)
+_spec.loader.exec_module(runstore)
+
+CATEGORIES = ("params", "grads", "optimizer", "host", "activations")
+MAX_FILE_BYTES = 256 * 2**20  # a record file larger than this is not read (a page must stay responsive)
+
+
+def load_runs(root: str | os.PathLike | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every readable run under ``root`` and a message for each folder that is not one (never raises)."""
+    runs, problems = [], []
+    base = runstore.runs_dir(root)
+    if not base.is_dir():
+        return [], []
+    for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "wandb"):
+        try:
+            too_big = [f.name for f in folder.glob("rank*.jsonl") if f.stat().st_size > MAX_FILE_BYTES]
+            if too_big:
+                raise runstore.RunError(f"{folder.name}: {', '.join(too_big)} larger than {MAX_FILE_BYTES >> 20} MiB")
+            run = runstore.read_run(folder)
+        except (runstore.RunError, OSError, UnicodeDecodeError) as err:
+            problems.append(str(err))
+            continue
+        run["id"] = folder.name
+        runs.append(run)
+    return runs, problems
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def label(run: dict[str, Any]) -> str:
+    meta = run["meta"]
+    return f"{meta.get('label') or run['id']} ({meta.get('world_size', '?')})"
+
+
+def final_records(run: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each rank's last record."""
+    return {rank: records[-1] for rank, records in run["records"].items() if records}
+
+
+def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The side-by-side table: one row per run."""
+    reference = {}
+    for run in runs:  # the single-process run of each comparison is the loss reference
+        if run["meta"].get("label") == "single" and run["summary"]:
+            reference[run["meta"].get("comparison")] = run["summary"].get("losses") or []
+    rows = []
+    for run in runs:
+        meta, summary = run["meta"], run["summary"] or {}
+        last = final_records(run)
+        peaks = [(_num(r["memory"].get("total")) or 0) + (_num(r["memory"].get("activations_peak")) or 0)
+                 for r in last.values() if isinstance(r.get("memory"), dict)]
+        predicted = meta.get("predicted") or {}
+        pred_peaks = [sum(_num(m.get(k)) or 0 for k in CATEGORIES if k != "host") for m in predicted.get("memory", [])]
+        comm = summary.get("comm_per_step") or {}
+        losses = summary.get("losses") or [r.get("loss") for r in run["records"].get(0, [])]
+        ref = reference.get(meta.get("comparison"))
+        match = None
+        if ref and len(ref) == len(losses) and all(_num(x) for x in ref + losses):
+            match = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        degrees = meta.get("degrees") or {}
+        rows.append({
+            "run": run["id"], "strategy": meta.get("label"), "plan": meta.get("plan"), "status": run["status"],
+            "world size": meta.get("world_size"), "dp": degrees.get("dp"), "tp": degrees.get("tp"),
+            "pp": degrees.get("pp"), "device": ", ".join(meta.get("devices") or []),
+            "peak MiB/rank (measured)": max(peaks) / 2**20 if peaks else None,
+            "peak MiB/rank (predicted)": max(pred_peaks) / 2**20 if pred_peaks else None,
+            "tokens/s": _num(summary.get("tokens_per_s")), "MFU": _num(summary.get("mfu")),
+            "comm KiB/step (rank 0)": sum(_num(c.get("bytes_sent")) or 0 for c in comm.values()) / 1024 if comm else None,
+            "bubble": _num((summary.get("pipeline") or {}).get("bubble_measured")),
+            "final loss": _num(losses[-1]) if losses else None, "loss match vs single": match,
+            "comparison": meta.get("comparison"), "model params": meta.get("num_params"),
+        })
+    return rows
+
+
+def memory_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Bytes per (run, rank, category), measured (last step) and predicted."""
+    rows = []
+    for run in runs:
+        predicted = (run["meta"].get("predicted") or {}).get("memory") or []
+        for rank, record in sorted(final_records(run).items()):
+            memory = record.get("memory") or {}
+            for category in CATEGORIES:
+                key = "activations_peak" if category == "activations" else category
+                value = _num(memory.get(key))
+                if value is not None:
+                    rows.append({"run": label(run), "rank": rank, "category": category, "source": "measured",
+                                 "bytes": value})
+                if rank < len(predicted) and _num(predicted[rank].get(category)) is not None:
+                    rows.append({"run": label(run), "rank": rank, "category": category, "source": "predicted",
+                                 "bytes": _num(predicted[rank][category])})
+    return rows
+
+
+def comm_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Bytes rank 0 sent per step and seconds it waited, per collective kind and axis."""
+    rows = []
+    for run in runs:
+        for key, rec in ((run["summary"] or {}).get("comm_per_step") or {}).items():
+            kind, _, axis = key.partition("/")
+            rows.append({"run": label(run), "collective": kind, "axis": axis,
+                         "bytes": _num(rec.get("bytes_sent")) or 0, "wait s": _num(rec.get("wait_s")) or 0})
+    return rows
+
+
+def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-step losses (the global mean from the summary, else rank 0's) and wall time since the start."""
+    rows = []
+    for run in runs:
+        records = run["records"].get(0, [])
+        start = records[0]["time"] - (_num(records[0].get("step_time_s")) or 0) if records else 0
+        losses = (run["summary"] or {}).get("losses")
+        for i, record in enumerate(records):
+            loss = losses[i] if losses and i < len(losses) else record.get("loss")
+            rows.append({"run": label(run), "step": record.get("step"), "loss": _num(loss),
+                         "seconds": (_num(record.get("time")) or start) - start})
+    return rows
+
+
+def timeline_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The last step's pipeline timeline: one row per (rank, action)."""
+    pipeline = (run["summary"] or {}).get("pipeline") or {}
+    return [dict(event) for event in pipeline.get("timeline") or [] if isinstance(event, dict)]

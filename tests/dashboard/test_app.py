@@ -1,0 +1,81 @@
+"""The dashboard's pages in Streamlit's AppTest (no browser), over a fixture run store with good, incomplete,
+corrupt and old-schema runs, and over an empty one; and its figures from their pure builders."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from dashboard import charts, data  # noqa: E402
+from strategies import runstore  # noqa: E402
+
+APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
+
+
+def _app(page: str | None = None) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    if page is not None:
+        at.sidebar.radio[0].set_value(page).run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def _figures(at: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+
+
+def test_compare_page_table_export_and_messages(store):
+    at = _app()
+    table = at.dataframe[0].value
+    assert list(table["strategy"]) == ["single", "dp", "pp2", "zero3"]
+    assert list(table["status"]) == ["complete", "complete", "complete", "incomplete"]
+    assert table["loss match vs single"][1] == 0.0
+    warnings = " ".join(w.value for w in at.warning)
+    assert "r5-corrupt: meta.json is not JSON" in warnings and "r6-old: schema 0" in warnings
+    assert "Incomplete" in warnings and "r4-crashed" in warnings
+    assert len(_figures(at)) == 1 and any(b.label == "Download table (CSV)" for b in at.get("download_button"))
+
+
+@pytest.mark.parametrize("page,titles", [
+    ("Memory", ["Memory per rank", "Device memory per rank"]), ("Throughput", ["Throughput"]),
+    ("Communication", ["Communication per step"]), ("Loss", ["Loss against step"]),
+    ("Pipeline", ["Measured (last step)", "The schedule's table"]),
+])
+def test_every_page_draws_its_charts(store, page, titles):
+    figures = _figures(_app(page))
+    assert [f["layout"]["title"]["text"].split(":")[0].split(" (")[0] for f in figures] == [
+        t.split(":")[0].split(" (")[0] for t in titles]
+
+
+def test_pipeline_page_shows_the_bubble(store):
+    at = _app("Pipeline")
+    assert at.metric[0].value == "0.300 / 0.200"
+
+
+def test_planner_page_ranks_plans(store):
+    at = _app("Planner")
+    table = at.dataframe[0].value
+    assert len(table) > 0 and table["fits"].iloc[0]
+
+
+def test_empty_store_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv(runstore.RUNS_ENV, str(tmp_path / "nothing"))
+    at = _app()
+    assert "No runs in" in at.info[0].value and "stratpack compare" in at.info[0].value
+
+
+def test_memory_figure_stacks_measured_beside_predicted(store):
+    runs, _ = data.load_runs(store)
+    fig = charts.memory_figure(data.memory_rows(runs))
+    names = [trace.name for trace in fig.data]
+    assert names == ["params", "grads", "optimizer", "host", "activations"]
+    sources = {x[1] for trace in fig.data for x in zip(*trace.x)}
+    assert sources == {"meas", "pred"}
+    heat = charts.heatmap_figure(data.memory_rows(runs))
+    assert len(heat.data[0].y) == 2  # ranks 0 and 1

@@ -1,0 +1,70 @@
+"""The dashboard in a real browser: `stratpack dashboard` on 127.0.0.1, headless Chromium, charts drawn."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(store, tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "strategies.cli", "dashboard", "--runs-dir", str(store),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"the dashboard did not come up: {proc.stdout.read()[-2000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_pages_render_charts_in_chromium(server, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("no Chromium here (apt-get install chromium, as scripts/setup.sh --dev does where it can)")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        start = time.monotonic()
+        page.goto(server)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+        first_render = time.monotonic() - start
+        page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=60_000)
+        # The loss chart plots what the store holds: the three runs' losses.
+        ys = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(e => e._fullData.map(t => [...t.y]))")
+        assert [2.0, 1.5, 1.2] in ys[0]
+        page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)
+        for name in ("Memory", "Pipeline"):
+            page.get_by_text(name, exact=True).click()
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+            page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=60_000)
+            page.screenshot(path=str(tmp_path / f"{name.lower()}.png"), full_page=True)
+        browser.close()
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    print(f"first chart after {first_render:.1f}s")  # shown with pytest -s
