@@ -95,7 +95,7 @@ def timeline_figure(timelines: dict[str, list[dict[str, Any]]], title: str) -> g
     fig = go.Figure()
     for phase in ("forward", "backward"):
         bars = [(rank, e) for rank, events in sorted(timelines.items(), key=lambda kv: int(kv[0]))
-                for e in events if e["phase"] == phase]
+                for e in events if str(e.get("phase", "")).upper()[:1] == phase[0].upper()]  # "F" / "forward"
         if bars:
             fig.add_bar(name=phase, orientation="h", marker_color=COLORS[phase],
                         y=[f"rank {rank}" for rank, _ in bars], x=[e["end"] - e["start"] for _, e in bars],

@@ -59,6 +59,11 @@ class StrategyMonitor(L.Callback):
     # -- start --------------------------------------------------------------------------------------------
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before the strategy splits the model (tp slices, pipeline placeholders): the model's own size.
+        self._num_params = sum(p.numel() for p in pl_module.parameters())
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stats = getattr(trainer.strategy, "comm_stats", None)
         if stats is not None:
@@ -72,6 +77,7 @@ class StrategyMonitor(L.Callback):
             self.writer = runstore.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
             if trainer.global_rank == 0:
                 meta = _meta(trainer, pl_module, label, self.comparison, self.extra_meta)
+                meta["num_params"] = getattr(self, "_num_params", meta["num_params"])
                 self.writer.write_meta({**meta, "run_id": self.run_id})
 
     # -- each step ----------------------------------------------------------------------------------------

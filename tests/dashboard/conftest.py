@@ -44,10 +44,10 @@ def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *
 
 PIPELINE = {
     "bubble_ideal": 0.2, "bubble_measured": 0.3, "partition": ["stage 0: blocks[0:1]", "stage 1: blocks[1:2]"],
-    "timelines": {"0": [{"action": "F0.0", "phase": "forward", "stage": 0, "microbatch": 0, "start": 0.0, "end": 1.0},
-                        {"action": "B0.0", "phase": "backward", "stage": 0, "microbatch": 0, "start": 3.0, "end": 5.0}],
-                  "1": [{"action": "F1.0", "phase": "forward", "stage": 1, "microbatch": 0, "start": 1.0, "end": 2.0},
-                        {"action": "B1.0", "phase": "backward", "stage": 1, "microbatch": 0, "start": 2.0, "end": 3.0}]},
+    "timelines": {"0": [{"action": "F0.0", "phase": "F", "stage": 0, "microbatch": 0, "start": 0.0, "end": 1.0},
+                        {"action": "B0.0", "phase": "B", "stage": 0, "microbatch": 0, "start": 3.0, "end": 5.0}],
+                  "1": [{"action": "F1.0", "phase": "F", "stage": 1, "microbatch": 0, "start": 1.0, "end": 2.0},
+                        {"action": "B1.0", "phase": "B", "stage": 1, "microbatch": 0, "start": 2.0, "end": 3.0}]},
     "ideal": {"0": [["F0.0", 0], ["B0.0", 3]], "1": [["F1.0", 1], ["B1.0", 2]]},
 }
 

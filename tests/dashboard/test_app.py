@@ -53,9 +53,14 @@ def test_every_page_draws_its_charts(store, page, titles):
         t.split(":")[0].split(" (")[0] for t in titles]
 
 
-def test_pipeline_page_shows_the_bubble(store):
+def test_pipeline_page_shows_the_bubble_and_every_rank_s_actions(store):
     at = _app("Pipeline")
     assert at.metric[0].value == "0.300 / 0.200"
+    measured, ideal = _figures(at)
+    # Runner's phases are "F"/"B": forward and backward bars, one row per rank, labelled by action.
+    assert [t["name"] for t in measured["data"]] == ["forward", "backward"]
+    assert measured["data"][0]["text"] == ["F0.0", "F1.0"] and measured["data"][1]["y"] == ["rank 0", "rank 1"]
+    assert [t["name"] for t in ideal["data"]] == ["forward", "backward"]
 
 
 def test_planner_page_ranks_plans(store):
