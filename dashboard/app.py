@@ -55,13 +55,15 @@ def _select(runs: list[dict]) -> list[dict]:
     if len(devices) > 1:
         keep = st.sidebar.multiselect("Device", devices, default=devices)
         picked = [r for r in picked if ", ".join(r["meta"].get("devices") or []) in keep]
-    return picked
+    names = [r["id"] for r in picked]
+    keep = st.sidebar.multiselect("Runs", names, default=names, help="any set of runs of the comparisons above")
+    return [r for r in picked if r["id"] in keep]
 
 
 def page_planner() -> None:
     st.header("Planner: which plans fit, before running anything")
     col = st.columns(4)
-    params = col[0].number_input("Parameters (billions)", 0.1, 1000.0, 7.0)
+    params = col[0].number_input("Parameters (billions)", 1.0, 1000.0, 7.0)
     gpus = col[1].number_input("GPUs", 1, 4096, 8)
     memory = col[2].number_input("GiB per GPU", 1.0, 1024.0, 80.0)
     batch = col[3].number_input("Global batch (samples)", 1, 65536, 64)
@@ -134,9 +136,13 @@ def page_pipeline(runs: list[dict]) -> None:
     if not piped:
         st.info("No pipeline-parallel run (pp > 1) among the selected runs.")
         return
-    run = piped[[data.label(r) for r in piped].index(st.selectbox("Run", [data.label(r) for r in piped]))]
+    labels = [data.label(r) for r in piped]  # unique: they end with the run id
+    run = piped[labels.index(st.selectbox("Run", labels))]
     pipeline = run["summary"]["pipeline"]
-    st.metric("bubble measured / ideal", f"{pipeline['bubble_measured']:.3f} / {pipeline['bubble_ideal']:.3f}")
+    def fmt(value) -> str:
+        return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+    st.metric("bubble measured / ideal", f"{fmt(pipeline.get('bubble_measured'))} / {fmt(pipeline.get('bubble_ideal'))}")
     st.text("\n".join(pipeline.get("partition") or []))
     timelines = pipeline.get("timelines") or {"0": pipeline.get("timeline") or []}
     _chart(charts.timeline_figure(timelines, "Measured (last step)"), "timeline")

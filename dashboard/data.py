@@ -31,12 +31,9 @@ def load_runs(root: str | os.PathLike | None) -> tuple[list[dict[str, Any]], lis
     if not base.is_dir():
         return [], []
     for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "wandb"):
-        try:
-            too_big = [f.name for f in folder.glob("rank*.jsonl") if f.stat().st_size > MAX_FILE_BYTES]
-            if too_big:
-                raise runstore.RunError(f"{folder.name}: {', '.join(too_big)} larger than {MAX_FILE_BYTES >> 20} MiB")
-            run = runstore.read_run(folder)
-        except (runstore.RunError, OSError, UnicodeDecodeError) as err:
+        try:  # links inside a run folder are refused by read_run: nothing outside the store is read
+            run = runstore.read_run(folder, max_bytes=MAX_FILE_BYTES)
+        except (runstore.RunError, OSError, ValueError) as err:
             problems.append(str(err))
             continue
         run["id"] = folder.name
@@ -49,8 +46,9 @@ def _num(value: Any) -> float | None:
 
 
 def label(run: dict[str, Any]) -> str:
+    """How a run is shown: strategy, ranks, and the end of its id (repeats of one strategy stay apart)."""
     meta = run["meta"]
-    return f"{meta.get('label') or run['id']} ({meta.get('world_size', '?')})"
+    return f"{meta.get('label') or run['id']} ({meta.get('world_size', '?')}) #{run['id'][-4:]}"
 
 
 def final_records(run: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -62,21 +60,24 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The side-by-side table: one row per run."""
     reference = {}
     for run in runs:  # the single-process run of each comparison is the loss reference
-        if run["meta"].get("label") == "single" and run["summary"]:
-            reference[run["meta"].get("comparison")] = run["summary"].get("losses") or []
+        if run["meta"].get("label") == "single" and run["summary"] and run["meta"].get("comparison"):
+            reference[run["meta"]["comparison"]] = run["summary"].get("losses") or []
     rows = []
     for run in runs:
         meta, summary = run["meta"], run["summary"] or {}
         last = final_records(run)
         peaks = [(_num(r["memory"].get("total")) or 0) + (_num(r["memory"].get("activations_peak")) or 0)
                  for r in last.values() if isinstance(r.get("memory"), dict)]
-        predicted = meta.get("predicted") or {}
-        pred_peaks = [sum(_num(m.get(k)) or 0 for k in CATEGORIES if k != "host") for m in predicted.get("memory", [])]
+        if not isinstance(summary, dict):
+            summary = {}
+        predicted = meta.get("predicted") if isinstance(meta.get("predicted"), dict) else {}
+        pred_peaks = [sum(_num(m.get(k)) or 0 for k in CATEGORIES if k != "host")
+                      for m in predicted.get("memory") or [] if isinstance(m, dict)]
         comm = summary.get("comm_per_step") or {}
         losses = summary.get("losses") or [r.get("loss") for r in run["records"].get(0, [])]
-        ref = reference.get(meta.get("comparison"))
+        ref = reference.get(meta.get("comparison")) if meta.get("comparison") else None
         match = None
-        if ref and len(ref) == len(losses) and all(_num(x) for x in ref + losses):
+        if ref and len(ref) == len(losses) and all(_num(x) is not None and _num(y) for x, y in zip(losses, ref)):
             match = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         degrees = meta.get("degrees") or {}
         rows.append({
@@ -98,9 +99,11 @@ def memory_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Bytes per (run, rank, category), measured (last step) and predicted."""
     rows = []
     for run in runs:
-        predicted = (run["meta"].get("predicted") or {}).get("memory") or []
+        predicted = run["meta"].get("predicted")
+        predicted = [m if isinstance(m, dict) else {} for m in (predicted.get("memory") or [])] \
+            if isinstance(predicted, dict) else []
         for rank, record in sorted(final_records(run).items()):
-            memory = record.get("memory") or {}
+            memory = record.get("memory") if isinstance(record.get("memory"), dict) else {}
             for category in CATEGORIES:
                 key = "activations_peak" if category == "activations" else category
                 value = _num(memory.get(key))
@@ -129,12 +132,15 @@ def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
         records = run["records"].get(0, [])
-        start = records[0]["time"] - (_num(records[0].get("step_time_s")) or 0) if records else 0
+        first = records[0] if records else {}
+        start = (_num(first.get("time")) or 0) - (_num(first.get("step_time_s")) or 0)
         losses = (run["summary"] or {}).get("losses")
+        losses = losses if isinstance(losses, list) else None
         for i, record in enumerate(records):
             loss = losses[i] if losses and i < len(losses) else record.get("loss")
+            when = _num(record.get("time"))
             rows.append({"run": label(run), "step": record.get("step"), "loss": _num(loss),
-                         "seconds": (_num(record.get("time")) or start) - start})
+                         "seconds": when - start if when is not None else None})
     return rows
 
 

@@ -150,7 +150,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _rank_plans(args: argparse.Namespace) -> int:
     from strategies.estimate import GiB, Hardware, ModelShape, rank_plans
 
-    shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
+    try:
+        shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     hw = Hardware(gpus=args.gpus, memory=args.gpu_mem * GiB)
     batch = args.global_batch or 8 * args.gpus
     ranked = rank_plans(shape, hw, batch, precision=args.precision)

@@ -141,6 +141,9 @@ class FlightRecorder:
     def __init__(self, size: int = 12) -> None:
         self.calls: deque[CallRecord] = deque(maxlen=size)
         self.seq: dict[str, int] = defaultdict(int)
+        # Collectives only, per axis: what debug mode compares (ranks of an axis issue the same collectives,
+        # but not the same number of p2p messages: a pipeline's middle stage sends more than its ends).
+        self.collectives: dict[str, int] = defaultdict(int)
         self.peers: list[tuple[str, int]] = []  # (hostname, pid) by global rank
         self.timeout: Any = None  # the process group's, for the message
 
@@ -200,8 +203,10 @@ def _fail(record: CallRecord, err: BaseException) -> CollectiveError:
 
 
 def _check_same(record: CallRecord, axis: Axis) -> None:
-    """Debug mode: every rank of ``axis`` must be issuing the same collective (kind and shapes)."""
-    mine = (record.seq, record.op, record.shapes, record.dtype, record.peer)
+    """Debug mode: every rank of ``axis`` must be issuing the same collective (kind and shapes) as its n-th
+    collective on that axis (numbered in the message)."""
+    RECORDER.collectives[axis.name] += 1
+    mine = (RECORDER.collectives[axis.name], record.op, record.shapes, record.dtype, record.peer)
     theirs: list[Any] = [None] * axis.size
     try:  # directly, not through all_gather_object: the check is not a call of its own in the recorder
         dist.all_gather_object(theirs, mine, group=axis.group)

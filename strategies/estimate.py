@@ -88,7 +88,12 @@ class ModelShape:
         known = [(1.3e9, 24, 2048, 16), (2.7e9, 32, 2560, 32), (7e9, 32, 4096, 32), (13e9, 40, 5120, 40),
                  (30e9, 60, 6656, 52), (70e9, 80, 8192, 64), (175e9, 96, 12288, 96)]
         _, layers, hidden, heads = min(known, key=lambda k: abs(math.log(k[0] / params)))
-        return cls(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, batch=batch, params=int(params))
+        shape = cls(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, batch=batch, params=int(params))
+        if shape.block()[0] <= 12 * hidden * hidden // 4:  # the blocks would get (almost) nothing
+            raise ValueError(f"{params:.3g} parameters is too few for {layers} layers of width {hidden} with a "
+                             f"{vocab}-token vocabulary: give the shape (ModelShape(layers=..., hidden=...)), or "
+                             f"a size of 1e9 or more")
+        return shape
 
 
 @dataclass
@@ -255,7 +260,8 @@ class Ranked:
         if best is None or best is self:
             why = "fastest predicted"
         elif extra[slowest] <= 0.005 * best.seconds:
-            why = f"ties with the best on time; {'less' if self.estimate.peak() < best.estimate.peak() else 'more'} memory"
+            mine, theirs = self.estimate.peak(), best.estimate.peak()
+            why = "ties with the best on time" + ("" if mine == theirs else f"; {'less' if mine < theirs else 'more'} memory")
         else:
             why = f"+{self.seconds / best.seconds - 1:.0%} vs best, mostly {slowest} (+{extra[slowest]:.2f}s)"
         if not self.fits:

@@ -383,7 +383,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # A sharded directory from any plan and world size, or a single-file checkpoint (single process, ddp).
-        return load_any(checkpoint_path)
+        return load_any(checkpoint_path, weights_only=weights_only)
 
     # -- Lightning's own collectives, through comm.py on the world axis -------------------------------------
 

@@ -78,18 +78,23 @@ class PipelineStepsMixin(ParallelStrategy):
         # sizes: the batch's mean), sent to every pp rank and logged there with the user's options. So rank 0,
         # which holds stage 0 and writes the logs, logs the batch's values, and sync_dist reduces over every rank.
         pipeline = self.pipeline
-        payload = None
+        payload: Any = None
         if self.mesh.pp.index == pipeline.last_rank:
             entries: dict[str, tuple[list[float], tuple, dict]] = {}
             for name, value, args, kwargs in logged:
                 if isinstance(value, Tensor):
                     value = value.detach().float().mean().item() if value.numel() == 1 else None
-                if not isinstance(value, (int, float)) or value is None:
-                    raise TypeError(f"under pipeline parallel, training_step can log numbers and one-element "
-                                    f"tensors (averaged over the microbatches); {name!r} is neither")
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    # Sent as the payload, so every stage raises it (not only this one, leaving the rest waiting).
+                    payload = (f"under pipeline parallel, training_step can log numbers and one-element tensors "
+                               f"(averaged over the microbatches); {name!r} is neither")
+                    break
                 entries.setdefault(name, ([], args, kwargs))[0].append(float(value))
-            payload = [(name, sum(v) / len(v), args, kwargs) for name, (v, args, kwargs) in entries.items()]
+            else:
+                payload = [(name, sum(v) / len(v), args, kwargs) for name, (v, args, kwargs) in entries.items()]
         payload = comm.broadcast_object(payload, self.mesh.pp, src=pipeline.last_rank)
+        if isinstance(payload, str):
+            raise TypeError(payload)
         for name, value, args, kwargs in payload:
             self.lightning_module.log(name, torch.tensor(value, device=self.root_device), *args, **kwargs)
 

@@ -114,8 +114,7 @@ class StateRoutingMixin(ParallelStrategy):
             strict = False  # placeholders keep their one element
         if isinstance(self.grad_sync, ZeroGradSync):
             refresh_shards(self.grad_sync, module, state)
-            if strict:
-                module.load_state_dict({k: v for k, v in state.items() if k not in dict(module.named_parameters())},
-                                       strict=False)
+            params = dict(module.named_parameters())  # buffers (e.g. norm statistics) load as they are
+            module.load_state_dict({k: v for k, v in state.items() if k not in params}, strict=False)
             return None
         return module.load_state_dict(state, strict=strict)

@@ -46,6 +46,7 @@ class StrategyMonitor(L.Callback):
         self.warmup_steps = warmup_steps
         self.tokens_per_sample = tokens_per_sample
         self.runs_dir, self.store, self.run_id = runs_dir, store, run_id
+        self._given_run_id = run_id  # otherwise each fit is a new run, with an id of its own
         self.comparison, self.label, self.extra_meta = comparison, label, dict(meta or {})
         self.writer: runstore.RunWriter | None = None
         self.step_ends: list[float] = []
@@ -72,7 +73,7 @@ class StrategyMonitor(L.Callback):
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         if self.store:
             label = self.label or _strategy_label(trainer)
-            run_id = self.run_id or (runstore.new_run_id(label) if trainer.global_rank == 0 else None)
+            run_id = self._given_run_id or (runstore.new_run_id(label) if trainer.global_rank == 0 else None)
             self.run_id = trainer.strategy.broadcast(run_id, src=0) if trainer.world_size > 1 else run_id
             self.writer = runstore.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
             if trainer.global_rank == 0:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -107,6 +109,23 @@ class RunError(ValueError):
     """A run folder that cannot be read as a run (no meta, wrong schema, not JSON)."""
 
 
+_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
+
+
+def _regular(path: Path, max_bytes: int | None) -> bool:
+    """A plain file inside the run folder (not a link out of it, not a device), not larger than ``max_bytes``."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        raise RunError(f"{path.parent.name}: {path.name} is not a regular file (a link or a device): not read")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise RunError(f"{path.parent.name}: {path.name} is {info.st_size >> 20} MiB, over the {max_bytes >> 20} MiB "
+                       "a reader takes")
+    return True
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The complete lines of one rank's log (a half-written last line is left out; bad lines too)."""
     out = []
@@ -123,26 +142,31 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def read_run(path: str | os.PathLike) -> dict[str, Any]:
-    """``{"meta", "records": {rank: [...]}, "summary" or None, "status"}`` of one run folder."""
+def read_run(path: str | os.PathLike, max_bytes: int | None = None) -> dict[str, Any]:
+    """``{"meta", "records": {rank: [...]}, "summary" or None, "status"}`` of one run folder. Only regular
+    files are read (no links out of the folder), each at most ``max_bytes``; RunError says what is wrong."""
     path = Path(path)
+    if not _regular(path / META, max_bytes):
+        raise RunError(f"{path.name}: no {META} (not a run, or one that crashed before it started)")
     try:
         meta = json.loads((path / META).read_text())
-    except FileNotFoundError:
-        raise RunError(f"{path.name}: no {META} (not a run, or one that crashed before it started)") from None
-    except ValueError as err:
+    except (ValueError, UnicodeDecodeError) as err:
         raise RunError(f"{path.name}: {META} is not JSON ({err})") from None
     if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
         raise RunError(f"{path.name}: schema {meta.get('schema') if isinstance(meta, dict) else '?'}, this "
                        f"version reads schema {SCHEMA}")
     records = {}
-    for log in sorted(path.glob("rank*.jsonl")):
-        records[int(log.stem[4:])] = read_records(log)
+    for log in sorted(path.iterdir()):
+        match = _RANK_FILE.fullmatch(log.name)
+        if match and _regular(log, max_bytes):
+            records[int(match.group(1))] = read_records(log)
     summary = None
-    if (path / SUMMARY).exists():
+    if _regular(path / SUMMARY, max_bytes):
         try:
             summary = json.loads((path / SUMMARY).read_text())
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
+            summary = None
+        if not isinstance(summary, dict):
             summary = None
     return {"meta": meta, "records": records, "summary": summary,
             "status": "complete" if summary is not None else "incomplete", "path": str(path)}

@@ -119,9 +119,11 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
     Every rank must call this. ``broadcast(obj)`` returns rank 0's ``obj``; ``gather(obj)`` returns every
     rank's ``obj`` in rank order; ``barrier()`` waits for all (comm.py's, over the world)."""
     path = os.fspath(path)
+    if os.path.lexists(path) and not (is_sharded(path) or os.path.isfile(path)):
+        # Every rank sees the same path: all refuse together, before any collective.
+        raise CheckpointError(f"{path} exists and is not a checkpoint: not replacing it")
     token = broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     tmp = f"{path}.tmp-{token}"
-    os.makedirs(tmp, exist_ok=True)
     skeleton, tensors = split_tensors(checkpoint)
     entries = layout(tensors, world_size)
     # Every rank must describe the same state, or the parts would not fit together.
@@ -133,27 +135,51 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
                               "or dtypes differ); every rank must save the same single-process state")
     mine = {str(i): tensors[i].detach().reshape(-1)[start:stop].to("cpu", copy=True)
             for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
-    size = _write(mine, os.path.join(tmp, shard_name(rank, world_size)))
-    sizes = gather(size)
+    # A rank that fails to write (disk full, permissions) says so to the others instead of leaving them waiting
+    # in the next collective: every rank then raises the same error.
+    written = _attempt(lambda: (os.makedirs(tmp, exist_ok=True), _write(mine, os.path.join(tmp, shard_name(
+        rank, world_size))))[1])
+    results = gather(written)
+    _raise_failures(results, "writing its part of")
     if rank == 0:
-        files = {shard_name(r, world_size): s for r, s in enumerate(sizes)}
-        files[META] = _write(skeleton, os.path.join(tmp, META))
-        manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
-                    "files": files, "tensors": entries}
-        with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(tmp, MANIFEST + ".part"), os.path.join(tmp, MANIFEST))  # complete from here on
+        def finish() -> None:
+            files = {shard_name(r, world_size): size for r, (size, _) in enumerate(results)}
+            files[META] = _write(skeleton, os.path.join(tmp, META))
+            manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
+                        "files": files, "tensors": entries}
+            with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(os.path.join(tmp, MANIFEST + ".part"), os.path.join(tmp, MANIFEST))  # complete from here
+            # Two renames: between them the new checkpoint is complete at tmp and the old one at old, and
+            # `read_manifest` names both if a crash happens right there.
+            old = f"{path}.old-{token}"
+            if os.path.lexists(path):
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if os.path.lexists(old):
+                shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+
+        status = _attempt(finish)
+    _raise_failures([broadcast(status if rank == 0 else None)], "finishing (manifest, rename)")
     barrier()
-    if rank == 0:
-        old = f"{path}.old-{token}"
-        if os.path.lexists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if os.path.lexists(old):
-            shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
-    barrier()
+
+
+def _attempt(fn) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, the error)`` when it raises an OSError or a CheckpointError."""
+    try:
+        return fn(), None
+    except (OSError, CheckpointError) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _raise_failures(results: list[tuple[Any, str | None]], what: str) -> None:
+    failed = {r: err for r, (_, err) in enumerate(results) if err is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {err}" for r, err in failed.items())
+        raise CheckpointError(f"saving the checkpoint failed {what} it ({detail}); the previous checkpoint, if "
+                              "any, is untouched")
 
 
 # -- loading ----------------------------------------------------------------------------------------------
@@ -163,10 +189,17 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``, after checking that every file it lists is complete."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        leftovers = sorted(n for n in os.listdir(os.path.dirname(path) or ".")
-                           if n.startswith(os.path.basename(path) + ".tmp-")) if os.path.isdir(
-            os.path.dirname(path) or ".") else []
-        hint = f" (an interrupted save left {leftovers[0]}, which is incomplete)" if leftovers else ""
+        folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+        leftovers = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        old = [n for n in leftovers if n.startswith(name + ".old-")]
+        tmp = [n for n in leftovers if n.startswith(name + ".tmp-")]
+        hint = ""
+        if old:  # a crash between the two renames of a save: both checkpoints are whole
+            hint = f" (a save was interrupted while replacing it: the previous checkpoint is whole at {old[0]}"
+            hint += f", the new one at {tmp[0]}" if tmp and is_sharded(os.path.join(folder, tmp[0])) else ""
+            hint += "; rename one back)"
+        elif tmp:
+            hint = f" (an interrupted save left {tmp[0]}, which is incomplete)"
         raise CheckpointError(f"no checkpoint at {path}{hint}")
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
@@ -192,13 +225,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def load_sharded(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """The full checkpoint (single-process layout) from a sharded directory."""
+def load_sharded(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
+    """The full checkpoint (single-process layout) from a sharded directory. ``weights_only=False`` lets the
+    metadata hold arbitrary objects (hyperparameters as a Namespace...): only for checkpoints you trust."""
     path = os.fspath(path)
     manifest = read_manifest(path)
     world_size = manifest["world_size"]
     try:
-        skeleton = torch.load(os.path.join(path, META), weights_only=True)
+        skeleton = torch.load(os.path.join(path, META), weights_only=weights_only)
         shards = [torch.load(os.path.join(path, shard_name(r, world_size)), weights_only=True, mmap=True)
                   for r in range(world_size)]
     except Exception as err:  # noqa: BLE001 - whatever torch raises for a damaged or hostile file
@@ -217,19 +251,20 @@ def load_sharded(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str
     return join_tensors(skeleton, tensors)
 
 
-def load_any(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """A sharded directory, or a single-file checkpoint (read with ``weights_only=True``)."""
+def load_any(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool | None = None) -> dict[str, Any]:
+    """A sharded directory, or a single-file checkpoint, read with ``weights_only=True`` unless the caller
+    passes ``False`` (Lightning's ``trainer.fit(..., weights_only=False)``) for a file they trust."""
+    safe = weights_only is not False
     if os.path.isdir(path):
-        return load_sharded(path, map_location)
+        return load_sharded(path, map_location, weights_only=safe)
     if not os.path.exists(path):
         read_manifest(path)  # raises, naming an interrupted save if one is there
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=safe)
     except Exception as err:  # noqa: BLE001
         raise CheckpointError(
-            f"{path} could not be loaded with torch.load(weights_only=True): {type(err).__name__}: {err}. If it is "
-            "a full pickle from a source you trust, convert it once with torch.load(path, weights_only=False) "
-            "and torch.save of the plain dict."
+            f"{path} could not be loaded with torch.load(weights_only=True): {type(err).__name__}: {err}. If it "
+            "comes from a source you trust, pass weights_only=False (trainer.fit(..., weights_only=False))."
         ) from None
 
 
@@ -255,4 +290,4 @@ class ShardedCheckpointIO(TorchCheckpointIO):
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        return load_any(path, map_location or "cpu")
+        return load_any(path, map_location or "cpu", weights_only)

@@ -40,17 +40,20 @@ def _entry(rank: int, fn: Callable, world_size: int, store_path: str, out_dir: s
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+              pg_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return their results.
 
     ``fn`` must be importable by name (defined at module level). Results travel through ``torch.save``,
     so tensors, numbers, lists and dicts of them come back. Raises if a rank fails or time runs out.
+    ``pg_timeout_s``: the process group's collective timeout (default half of ``timeout_s``).
     """
     with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
         store = os.path.join(tmp, "store")
         multiprocessing.set_forkserver_preload(_PRELOAD)
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, store, tmp, timeout_s / 2, args), nprocs=world_size, join=False,
+            _entry, args=(fn, world_size, store, tmp, pg_timeout_s or timeout_s / 2, args), nprocs=world_size,
+            join=False,
             start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s

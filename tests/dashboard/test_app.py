@@ -84,3 +84,35 @@ def test_memory_figure_stacks_measured_beside_predicted(store):
     assert sources == {"meas", "pred"}
     heat = charts.heatmap_figure(data.memory_rows(runs))
     assert len(heat.data[0].y) == 2  # ranks 0 and 1
+
+
+def test_pages_other_than_the_planner_never_import_torch(store):
+    # The app's modules and the store reader, in a fresh interpreter: torch would cost seconds at page load.
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    code = ("import sys; sys.path.insert(0, %r); from dashboard import charts, data; "
+            "runs, problems = data.load_runs(%r); charts.memory_figure(data.memory_rows(runs)); "
+            "print(len(runs), 'torch' in sys.modules)") % (root, str(store))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "False"]
+
+
+def test_any_set_of_runs_can_be_picked(store):
+    at = _app()
+    at.sidebar.multiselect[-1].unselect("r2-dp").run()
+    assert list(at.dataframe[0].value["strategy"]) == ["single", "pp2", "zero3"]
+
+
+def test_links_out_of_the_store_and_odd_files_are_not_read(store, tmp_path):
+    outside = tmp_path / "secret.json"
+    outside.write_text(json.dumps({"schema": 1, "label": "leaked"}))
+    (store / "r7-link").mkdir()
+    (store / "r7-link" / "meta.json").symlink_to(outside)
+    (store / "r2-dp" / "rank00000.old.jsonl").write_text("not a rank file\n")
+    runs, problems = data.load_runs(store)
+    assert "r7-link: meta.json is not a regular file" in " ".join(problems)
+    assert "leaked" not in [r["meta"].get("label") for r in runs]
+    assert sorted(next(r for r in runs if r["id"] == "r2-dp")["records"]) == [0, 1]

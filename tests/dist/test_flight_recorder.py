@@ -34,7 +34,7 @@ def _timeout_case(rank: int, world_size: int) -> str:
 
 
 def test_timed_out_collective_reports_the_call_and_history_on_every_waiting_rank():
-    messages = run_ranks(_timeout_case, 3, timeout_s=6.0)
+    messages = run_ranks(_timeout_case, 3, timeout_s=60.0, pg_timeout_s=3.0)  # a loaded machine starts ranks slowly
     for rank, message in enumerate(messages[:2]):
         lines = message.splitlines()
         assert lines[0].startswith(f"[rank {rank}] #2 all_reduce on world (5, 2) float32 failed:"), message
@@ -83,3 +83,19 @@ def test_recorder_tells_exited_processes():
     proc.wait()
     assert recorder.gone() == [1]
     assert len(recorder.calls) == 0 and recorder.calls.maxlen == 12  # bounded history
+
+
+def _chain_then_reduce(rank: int, world_size: int) -> str:
+    os.environ[comm.DEBUG_ENV] = "1"
+    axis = _world()
+    x = torch.ones(3)
+    if rank > 0:  # a pipeline: the middle rank receives and sends, the ends do one of the two
+        comm.recv(x, axis, rank - 1)
+    if rank < world_size - 1:
+        comm.send(x, axis, rank + 1)
+    comm.all_reduce(x, axis)
+    return "ok"
+
+
+def test_debug_mode_counts_collectives_not_p2p_messages():
+    assert run_ranks(_chain_then_reduce, 3, timeout_s=60.0) == ["ok", "ok", "ok"]

@@ -152,3 +152,33 @@ def test_convert_writes_what_load_state_dict_accepts(saved, tmp_path):
     module.register_buffer("bf16", torch.empty(5000, dtype=torch.bfloat16))
     module.load_state_dict(torch.load(out, weights_only=True))
     assert torch.equal(module.big, _state()["state_dict"]["big"])
+
+
+def _save_failing_on_rank1(rank: int, world_size: int, path: str) -> str:
+    if rank == 1:  # this rank's disk is full
+        def full(obj, file):
+            raise OSError(28, "No space left on device")
+
+        ckpt._write = full
+    try:
+        _save(rank, world_size, path)
+    except ckpt.CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path):
+    messages = run_ranks(_save_failing_on_rank1, 3, str(tmp_path / "x.ckpt"), timeout_s=60.0)
+    for message in messages:  # every rank raises at once, none waits for the timeout
+        assert "failed writing its part of it (rank 1: OSError: [Errno 28] No space left on device)" in message
+    assert not os.path.exists(tmp_path / "x.ckpt")
+
+
+def test_saving_over_something_that_is_not_a_checkpoint_is_refused(tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ckpt.CheckpointError, match="exists and is not a checkpoint"):
+        ckpt.save_sharded({"w": torch.ones(2)}, str(precious), rank=0, world_size=1, broadcast=lambda o: o,
+                          gather=lambda o: [o], barrier=lambda: None)
+    assert (precious / "notes.txt").read_text() == "keep me"

@@ -56,7 +56,12 @@ def test_3d_matches_single_device(tmp_path, references, strategy: str, devices: 
     assert abs(result["memory_bytes"]["total"] - states) <= 0.01 * states + 16 * dp * 16, (result["memory_bytes"],
                                                                                           predicted.memory[0])
     for key, value in predicted.comm.items():
-        rel = 0.06 if "zero3" in strategy and "pp" in strategy and key == "all_gather/dp" else 0.02
-        assert comm[key]["bytes_sent"] == pytest.approx(value, rel=rel, abs=256), (key, comm[key], value)
+        measured = comm[key]["bytes_sent"]
+        if "zero3" in strategy and key == "all_gather/dp":
+            # The estimator counts the steady state. In the first step ZeRO-3 is still learning the units'
+            # order, so the unit it later keeps gathered into backward is gathered once more per microbatch.
+            assert value <= measured <= value * 1.12, (key, comm[key], value)
+        else:
+            assert measured == pytest.approx(value, rel=0.02, abs=256), (key, comm[key], value)
     if dp == 1:  # what rank 0 (stage 0) logged is the last stage's batch loss, averaged over the microbatches
         assert result["logged"]["train_loss"] == pytest.approx(result["losses"][-1], rel=1e-6)

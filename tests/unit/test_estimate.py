@@ -83,3 +83,9 @@ def test_cli_plan_ranks_plans_for_a_model(capsys):
     lines = [line for line in out.splitlines() if line.startswith("  ")]
     assert len(lines) == 3 and "GiB/GPU (top:" in lines[0] and "fastest predicted" in lines[0]
     assert cli_main(["plan", "--params", "70e9", "--gpus", "1", "--gpu-mem", "16"]) == 1
+
+
+def test_a_size_too_small_for_the_default_shape_says_so():
+    with pytest.raises(ValueError, match="too few for 24 layers of width 2048"):
+        ModelShape.from_params(0.1e9)
+    assert cli_main(["plan", "--params", "1e8"]) == 2
