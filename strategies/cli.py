@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from dataclasses import fields
 
@@ -104,10 +103,11 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
           flush=True)
     cmd = [sys.executable, "-m", "streamlit", "run", app, "--server.address", args.address, "--server.port",
            str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Become the server (exec, not a child): stopping this process stops the server, nothing is left running.
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
 
 
 def _gpu_reference_rows(accelerator: str) -> list[str]:

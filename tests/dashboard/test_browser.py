@@ -40,6 +40,9 @@ def server(store, tmp_path):
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+    # `stratpack dashboard` becomes the server: stopping it leaves no streamlit behind.
+    left = subprocess.run(["pgrep", "-f", f"server.port {port}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"streamlit still running after the dashboard was stopped: {left}"
 
 
 def test_pages_render_charts_in_chromium(server, tmp_path):
