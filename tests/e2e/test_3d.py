@@ -59,8 +59,10 @@ def test_3d_matches_single_device(tmp_path, references, strategy: str, devices: 
         measured = comm[key]["bytes_sent"]
         if "zero3" in strategy and key == "all_gather/dp":
             # The estimator counts the steady state. In the first step ZeRO-3 is still learning the units'
-            # order, so the unit it later keeps gathered into backward is gathered once more per microbatch.
-            assert value <= measured <= value * 1.12, (key, comm[key], value)
+            # order, so the unit it later keeps gathered into backward is gathered once more per microbatch:
+            # over these 5 steps that adds m * kept / 5 (e.g. zero3_pp2: 40,768 + 5,082 elements, measured
+            # exactly 45,850), at most a quarter more here.
+            assert value <= measured <= value * 1.25, (key, comm[key], value)
         else:
             assert measured == pytest.approx(value, rel=0.02, abs=256), (key, comm[key], value)
     if dp == 1:  # what rank 0 (stage 0) logged is the last stage's batch loss, averaged over the microbatches
