@@ -127,6 +127,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         wandb.finish()  # flush the run to disk now: the CLI ends its processes with os._exit
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
     result["model"] = asdict(module.config)  # the shape the estimator needs (strategies.estimate)
+    result["predicted"] = predicted  # what strategies.estimate expected of this run (also in its meta.json)
     # What this rank's loggers saw last (rank 0 writes the logs): e.g. train_loss of the last step.
     result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     # The single-device view of the weights (tensor-parallel slices gathered back): a collective, all ranks.

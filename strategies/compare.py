@@ -40,16 +40,10 @@ def run_in_subprocess(config, out_dir: str, index: int) -> dict[str, Any]:
 
 
 def predicted(result: dict[str, Any]) -> dict[str, float] | None:
-    """The estimator's rank-0 model-state bytes, bytes sent per step and activations for a run's result
-    (None when the strategy has no plan equivalent)."""
-    from strategies.estimate import predict_run
-
-    if "model" not in result:
-        return None
-    config = result["config"]
-    guess = predict_run(result["label"], result["world_size"], result["model"], config["batch_size"],
-                        config["accumulate"])
-    if guess is None:
+    """The estimator's rank-0 model-state bytes, bytes sent per step and activations, as the run recorded
+    them (None when the strategy has no plan equivalent)."""
+    guess = result.get("predicted")
+    if not guess:
         return None
     return {"state": guess["model_states"][0], "comm": sum(guess["comm"].values()),
             "activations": guess["memory"][0]["activations"]}

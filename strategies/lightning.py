@@ -26,11 +26,12 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from strategies import comm
+from strategies.runstore import pack_version
 from strategies.sharded_checkpoint import load_any, save_sharded
 from strategies.comm import CommStats
 from strategies.data_parallel import (
@@ -55,15 +56,6 @@ from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, spl
 from strategies.zero3 import Zero3GradSync
 
 TIMEOUT_ENV = "STRATPACK_TIMEOUT"
-
-
-def _pack_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("stratpack")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def collective_timeout(timeout: timedelta | float | None = None) -> timedelta:
@@ -291,15 +283,20 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         return BucketedDataParallel(module, axis, bucket_cap_mb=options["bucket_cap_mb"],
                                     find_unused_parameters=options["find_unused_parameters"], ring=options["ring"])
 
-    def gradient_pieces(self) -> list[tuple[Tensor, bool]]:
-        """The gradient this rank holds, as ``(tensor, split over tp?)`` pieces: ZeRO's shard of each flat
-        (cut at parameter boundaries), or the gradients of this stage's (possibly tp-sliced) parameters."""
-        module = self.lightning_module
-        split = {name for name, _ in split_params(module, self.tp_layers).values()} if self.tp_layers else set()
+    def held_grads(self) -> list[tuple[str, nn.Parameter, Tensor]]:
+        """``(name, parameter, gradient)`` for the gradient this rank holds: under ZeRO its shard of each flat,
+        cut at parameter boundaries (a piece of that parameter's gradient); else each parameter's ``.grad``
+        (this stage's, possibly tp-sliced, parameters)."""
         if isinstance(self.grad_sync, ZeroGradSync):
-            return [(piece, flat.names[i] in split) for flat in self.grad_sync.flats if flat.master.grad is not None
-                    for i, piece in shard_slices(flat, flat.master.grad)]
-        return [(p.grad, name in split) for name, p in module.named_parameters() if p.grad is not None]
+            return [(flat.names[i], flat.params[i], piece) for flat in self.grad_sync.flats
+                    if flat.master.grad is not None for i, piece in shard_slices(flat, flat.master.grad)]
+        return [(name, p, p.grad) for name, p in self.lightning_module.named_parameters() if p.grad is not None]
+
+    def gradient_pieces(self) -> list[tuple[Tensor, bool]]:
+        """The gradient this rank holds, as ``(tensor, split over tp?)`` pieces (`held_grads`)."""
+        split = {name for name, _ in split_params(self.lightning_module, self.tp_layers).values()} \
+            if self.tp_layers else set()
+        return [(grad, name in split) for name, _, grad in self.held_grads()]
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip every rank's gradient by the whole model's norm (over tp slices, ZeRO shards and pipeline
@@ -350,13 +347,10 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
                 self.sequence_parallel.reduce_partial_grads(self._partial_grads())  # norms saw 1/tp of the sequence
 
     def _partial_grads(self) -> list[Tensor]:
-        # Sequence parallel's partial gradients: whole under dp/naive; under ZeRO, this rank's pieces of them in
-        # the shards (the flats are laid out alike on every tp rank, so tp peers hold the same pieces).
+        # Sequence parallel's partial gradients, where this rank holds them: whole under dp/naive, pieces in the
+        # shards under ZeRO (flats are laid out alike on every tp rank, so tp peers hold the same pieces).
         partial = {id(p) for p in self.sequence_parallel.partial}
-        if not isinstance(self.grad_sync, ZeroGradSync):
-            return [p.grad for p in self.sequence_parallel.partial if p.grad is not None]
-        return [piece for flat in self.grad_sync.flats if flat.master.grad is not None
-                for i, piece in shard_slices(flat, flat.master.grad) if id(flat.params[i]) in partial]
+        return [grad for _, p, grad in self.held_grads() if id(p) in partial]
 
     @contextlib.contextmanager
     @override
@@ -378,7 +372,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         save_sharded(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size,
                      broadcast=lambda obj: comm.broadcast_object(obj, world, src=0),
                      gather=lambda obj: comm.all_gather_object(obj, world), barrier=lambda: comm.barrier(world),
-                     info={"plan": str(self.resolved_plan), "pack_version": _pack_version()})
+                     info={"plan": str(self.resolved_plan), "pack_version": pack_version()})
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

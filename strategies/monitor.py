@@ -256,14 +256,7 @@ def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = Fa
 def _meta(trainer: L.Trainer, pl_module: L.LightningModule, label: str, comparison: str | None,
           extra: dict[str, Any]) -> dict[str, Any]:
     import platform
-    from importlib.metadata import PackageNotFoundError, version
-
     import lightning
-
-    try:
-        pack = version("stratpack")
-    except PackageNotFoundError:
-        pack = None
     plan = getattr(trainer.strategy, "resolved_plan", None)
     device = trainer.strategy.root_device
     config = getattr(pl_module, "config", None)
@@ -273,7 +266,7 @@ def _meta(trainer: L.Trainer, pl_module: L.LightningModule, label: str, comparis
         "world_size": trainer.world_size, "accumulate": trainer.accumulate_grad_batches,
         "precision": str(trainer.precision),
         "devices": [torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"],
-        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "stratpack": pack,
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "stratpack": runstore.pack_version(),
                      "python": sys.version.split()[0]},
         "model": vars(config) if config is not None and hasattr(config, "__dict__") else None,
         "num_params": sum(p.numel() for p in pl_module.parameters()),

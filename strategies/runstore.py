@@ -34,8 +34,9 @@ import re
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 SCHEMA = 1
 RUNS_ENV = "STRATPACK_RUNS"
@@ -68,14 +69,33 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically: a temp file in the same folder, then ``os.replace``."""
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], Any], binary: bool = False) -> int:
+    """Write a file whole or not at all: ``write(f)`` into a temp file in the same folder, flushed to disk,
+    then ``os.replace`` onto ``path``. Returns the file's size. (The run store's JSON and the sharded
+    checkpoints' files both go through here.)"""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(_clean(obj), f, indent=1, allow_nan=False)
+    with open(tmp, "wb" if binary else "w") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically (`atomic_write`), non-finite numbers as null."""
+    atomic_write(path, lambda f: json.dump(_clean(obj), f, indent=1, allow_nan=False))
+
+
+def pack_version() -> str | None:
+    """The installed stratpack's version (None when run from a tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stratpack")
+    except PackageNotFoundError:
+        return None
 
 
 class RunWriter:

@@ -34,6 +34,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from strategies.runstore import atomic_write
+
 FORMAT = "stratpack-sharded"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -102,13 +104,7 @@ def layout(tensors: list[torch.Tensor], world_size: int) -> list[dict[str, Any]]
 
 
 def _write(obj: Any, path: str) -> int:
-    tmp = f"{path}.part"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return os.path.getsize(path)
+    return atomic_write(path, lambda f: torch.save(obj, f), binary=True)
 
 
 def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: int, world_size: int,
@@ -147,11 +143,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
             files[META] = _write(skeleton, os.path.join(tmp, META))
             manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
                         "files": files, "tensors": entries}
-            with open(os.path.join(tmp, MANIFEST + ".part"), "w") as f:
-                json.dump(manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(tmp, MANIFEST + ".part"), os.path.join(tmp, MANIFEST))  # complete from here
+            atomic_write(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f))  # complete from here on
             # Two renames: between them the new checkpoint is complete at tmp and the old one at old, and
             # `read_manifest` names both if a crash happens right there.
             old = f"{path}.old-{token}"

@@ -202,16 +202,6 @@ def split_states(states: dict[int, dict], names: list[str], styles: dict[str, St
     return out
 
 
-def clip_grad_norm(module: nn.Module, found: dict[str, Style], max_norm: float, axis: Axis) -> torch.Tensor:
-    """Clip by the norm of the whole (unsplit) gradient: split parameters' squares summed over the tp
-    ranks, replicated ones (identical on every tp rank) counted once."""
-    from strategies.clipping import clip_pieces
-
-    split = split_params(module, found)
-    pieces = [(p.grad, id(p) in split) for p in module.parameters() if p.grad is not None]
-    return clip_pieces(pieces, max_norm, tp=axis)
-
-
 def restore_full_layers(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:
     """Undo `apply_plan`: put plain single-device layers with the gathered weights back (every rank must
     call it). After training, the user gets back the module they wrote."""
