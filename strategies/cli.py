@@ -175,14 +175,18 @@ def _rank_plans(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from strategies.bench import PAIRS, BenchConfig, available, format_report, run_pair
+    from strategies.bench import (PAIRS, BenchConfig, available, describe, format_report, run_pair, write_report,
+                                  write_runs)
 
-    names = [n.strip() for n in args.pairs.split(",") if n.strip()]
+    names = [n.strip() for n in args.pairs.split(",") if n.strip()] if args.pairs else list(PAIRS)
     unknown = [n for n in names if n not in PAIRS]
     if unknown:
         print(f"error: unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}", file=sys.stderr)
         return 2
-    cfg = BenchConfig(world_size=args.world_size, steps=args.steps, n_layer=args.n_layer, n_embd=args.n_embd,
+    if not 0 <= args.warmup_steps < args.steps:
+        print(f"error: --warmup-steps must be at least 0 and below --steps ({args.steps})", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps, n_layer=args.n_layer, n_embd=args.n_embd,
                       seq_len=args.seq_len, batch_per_rank=args.batch_per_rank)
     results = []
     for name in names:
@@ -192,11 +196,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             continue
         print(f"bench {ours} vs {peer}: {args.repeat} alternating pairs...", file=sys.stderr, flush=True)
         results.append(run_pair(ours, peer, cfg, pairs=args.repeat))
-    report = format_report(results)
-    print(report)
+    print(describe(cfg) + "\n\n" + format_report(results))
+    for path in args.report or []:
+        write_report(results, cfg, path)
+        print(f"report: {path}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    if any("skipped" not in r for r in results) and not args.no_store:
+        comparison = write_runs(results, cfg, args.runs_dir)
+        print(f"comparison id: {comparison} (in the run store; `stratpack dashboard` shows it)")
     return 0
 
 
@@ -231,16 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_options(p)
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio")
-    p.add_argument("--pairs", default="dp,zero1,zero2,zero3,zero3-fsdp2,tp,pp-1f1b,pp-gpipe",
-                   help="comma-separated comparisons")
+    p.add_argument("--pairs", default=None, help="comma-separated comparisons (default: all of dp, zero1, zero2, "
+                   "zero3, zero3-fsdp2, tp, pp-1f1b, pp-gpipe, pp-interleaved)")
     p.add_argument("--repeat", type=int, default=5, help="alternating pairs per comparison")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=5, help="steps of each run left out of the timing")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-per-rank", type=int, default=8)
     p.add_argument("--out", default=None, help="also write the results as JSON")
+    p.add_argument("--report", action="append", help="write the table here: .md for markdown, else CSV (repeatable)")
+    p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
+    p.add_argument("--no-store", action="store_true", help="do not write the runs to the run store")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("dashboard", help="open the comparison dashboard over the run store")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")

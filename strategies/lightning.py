@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -52,28 +51,9 @@ from strategies.pipeline.engine import PipelineEngine
 from strategies.pipeline.stages import find_blocks
 from strategies.sequence_parallel import SequenceParallel
 from strategies.plan import DataMode, ParallelPlan
+from strategies.options import check_options, collective_timeout
 from strategies.tp_plan import apply_plan, detect_plan, restore_full_layers, split_params
 from strategies.zero3 import Zero3GradSync
-
-TIMEOUT_ENV = "STRATPACK_TIMEOUT"
-
-
-def collective_timeout(timeout: timedelta | float | None = None) -> timedelta:
-    """The process-group timeout: ``timeout``, else ``$STRATPACK_TIMEOUT`` (seconds), else torch's 30 minutes."""
-    if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        if raw is None:
-            return default_pg_timeout
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"the collective timeout must be positive, got {timeout}")
-    return timeout
-
 
 class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
     """Train a LightningModule, written as for one device, with a parallel plan such as ``"dp"`` or ``"naive"``.
@@ -128,8 +108,10 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
         self.plan = plan if isinstance(plan, ParallelPlan) else ParallelPlan.parse(plan)
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        check_options(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                       ring_all_reduce=ring_all_reduce, server_rank=server_rank, zero3_units=zero3_units,
+                       tp_plan=tp_plan, pipeline_blocks=pipeline_blocks, pipeline_balance=pipeline_balance,
+                       process_group_backend=process_group_backend, start_method=start_method)
         self._sync_options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                                   ring=ring_all_reduce, server=server_rank, units=zero3_units)
         self._process_group_backend = process_group_backend
@@ -144,8 +126,6 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         self.tp_layers: dict = {}  # module name -> style, once tensor parallel has split the model
         self.sequence_parallel: SequenceParallel | None = None
         self._pipeline_blocks = pipeline_blocks
-        if pipeline_balance not in ("params", "time"):
-            raise ValueError(f"pipeline_balance must be 'params' or 'time', got {pipeline_balance!r}")
         self._pipeline_balance = pipeline_balance
         self._pipeline_deferred = False  # balanced by time: the engine is built at the first training step
         self.pipeline: PipelineEngine | None = None
@@ -200,6 +180,10 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self.resolved_plan = self.plan.resolve(self.world_size)
+        dp, server = self.resolved_plan.dp, self._sync_options["server"]
+        if self.plan.data is DataMode.NAIVE and server >= dp:
+            raise ValueError(f"server_rank={server} is not on the data-parallel axis of '{self.resolved_plan}' "
+                             f"(indices 0..{dp - 1}); pass a server_rank below {dp}")
 
     @override
     def _configure_launcher(self) -> None:

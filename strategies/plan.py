@@ -64,8 +64,9 @@ _LIGHTNING_EQUIVALENT = {
     "deepspeed_stage_3": "zero3",
     "deepspeed_stage_3_offload": "zero3_offload",
 }
-_DEGREE = re.compile(r"^(dp|tp|pp|v|mb)(\d+)$")
-_MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)(\d+)$")
+_DEGREE = re.compile(r"^(dp|tp|pp|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
+_MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
+MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
     "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, sp, ac, offload"
 )
@@ -102,16 +103,21 @@ class ParallelPlan:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value is not None and value > MAX_DEGREE:
+                raise ValueError(f"{name} must be at most {MAX_DEGREE}")
         if not isinstance(self.data, DataMode) or not isinstance(self.schedule, Schedule):
             raise TypeError("data must be a DataMode and schedule a Schedule (use ParallelPlan.parse for strings)")
         if self.pp == 1 and (self.schedule is not Schedule.ONE_F_ONE_B or self.microbatches is not None):
+            given = " and ".join(f"'{t}'" for t in (
+                self.schedule.value if self.schedule is not Schedule.ONE_F_ONE_B else "",
+                f"mb{self.microbatches}" if self.microbatches is not None else "") if t)
             raise ValueError(
-                "a pipeline schedule and mb<N> need pipeline parallelism (pp<N> with N > 1); "
+                f"{given}: a pipeline schedule and mb<N> need pipeline parallelism (pp<N> with N > 1); "
                 "for gradient accumulation use Trainer(accumulate_grad_batches=N)"
             )
         if (self.schedule is Schedule.INTERLEAVED) != (self.virtual > 1):
-            raise ValueError(
-                "the interleaved schedule needs v<N> with N >= 2 virtual stages, and v<N> needs interleaved")
+            raise ValueError(f"'{self.schedule.value}' with 'v{self.virtual}': the interleaved schedule needs v<N> "
+                             "with N >= 2 virtual stages, and v<N> needs interleaved")
         if self.schedule is Schedule.INTERLEAVED and self.microbatches is not None and self.microbatches % self.pp:
             raise ValueError(
                 f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
@@ -195,8 +201,10 @@ class ParallelPlan:
 
     def resolve(self, world_size: int) -> ParallelPlan:
         """Fill dp (and microbatches) for ``world_size`` ranks; raise ValueError showing the arithmetic."""
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be >= 1 (an integer number of ranks), got {world_size!r}")
+        if world_size > MAX_DEGREE:
+            raise ValueError(f"world_size {world_size} is more ranks than torch.distributed counts ({MAX_DEGREE})")
         if self.dp is not None:
             total = self.dp * self.tp * self.pp
             if total != world_size:
@@ -233,21 +241,38 @@ def _parse_token(text: str, token: str, put) -> None:
     elif token in ("sp", "ac", "offload"):
         put(token, True, token)
     elif match := _DEGREE.match(token):
-        name, value = match.group(1), int(match.group(2))
+        name = match.group(1)
+        field = {"v": "virtual", "mb": "microbatches"}.get(name, name)
+        value = _degree(text, token, field, match.group(2))
         if name == "v" and value < 2:
             raise ValueError(f"{text!r}: {token!r}: v<N> is the number of virtual stages per rank, N >= 2")
-        put({"v": "virtual", "mb": "microbatches"}.get(name, name), value, token)
-    elif (match := _MODE_WITH_DEGREE.match(token)) and int(match.group(2)) > 0:
-        mode, degree = match.groups()
-        raise ValueError(f"{text!r}: write the degree as its own token: '{mode}_dp{int(degree)}', not {token!r}")
+        put(field, value, token)
+    elif (match := _MODE_WITH_DEGREE.match(token)) and match.group(2).lstrip("0"):
+        mode, degree = match.group(1), _degree(text, token, "dp", match.group(2))
+        raise ValueError(f"{text!r}: write the degree as its own token: '{mode}_dp{degree}', not {token!r}")
+    elif not token:
+        raise ValueError(f"{text!r}: empty token: tokens are joined by single '_', with none at either end "
+                         f"(e.g. 'zero3_tp2'); valid tokens: {VALID_TOKENS}")
     else:
         raise ValueError(_bad_token_message(text, token))
+
+
+def _degree(text: str, token: str, field: str, digits: str) -> int:
+    """The N of a token such as ``tp4``: a positive integer up to MAX_DEGREE (checked before int() reads it)."""
+    significant = digits.lstrip("0")
+    if not significant:
+        raise ValueError(f"{text!r}: {token!r}: {field} must be a positive integer, got 0")
+    if len(significant) > len(str(MAX_DEGREE)) or int(significant) > MAX_DEGREE:
+        raise ValueError(f"{text!r}: {token!r}: {field} must be at most {MAX_DEGREE}")
+    return int(significant)
 
 
 def _bad_token_message(text: str, token: str) -> str:
     """Name the bad token; for a Lightning name used inside a plan, suggest our equivalent if it is valid."""
     lowered = text.strip().lower()
     for name in sorted(_LIGHTNING_EQUIVALENT, key=len, reverse=True):
+        if name.split("_")[0] != token:  # only a Lightning name that starts at the bad token explains it
+            continue
         match = re.search(rf"(^|_){name}(_|$)", lowered)
         if match is None:
             continue

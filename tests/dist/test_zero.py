@@ -156,10 +156,16 @@ def _memory_rank(rank: int, world: int, mode: str):
     else:
         sync = shard_model(model, opt, axis, int(mode[-1]))
         flats = sync.flats
-    train(model, opt, global_batches(2, 8, d_in=32, d_out=7), shard=(rank, world), sync=sync)
+    batches = global_batches(3, 8, d_in=32, d_out=7)
+    train(model, opt, batches[:2], shard=(rank, world), sync=sync)
+    between_steps = model_state_bytes(model, [opt], sync)  # after zero_grad(set_to_none=True)
+    # The formulas are the most a step holds: measured with this step's gradients reduced, before the update.
+    x, y = (t.chunk(world)[rank] for t in batches[2])
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    sync.finish()
     units = [u.gathered_bytes for u in getattr(sync, "units", [])]
     return (model_state_bytes(model, [opt], sync), len(flats), units, getattr(sync, "peak_gathered_bytes", 0),
-            sum(p.numel() for p in model.parameters()))
+            sum(p.numel() for p in model.parameters()), between_steps["grads"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -168,12 +174,15 @@ def test_model_state_bytes_match_the_formulas(mode: str, world: int):
     # The estimator's ZeRO formulas: DDP 16 Psi, ZeRO-1 8 Psi + 8 Psi/N, ZeRO-2 4 Psi + 12 Psi/N, ZeRO-3 16 Psi/N.
     n = world
     plan = ParallelPlan.parse(mode).resolve(world)
-    for memory, n_flats, units, peak_gathered, psi in run_ranks(_memory_rank, world, mode):
+    for memory, n_flats, units, peak_gathered, psi, grads_between in run_ranks(_memory_rank, world, mode):
         predicted = model_states(psi, plan)
         padding = 16 * (n - 1) * n_flats  # at most N-1 padding elements per flat, in each of 4 fp32 states
         for category in ("params", "grads", "optimizer"):
             assert abs(memory[category] - predicted[category]) <= 0.01 * predicted[category] + padding, (
                 category, memory, predicted)
+        # ZeRO-2/3's gradient shard lives from its reduce-scatter to zero_grad, as in torch's FSDP; ZeRO-1 and
+        # DDP keep full gradient buffers.
+        assert (grads_between == 0) == (mode in ("zero2", "zero3")), (mode, grads_between)
         if mode == "zero3":  # between uses only the shards are held; in use, one unit plus the prefetched one
             largest_two = sum(sorted(units)[-2:])
             assert max(units) <= peak_gathered <= largest_two
