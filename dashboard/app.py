@@ -26,6 +26,12 @@ page = st.sidebar.radio("Page", PAGES)
 st.sidebar.caption(f"run store: `{root}`")
 
 
+def _plain(text: str) -> str:
+    """``text`` (run names, file contents in messages) shown as written, not as Markdown: no link, image, HTML or
+    formula a run folder could smuggle into the page."""
+    return "".join("\\" + c if c in "\\`*_[]<>!$~|#{}" else c if c.isprintable() else " " for c in str(text))
+
+
 def _csv(rows: list[dict]) -> str:
     out = io.StringIO()
     if rows:
@@ -88,7 +94,7 @@ def main() -> None:
         return
     runs, problems = data.load_runs(root)
     for problem in problems:
-        st.warning(f"Skipped: {problem}")
+        st.warning(_plain(problem))
     if not runs:
         st.info(f"No runs in `{root}` yet. Run `stratpack compare` (it writes there), or point "
                 f"${data.runstore.RUNS_ENV} at a run store.")
@@ -99,12 +105,17 @@ def main() -> None:
         return
     incomplete = [r["id"] for r in runs if r["status"] != "complete"]
     if incomplete:
-        st.warning(f"Incomplete (crashed or still running; shown up to their last step): {', '.join(incomplete)}")
+        st.warning("Incomplete (crashed or still running; shown up to their last step): "
+                   + _plain(", ".join(incomplete)))
     rows = data.summary_rows(runs)
     if page == "Compare":
         st.header("Side by side")
         st.dataframe(rows, use_container_width=True)
         st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
+        bench = data.bench_rows(runs)
+        if bench:
+            st.subheader("stratpack bench: ours against the peer, same model, data and ranks")
+            st.dataframe(bench, use_container_width=True)
         _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
     elif page == "Memory":
         st.header("Memory per rank")

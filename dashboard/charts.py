@@ -90,11 +90,17 @@ def loss_figure(rows: list[dict[str, Any]], x: str = "step") -> go.Figure:
     return fig
 
 
+def _by_rank(item: tuple[str, Any]) -> tuple[int, int, str]:
+    """Ranks in numeric order ("2" before "10"); a key that is not a number after them, not an error."""
+    key = str(item[0])
+    return (0, int(key), "") if key.isascii() and key.isdigit() and len(key) < 19 else (1, 0, key)
+
+
 def timeline_figure(timelines: dict[str, list[dict[str, Any]]], title: str) -> go.Figure:
     """Gantt of a pipeline step: one row per rank, a bar per forward (blue) / backward (orange) action."""
     fig = go.Figure()
     for phase in ("forward", "backward"):
-        bars = [(rank, e) for rank, events in sorted(timelines.items(), key=lambda kv: int(kv[0]))
+        bars = [(rank, e) for rank, events in sorted(timelines.items(), key=_by_rank)
                 for e in events if str(e.get("phase", "")).upper()[:1] == phase[0].upper()]  # "F" / "forward"
         if bars:
             fig.add_bar(name=phase, orientation="h", marker_color=COLORS[phase],

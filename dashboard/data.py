@@ -25,24 +25,33 @@ MAX_FILE_BYTES = 256 * 2**20  # a record file larger than this is not read (a pa
 
 
 def load_runs(root: str | os.PathLike | None) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every readable run under ``root`` and a message for each folder that is not one (never raises)."""
+    """Every readable run under ``root``, and a message for each folder that is not one and for each part of a run
+    that was left out (never raises). Only the folders directly in ``root`` are read, and only their own plain
+    files: a folder or file that is a link is refused by read_run, so nothing outside the store is read."""
     runs, problems = [], []
     base = runstore.runs_dir(root)
     if not base.is_dir():
         return [], []
-    for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "wandb"):
-        try:  # links inside a run folder are refused by read_run: nothing outside the store is read
+    for folder in sorted(p for p in base.iterdir() if p.is_dir() and p.name != "wandb"):
+        try:
             run = runstore.read_run(folder, max_bytes=MAX_FILE_BYTES)
         except (runstore.RunError, OSError, ValueError) as err:
-            problems.append(str(err))
+            problems.append(f"Skipped: {err}")
             continue
+        problems += run.pop("problems", [])
         run["id"] = folder.name
         runs.append(run)
     return runs, problems
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+    """A finite number as a float, else None (not a number, true/false, NaN, or an int too big for a float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return float(value) if math.isfinite(value) else None
+    except OverflowError:
+        return None
 
 
 def label(run: dict[str, Any]) -> str:
@@ -66,8 +75,7 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         meta, summary = run["meta"], run["summary"] or {}
         last = final_records(run)
-        peaks = [(_num(r["memory"].get("total")) or 0) + (_num(r["memory"].get("activations_peak")) or 0)
-                 for r in last.values() if isinstance(r.get("memory"), dict)]
+        peaks = [_peak(r["memory"]) for r in last.values() if isinstance(r.get("memory"), dict)]
         if not isinstance(summary, dict):
             summary = {}
         predicted = meta.get("predicted") if isinstance(meta.get("predicted"), dict) else {}
@@ -91,6 +99,34 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "bubble": _num((summary.get("pipeline") or {}).get("bubble_measured")),
             "final loss": _num(losses[-1]) if losses else None, "loss match vs single": match,
             "comparison": meta.get("comparison"), "model params": meta.get("num_params"),
+        })
+    return rows
+
+
+def _peak(memory: dict[str, Any]) -> float:
+    """A record's peak bytes: the allocator's own peak where there is one (CUDA, and `stratpack bench`'s profiled
+    CPU runs), else the model states plus the activations autograd saved."""
+    allocated = _num(memory.get("max_allocated"))
+    if allocated is not None:
+        return allocated
+    return (_num(memory.get("total")) or 0) + (_num(memory.get("activations_peak")) or 0)
+
+
+def bench_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`stratpack bench` pairs among ``runs``: one row per pair (from the run of our side), ratio ours/peer."""
+    rows = []
+    for run in runs:
+        bench = run["meta"].get("bench")
+        if not isinstance(bench, dict) or bench.get("role") != "ours":
+            continue
+        mib = lambda xs: " / ".join(f"{x / 2**20:.1f}" for x in xs if _num(x) is not None) \
+            if isinstance(xs, list) else None
+        rows.append({
+            "comparison": run["meta"].get("comparison"), "ours": bench.get("ours"), "peer": bench.get("peer"),
+            "pairs": bench.get("pairs"), "ours tokens/s": _num(bench.get("ours_tokens_per_s")),
+            "peer tokens/s": _num(bench.get("peer_tokens_per_s")), "median ratio ours/peer": _num(bench.get("median_ratio")),
+            "peak MiB/rank ours": mib(bench.get("ours_peak_bytes")), "peak MiB/rank peer": mib(bench.get("peer_peak_bytes")),
+            "estimate MiB/rank": mib(bench.get("predicted_peak_bytes")),
         })
     return rows
 

@@ -78,6 +78,8 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         timeout: how long a collective may wait for the other ranks before the job fails with each rank's last
             collectives (a timedelta or seconds); by default ``$STRATPACK_TIMEOUT`` seconds, else 30 minutes.
         start_method: ``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"``.
+        stop_on_nonfinite_loss: a NaN or infinite loss ends the job with ``FloatingPointError`` naming the
+            rank and step (default), instead of training on with parameters it would poison.
     """
 
     strategy_name = "plan"
@@ -102,6 +104,7 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        stop_on_nonfinite_loss: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -109,9 +112,11 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         )
         self.plan = plan if isinstance(plan, ParallelPlan) else ParallelPlan.parse(plan)
         check_options(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-                       ring_all_reduce=ring_all_reduce, server_rank=server_rank, zero3_units=zero3_units,
-                       tp_plan=tp_plan, pipeline_blocks=pipeline_blocks, pipeline_balance=pipeline_balance,
-                       process_group_backend=process_group_backend, start_method=start_method)
+                      ring_all_reduce=ring_all_reduce, server_rank=server_rank, zero3_units=zero3_units,
+                      tp_plan=tp_plan, pipeline_blocks=pipeline_blocks, pipeline_balance=pipeline_balance,
+                      process_group_backend=process_group_backend, start_method=start_method,
+                      stop_on_nonfinite_loss=stop_on_nonfinite_loss)
+        self._stop_on_nonfinite = stop_on_nonfinite_loss
         self._sync_options = dict(bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                                   ring=ring_all_reduce, server=server_rank, units=zero3_units)
         self._process_group_backend = process_group_backend
@@ -309,7 +314,20 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
                 output = super().training_step(*args, **kwargs)
         self.activation_bytes = meter.bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
+        if self._stop_on_nonfinite:
+            self._check_finite(output)
         return output
+
+    def _check_finite(self, output: Any) -> None:
+        # Before backward: a NaN loss would make NaN gradients, the all-reduce would spread them to every rank
+        # and the optimizer step would poison the parameters; stopping here keeps the last good step's state.
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+            raise FloatingPointError(
+                f"the loss is {loss.detach().float().reshape(-1)[0].item()} at step {step} on rank "
+                f"{self.global_rank}. Look at that rank's batch, lower the learning rate or clip gradients "
+                f"(Trainer(gradient_clip_val=...)); PlanStrategy(..., stop_on_nonfinite_loss=False) trains on")
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""
@@ -415,7 +433,12 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
         # say whose it is. Then teardown skips everything that talks to other ranks (they may be waiting in a
         # different collective, or be gone), so this process exits and the launcher stops the others.
         self._failed = exception
-        print(f"[rank {self.global_rank}] {self.plan} failed: {type(exception).__name__}: {exception}",
+        hint = ""
+        if isinstance(exception, torch.OutOfMemoryError):
+            hint = (f"\n[rank {self.global_rank}] out of memory under '{self.plan}': a plan that holds less per "
+                    "rank (zero3, ac, offload, more tp/pp), a smaller batch or more microbatches; `stratpack plan` "
+                    "ranks plans by predicted memory")
+        print(f"[rank {self.global_rank}] {self.plan} failed: {type(exception).__name__}: {exception}{hint}",
               file=sys.stderr, flush=True)
 
     @override

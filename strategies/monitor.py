@@ -7,6 +7,12 @@ every collective during the step (comm.py's counters), and under pipeline parall
 the end rank 0 writes the run's summary (global mean losses, per-rank memory, the pipeline timeline); a
 run that crashed has no summary and reads as incomplete, with every step logged before the crash.
 
+Long runs stay bounded (`keep_record`): every step is recorded up to ``full_steps`` (1,000), then every 2nd
+step up to 2,000, every 4th up to 4,000, and so on, so a run of a million steps writes about 6,000 records per
+rank, and what the monitor holds in memory grows the same way. A record that stands for several steps says so
+(``steps``) and its collective counts are per step, averaged over them. The pipeline timeline is the last
+step's only.
+
 Rank 0 also logs the same figures to any WandbLogger of the Trainer (keys ``loss``, ``memory/params``,
 ``comm/all_reduce/dp/bytes_sent``, ``pipeline/bubble``...).
 """
@@ -36,21 +42,27 @@ class StrategyMonitor(L.Callback):
         run_id, comparison, label: the run's folder name (default: made up), the id shared by the runs of
             one comparison, and the name shown for it (default: the strategy).
         meta: more fields for the run's meta.json (model config, seed...).
+        full_steps: steps recorded one by one before the records thin out (`keep_record`).
     """
 
     def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None, *,
                  runs_dir: str | os.PathLike | None = None, store: bool = True, run_id: str | None = None,
-                 comparison: str | None = None, label: str | None = None, meta: dict | None = None) -> None:
+                 comparison: str | None = None, label: str | None = None, meta: dict | None = None,
+                 full_steps: int = 1000) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.warmup_steps = warmup_steps
+        if full_steps < 1:
+            raise ValueError(f"full_steps must be >= 1, got {full_steps}")
+        self.warmup_steps, self.full_steps = warmup_steps, full_steps
         self.tokens_per_sample = tokens_per_sample
         self.runs_dir, self.store, self.run_id = runs_dir, store, run_id
         self._given_run_id = run_id  # otherwise each fit is a new run, with an id of its own
         self.comparison, self.label, self.extra_meta = comparison, label, dict(meta or {})
         self.writer: runstore.RunWriter | None = None
-        self.step_ends: list[float] = []
-        self.local_losses: list[float] = []
+        self.steps = 0  # optimizer steps so far
+        self._t_last = self._t_warm = 0.0  # perf_counter at the last step's end, and at the warm-up's end
+        self.local_losses: list[float] = []  # this rank's loss at each recorded step (`keep_record`)
+        self._since_record = 0  # steps since the last record
         self.samples_per_step = 0
         self._pending_loss = 0.0
         self._last_comm: dict[str, dict[str, float]] = {}
@@ -69,7 +81,8 @@ class StrategyMonitor(L.Callback):
         stats = getattr(trainer.strategy, "comm_stats", None)
         if stats is not None:
             stats.reset()  # leave out the set-up broadcast: count training steps only
-        self.step_ends = [time.perf_counter()]
+        self._t_last = self._t_warm = time.perf_counter()
+        self.steps, self._since_record = 0, 0
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         if self.store:
             label = self.label or _strategy_label(trainer)
@@ -88,26 +101,34 @@ class StrategyMonitor(L.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         pipeline = getattr(trainer.strategy, "pipeline", None)
         bubble = pipeline.last_step.bubble if pipeline is not None and pipeline.last_step is not None else None
-        if bubble is not None:
-            self.bubbles.append(bubble)
         self._pending_loss += float(loss.detach())  # Lightning already divided it by accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        self.local_losses.append(self._pending_loss)
-        self._pending_loss = 0.0
-        self.step_ends.append(time.perf_counter())
+        now = time.perf_counter()
+        step_time, self._t_last = now - self._t_last, now
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            self._t_warm = now
+        self._since_record += 1
+        step_loss, self._pending_loss = self._pending_loss, 0.0
+        if not keep_record(self.steps, self.full_steps):
+            return
+        self.local_losses.append(step_loss)
+        if bubble is not None:
+            self.bubbles.append(bubble)
         if not self.samples_per_step:
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if trainer.world_size > 1 else 1
             self.samples_per_step = len(x) * replicas * trainer.accumulate_grad_batches
-        record = self._record(trainer, pl_module, bubble)
+        record = self._record(trainer, pl_module, bubble, step_time)
         if self.writer is not None:
             self.writer.append(record)
         if trainer.global_rank == 0:
             _to_wandb(trainer, record)
 
-    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, bubble: float | None) -> dict[str, Any]:
-        step_time = self.step_ends[-1] - self.step_ends[-2]
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, bubble: float | None,
+                step_time: float) -> dict[str, Any]:
+        covered, self._since_record = self._since_record, 0
         samples_per_s = self.samples_per_step / step_time if step_time > 0 else None
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
@@ -117,15 +138,18 @@ class StrategyMonitor(L.Callback):
             "loss": self.local_losses[-1], "lr": optimizer.param_groups[0].get("lr") if optimizer else None,
             "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
             **_flops(trainer, pl_module, tokens_per_s),
-            "memory": _memory(trainer, pl_module, current=True), "comm": self._comm_delta(trainer), "bubble": bubble,
+            "memory": _memory(trainer, pl_module, current=True), "comm": self._comm_delta(trainer, covered),
+            "bubble": bubble, "steps": covered,
         }
 
-    def _comm_delta(self, trainer: L.Trainer) -> dict[str, dict[str, float]]:
+    def _comm_delta(self, trainer: L.Trainer, steps: int) -> dict[str, dict[str, float]]:
+        """Per step, over the ``steps`` since the last record."""
         stats = getattr(trainer.strategy, "comm_stats", None)
         if stats is None:
             return {}
         now = stats.snapshot()
-        delta = {key: {k: v - self._last_comm.get(key, {}).get(k, 0) for k, v in rec.items()} for key, rec in now.items()}
+        delta = {key: {k: (v - self._last_comm.get(key, {}).get(k, 0)) / steps for k, v in rec.items()}
+                 for key, rec in now.items()}
         self._last_comm = now
         return {key: rec for key, rec in delta.items() if rec["calls"] or rec["bytes_sent"] or rec["wait_s"]}
 
@@ -137,10 +161,9 @@ class StrategyMonitor(L.Callback):
         snapshot = stats.snapshot() if stats is not None else {}  # before the loss reduce below adds to it
         losses = torch.tensor(self.local_losses, dtype=torch.float64)
         losses = trainer.strategy.reduce(losses, reduce_op="mean") if trainer.world_size > 1 else losses
-        steps = len(self.local_losses)
-        timed = self.step_ends[self.warmup_steps :]
-        seconds = timed[-1] - timed[0] if len(timed) > 1 else float("nan")
-        timed_steps = len(timed) - 1
+        steps = self.steps
+        timed_steps = steps - self.warmup_steps
+        seconds = self._t_last - self._t_warm if timed_steps > 0 else float("nan")
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
@@ -148,7 +171,7 @@ class StrategyMonitor(L.Callback):
         self.summary = {
             "steps": steps,
             "world_size": trainer.world_size,
-            "losses": [float(x) for x in losses],
+            "losses": [float(x) for x in losses],  # the recorded steps' (`keep_record`), as the records
             "step_time_s": seconds / timed_steps if timed_steps > 0 else float("nan"),
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * tokens if tokens else None,
@@ -201,6 +224,15 @@ class StrategyMonitor(L.Callback):
 _PEAKS = {"h200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
           "b200": {torch.bfloat16: 2250e12, torch.float16: 2250e12, torch.float32: 80e12},
           "l40s": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12}}
+
+
+def keep_record(step: int, full_steps: int = 1000) -> bool:
+    """Whether step ``step`` (1-based) gets a record: every step up to ``full_steps``, then every 2nd up to twice
+    that, every 4th up to four times that, ...: about ``full_steps / 2`` more records per doubling of the run."""
+    if step <= full_steps:
+        return True
+    stride = 1 << (((step - 1) // full_steps).bit_length())
+    return step % stride == 0
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:

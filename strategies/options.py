@@ -64,6 +64,7 @@ def check_options(**options: Any) -> None:
         "pipeline_balance": (lambda v: isinstance(v, str) and v in ("params", "time"), "'params' or 'time'"),
         "process_group_backend": (lambda v: v is None or isinstance(v, str) and v != "",
                                   "None or a backend name such as 'gloo' or 'nccl'"),
+        "stop_on_nonfinite_loss": (lambda v: isinstance(v, bool), "True or False"),
         "start_method": (lambda v: isinstance(v, str) and v in ("popen", "spawn", "fork", "forkserver"),
                          "'popen', 'spawn', 'fork' or 'forkserver'"),
     }

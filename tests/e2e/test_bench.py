@@ -1,0 +1,74 @@
+"""`stratpack bench` end to end on a tiny model: the report, the run store entries and the dashboard's table.
+Speed is not asserted (a benchmark is not a timed test): only that every figure is there and consistent."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dashboard import data
+from strategies import runstore
+from strategies.bench import plan_of
+from strategies.monitor import keep_record
+
+TINY = ["--repeat", "1", "--steps", "3", "--warmup-steps", "1", "--n-layer", "2", "--n-embd", "32", "--seq-len",
+        "16", "--batch-per-rank", "4"]
+
+
+def test_bench_writes_report_and_run_store_the_dashboard_shows(tmp_path):
+    runs, md, table = tmp_path / "runs", tmp_path / "bench.md", tmp_path / "bench.csv"
+    proc = subprocess.run([sys.executable, "-m", "strategies.cli", "bench", "--pairs", "dp,pp-1f1b", *TINY,
+                           "--runs-dir", str(runs), "--report", str(md), "--report", str(table)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(table.open()))
+    assert [(r["ours"], r["peer"]) for r in rows] == [("dp", "torch_ddp"), ("pp_1f1b", "torch_pp_1f1b")]
+    for r in rows:
+        ours, peer = float(r["ours_tokens_per_s"]), float(r["peer_tokens_per_s"])
+        assert ours > 0 and peer > 0 and float(r["median_ratio"]) == pytest.approx(ours / peer, rel=1e-3)
+        for side in ("ours", "peer", "predicted"):
+            peaks = [float(x) for x in r[f"{side}_peak_MiB_per_rank"].split()]
+            assert len(peaks) == 2 and all(p > 0 for p in peaks), (side, r)
+    assert "| dp | torch DDP |" in md.read_text() and "| pp 1F1B | torch Schedule1F1B |" in md.read_text()
+
+    loaded, problems = data.load_runs(runs)
+    assert not problems and len(loaded) == 4
+    assert {r["meta"]["comparison"] for r in loaded} == {proc.stdout.split("comparison id: ")[1].split()[0]}
+    for run in loaded:
+        assert run["status"] == "complete" and sorted(run["records"]) == [0, 1]
+        assert all([r["step"] for r in recs] == [1, 2, 3] for recs in run["records"].values())
+        assert all(recs[-1]["memory"]["max_allocated"] > 0 for recs in run["records"].values())
+    bench = data.bench_rows(loaded)
+    assert [(b["ours"], b["peer"]) for b in sorted(bench, key=lambda b: b["ours"])] == [
+        ("dp", "torch_ddp"), ("pp_1f1b", "torch_pp_1f1b")]
+    # The peer is predicted by the estimate of the plan that does the same (DDP: dp; Schedule1F1B: pp2_1f1b).
+    assert plan_of("torch_ddp", 2) == "dp" and plan_of("torch_pp_1f1b", 2) == "pp2_1f1b_mb4"
+    assert {r["meta"]["label"]: r["meta"]["predicted"] is not None for r in loaded} == {
+        "dp": True, "torch DDP": True, "pp 1F1B": True, "torch Schedule1F1B": True}
+
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    os.environ[runstore.RUNS_ENV] = str(runs)
+    try:
+        at = AppTest.from_file(os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py"),
+                               default_timeout=60)
+        at.run()
+    finally:
+        del os.environ[runstore.RUNS_ENV]
+    assert not at.exception
+    assert any("stratpack bench" in h.value for h in at.subheader)
+    shown = at.dataframe[1].value
+    assert sorted(shown["ours"]) == ["dp", "pp_1f1b"] and all(shown["median ratio ours/peer"] > 0)
+
+
+def test_records_thin_out_geometrically_for_long_runs():
+    kept = [s for s in range(1, 10_001) if keep_record(s, full_steps=1000)]
+    assert kept[:1000] == list(range(1, 1001))  # every step at first
+    assert kept[1000:1003] == [1002, 1004, 1006] and 4008 in kept and 4004 not in kept
+    assert len(kept) == 2625  # 1000 + 500 + 500 + 625 (4001..10000 every 8th)
+    assert sum(keep_record(s) for s in range(1, 1_000_001)) < 6000  # a million steps: under 6,000 records
