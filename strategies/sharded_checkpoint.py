@@ -34,7 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from strategies.runstore import atomic_write
+from strategies.runstore import atomic_write, pack_version
 
 FORMAT = "stratpack-sharded"
 VERSION = 1
@@ -205,8 +205,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} checkpoint")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path} is format version {manifest.get('version')}; this version of the pack "
-                              f"reads version {VERSION}")
+        writer = manifest.get("pack_version") or "unknown"
+        raise CheckpointError(
+            f"{path} is format version {manifest.get('version')} (written by stratpack {writer}); this stratpack "
+            f"({pack_version() or 'from source'}) reads version {VERSION}. Load it with the stratpack that wrote it "
+            "and save it again, or `stratpack convert` it there to one file, which any version loads")
     for name, size in manifest["files"].items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
