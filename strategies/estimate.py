@@ -137,6 +137,8 @@ def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[
     if plan.offload:  # the optimizer state, the fp32 master shard (inside K=12 when mixed) and its gradient
         out["host"] = out["optimizer"] + (4 * shard if precision == "fp32" else 0) + 4 * shard
         out["optimizer"] = 0.0
+        if stage >= 2:  # the reduced gradient shard goes straight to its host copy: on the device only in flight
+            out["grads"] = 0.0
     return out
 
 

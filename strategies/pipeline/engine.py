@@ -45,9 +45,11 @@ class PipelineEngine:
         self.layout = plan_stages(module, self.stages, blocks, weights)
         self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
         self.runner_stages = StageRunner(module, self.layout, self.my_stages)
-        self.table = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)[self.axis.index]
+        tables = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)
+        self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
-        self.runner = PipelineRunner(self.axis, self.stages, self.microbatches)
+        self.runner = PipelineRunner(self.axis, self.stages, self.microbatches,
+                                     wait_sends=schedules.sends_can_wait(tables, pp))
         last_backward: dict[int, schedules.Action] = {}
         for action in self.table:
             if action.phase is schedules.Phase.BACKWARD:

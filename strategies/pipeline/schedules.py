@@ -157,6 +157,65 @@ def simulate(table: Schedule, pp: int) -> list[list[tuple[Action, int]]]:
     return out
 
 
+def sends_can_wait(table: Schedule, pp: int) -> bool:
+    """Whether `runner.PipelineRunner` may finish its sends before each compute on ``table`` without a deadlock.
+
+    Sends rendezvous: one completes only once its receiver has posted the receive (gloo and nccl both work so
+    for large messages). The runner, per action: receives the input (posting that receive), posts the next
+    action's receive where it can (a backward's gradient; a forward's activation after the step's first one
+    of that stage, whose shape comes in a header), waits for its earlier sends, computes, then sends. Every
+    condition only ever turns true, so running each rank as far as it can, round after round, either finishes
+    or finds the deadlock."""
+    last = max(a.stage for actions in table for a in actions)
+    computed: set[Action] = set()
+    posted: set[Action] = set()  # actions whose input receive is posted
+    headers: set[tuple[int, int]] = set()  # (rank, stage): this step's first activation of the stage arrived
+    sent: list[list[Action]] = [[] for _ in range(pp)]  # per rank, the consumers of its sends so far
+    cursor, ready = [0] * pp, [False] * pp  # ready: the current action's input is in and the next recv posted
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            if cursor[r] == len(table[r]):
+                continue
+            action = table[r][cursor[r]]
+            if not ready[r]:
+                posted.add(action)
+                producer = _producer(action, last)
+                if producer is not None and producer not in computed:
+                    continue
+                if action.phase is Phase.FORWARD and action.stage > 0 and action.microbatch == 0:
+                    headers.add((r, action.stage))
+                if cursor[r] + 1 < len(table[r]):
+                    following = table[r][cursor[r] + 1]
+                    if following.phase is Phase.BACKWARD or (r, following.stage) in headers:
+                        posted.add(following)
+                ready[r], progress = True, True
+            if all(c in posted for c in sent[r]):
+                computed.add(action)
+                consumer = _consumer(action, last)
+                if consumer is not None:
+                    sent[r].append(consumer)
+                cursor[r], ready[r], progress = cursor[r] + 1, False, True
+    return all(cursor[r] == len(table[r]) for r in range(pp))
+
+
+def _producer(action: Action, last_stage: int) -> Action | None:
+    """The action on another stage whose output ``action`` receives."""
+    s, m = action.stage, action.microbatch
+    if action.phase is Phase.FORWARD:
+        return Action(Phase.FORWARD, s - 1, m) if s > 0 else None
+    return Action(Phase.BACKWARD, s + 1, m) if s < last_stage else None
+
+
+def _consumer(action: Action, last_stage: int) -> Action | None:
+    """The action on another stage that receives ``action``'s output."""
+    s, m = action.stage, action.microbatch
+    if action.phase is Phase.FORWARD:
+        return Action(Phase.FORWARD, s + 1, m) if s < last_stage else None
+    return Action(Phase.BACKWARD, s - 1, m) if s > 0 else None
+
+
 def _dependencies(action: Action, last_stage: int) -> list[Action]:
     s, m = action.stage, action.microbatch
     if action.phase is Phase.FORWARD:

@@ -31,6 +31,8 @@ def test_mixed_precision_is_the_papers_k_of_12_and_offload_moves_it_to_the_host(
     assert on_gpu["optimizer"] == 12 * 125
     offloaded = model_states(1000, _plan("zero3_offload", 8), "mixed")
     assert offloaded["optimizer"] == 0 and offloaded["host"] == 12 * 125 + 4 * 125
+    # The reduced gradient shard goes to its host copy; ZeRO-1 keeps its full device gradients.
+    assert offloaded["grads"] == 0 and model_states(1000, _plan("zero1_offload", 8), "mixed")["grads"] == 2 * 1000
 
 
 def test_demo_gpt_parameter_count_is_exact():
