@@ -252,16 +252,16 @@ MEMORY_STEPS = 3  # the optimizer states exist from the first step on; the peak 
 
 def _worker(rank: int, world: int, impl: str, cfg: BenchConfig, measure: str = "time") -> dict[str, Any]:
     """One rank of one run. ``measure="time"``: step times, nothing else running. ``measure="memory"``: a
-    short run under torch's profiler, which sees every allocation from before the model is built, so the
-    peak is what this rank's torch allocator held at most (on CPU there is no allocator counter to read;
-    the profiler would slow a timed run, hence the separate run)."""
+    short run while `memory.HeapSampler` reads the heap in use, from before the model is built: the peak
+    above that is what this rank's model, engine and steps held at most (a sampling thread would disturb a
+    timed run, hence the separate run)."""
     if measure == "memory":
-        cfg = BenchConfig(**{**asdict(cfg), "steps": MEMORY_STEPS, "warmup_steps": 0})
-        from torch.profiler import ProfilerActivity, profile
+        from strategies.memory import HeapSampler
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        cfg = BenchConfig(**{**asdict(cfg), "steps": MEMORY_STEPS, "warmup_steps": 0})
+        with HeapSampler() as heap:
             _train(rank, world, impl, cfg)
-        return {"impl": impl, "peak_allocated": _peak_allocated(prof)}
+        return {"impl": impl, "peak_allocated": heap.peak_above_start}
     return _train(rank, world, impl, cfg)
 
 
@@ -280,16 +280,6 @@ def _train(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any]
     tokens = cfg.batch_per_rank * cfg.seq_len * replicas * len(timed)
     return {"impl": impl, "tokens_per_s": tokens / sum(timed), "step_s": statistics.median(timed),
             "step_times": times, "step_ends": ends, "tokens_per_step": cfg.batch_per_rank * cfg.seq_len * replicas}
-
-
-def _peak_allocated(prof) -> int:
-    """The largest number of bytes live at once, from the profiler's allocation and free events."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def available(impl: str) -> bool:
@@ -453,5 +443,6 @@ def describe(cfg: BenchConfig) -> str:
             f"per rank (tp/pp: one batch of {cfg.batch_per_rank} through all ranks, {MICROBATCHES} microbatches), "
             f"AdamW, {cfg.world_size} {dist.Backend.GLOO} ranks on CPU; {cfg.steps} steps per run, the first "
             f"{cfg.warmup_steps} not timed; tokens/s is the median over alternating pairs, the ratio the median of "
-            f"the per-pair ratios ours/peer; peak MiB is each rank's most allocated at once (torch profiler, "
-            f"median of {MEMORY_RUNS} runs of {MEMORY_STEPS} steps), beside the estimator's model states + activations.")
+            f"the per-pair ratios ours/peer; peak MiB is each rank's most heap in use above what it held before the "
+            f"model was built (glibc, sampled every 0.2 ms; median of {MEMORY_RUNS} runs of {MEMORY_STEPS} steps), "
+            f"beside the estimator's model states + activations.")

@@ -83,6 +83,9 @@ class FlatParam:
             self.shard.copy_(self.master.detach(), non_blocking=True)
 
 
+IN_FLIGHT = 2  # ZeRO-2/3: reduce-scatters in flight during backward, each holding its flat's full gradient
+
+
 class ZeroGradSync(GradSync):
     """Reduce-scatters each flat's gradients into this rank's shard, as soon as backward fills the flat."""
 
@@ -142,6 +145,16 @@ class ZeroGradSync(GradSync):
             self._handles[self._next] = comm.reduce_scatter(flat.grad_shard, flat.grad_full, self.axis,
                                                             async_op=True)
             self._next += 1
+            if self.stage >= 2 and self._next > IN_FLIGHT:
+                # ZeRO-2/3 hold a flat's full gradient only until its reduce-scatter is done: with every bucket
+                # kept to the end of backward, a step would hold all of them (4 Psi), as if not partitioned.
+                self._release_full_grad(self._next - 1 - IN_FLIGHT)
+
+    def _release_full_grad(self, index: int) -> None:
+        handle = self._handles[index]
+        if handle is not None:
+            handle.wait()
+            self.flats[index].grad_full = None
 
     def finish(self) -> None:
         if not self.require_sync:

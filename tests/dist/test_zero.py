@@ -223,3 +223,30 @@ def test_bytes_moved_per_step(stage: int, world: int):
         # The estimator's figure (one flat's padding; these flats are many small buckets).
         predicted = data_parallel_bytes(171, ParallelPlan.parse(f"zero{stage}").resolve(world), last_unit // 4)
         assert abs(total - sum(predicted.values())) <= 3 * ring * (padded_bytes - psi_bytes)
+
+
+def _full_grads_in_backward(rank: int, world: int, stage: int):
+    from strategies.zero import IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)], torch.nn.Linear(32, 7))
+    opt = torch.optim.AdamW(model.parameters())
+    axis = Axis.of_group("dp", dist.group.WORLD, CommStats())
+    sync = shard_model(model, opt, axis, stage, bucket_cap_mb=5000 / 2**20)  # a flat per layer (4.2 KB each)
+    most = []
+    for p in model.parameters():  # after ZeRO's own hook: how many flats hold a full gradient right now
+        p.register_post_accumulate_grad_hook(
+            lambda _: most.append(sum(f.grad_full is not None for f in sync.flats)))
+    x, y = (t.chunk(world)[rank] for t in global_batches(1, 8, d_in=32, d_out=7)[0])
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    sync.finish()
+    return len(sync.flats), max(most), IN_FLIGHT
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_3_hold_few_full_gradient_buckets_during_backward(stage: int):
+    # Each flat's full gradient lives until its reduce-scatter is done, at most IN_FLIGHT of them behind the
+    # one backward is filling; kept all to the end of backward, they would add up to the unpartitioned 4 Psi.
+    for flats, most, in_flight in run_ranks(_full_grads_in_backward, 2, stage):
+        assert flats > in_flight + 2, flats
+        assert most <= in_flight + 1, (most, flats)
