@@ -276,6 +276,12 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM, as
     )
 
 
+# torch 2.13 renamed the flat-tensor forms (and deprecates the old names); pyproject accepts torch >= 2.6, whose
+# CUDA builds users keep, so take whichever this torch has (seen: 2.11 on an H100 has only the old names).
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM,
                    async_op: bool = False):
     """``output`` (1/N of ``input``) gets this rank's reduced shard: (N-1)/N * bytes(input) each way."""
@@ -285,7 +291,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: Re
     moved = (axis.size - 1) / axis.size * _nbytes(input)
     return _run(
         Op.REDUCE_SCATTER, axis,
-        lambda: dist.reduce_scatter_single(output, input, op=op, group=axis.group, async_op=async_op),
+        lambda: _REDUCE_SCATTER(output, input, op=op, group=axis.group, async_op=async_op),
         moved, moved, async_op, (output, input),
     )
 
@@ -298,7 +304,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: 
     moved = (axis.size - 1) / axis.size * _nbytes(output)
     return _run(
         Op.ALL_GATHER, axis,
-        lambda: dist.all_gather_single(output, input, group=axis.group, async_op=async_op),
+        lambda: _ALL_GATHER(output, input, group=axis.group, async_op=async_op),
         moved, moved, async_op, (output, input),
     )
 

@@ -1,0 +1,169 @@
+"""The CUDA path on a GPU machine: what only a GPU shows, printed as markdown and written as JSON.
+
+    python scripts/gpu_check.py [--out DIR] [--quick]
+
+1. Trainer runs of the demo GPT on one GPU (nccl, world size 1) under dp, zero1, zero2, zero3 and
+   zero3_offload: ``torch.cuda.max_memory_allocated`` beside the estimator's model states + activations.
+2. The ZeRO engines on two ranks sharing the GPU (gloo carries the CUDA tensors: nccl refuses two ranks on one
+   device): each rank's model-state bytes and allocator peak against the ZeRO formulas at N = 2.
+3. bf16-mixed against 32-true on a model that fills the GPU: tokens/s and MFU (6N + 12·L·h·s FLOP per token
+   against the device's dense bf16 peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def train(plan: str, *args: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "strategies.cli", "train", plan, "--accelerator", "gpu", "--devices", "1",
+               "--wandb", "off", "--runs-dir", os.path.join(tmp, "runs"), "--out", out, *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        if proc.returncode != 0:
+            return {"plan": plan, "error": proc.stderr[-1500:]}
+        with open(out) as f:
+            return {"plan": plan, **json.load(f)}
+
+
+def _engine_rank(rank: int, world: int, mode: str, store: str, results: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from demos.gpt import GPT, GPTConfig
+    from strategies.comm import Axis, CommStats
+    from strategies.memory import model_state_bytes
+    from strategies.zero import shard_model
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, n_layer=8, n_head=8, n_embd=512, seq_len=256)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = GPT(config).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    axis = Axis.of_group("dp", dist.group.WORLD, CommStats())
+    stage = int(mode[4]) if mode.startswith("zero") else 0
+    sync = shard_model(model, opt, axis, stage, offload=mode.endswith("offload")) if stage else None
+    if sync is None:
+        from strategies.data_parallel import BucketedDataParallel
+        sync = BucketedDataParallel(model, axis)
+    psi = sum(p.numel() for p in GPT(config).parameters())
+    for _ in range(3):
+        x = torch.randint(0, 256, (4, 256), device="cuda")
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x.reshape(-1)).backward()
+        sync.finish()
+        opt.step()
+        if hasattr(sync, "after_step"):
+            sync.after_step()
+        states = model_state_bytes(model, [opt], sync)
+        opt.zero_grad(set_to_none=True)
+    out = {"rank": rank, "mode": mode, "psi": psi, "states": states,
+           "max_allocated": torch.cuda.max_memory_allocated() - base}
+    with open(f"{results}.{rank}", "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def engines_on_two_ranks() -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from strategies.estimate import model_states
+    from strategies.plan import ParallelPlan
+
+    rows = []
+    for mode in ("dp", "zero1", "zero2", "zero3", "zero3_offload"):
+        with tempfile.TemporaryDirectory() as tmp:
+            results = os.path.join(tmp, "r")
+            try:
+                mp.start_processes(_engine_rank, args=(2, mode, os.path.join(tmp, "store"), results), nprocs=2,
+                                   start_method="spawn")
+            except Exception as err:  # noqa: BLE001 - report and go on
+                rows.append({"mode": mode, "error": f"{type(err).__name__}: {str(err)[-800:]}"})
+                continue
+            for rank in range(2):
+                with open(f"{results}.{rank}") as f:
+                    got = json.load(f)
+                plan = ParallelPlan.parse(mode).resolve(2)
+                got["predicted"] = model_states(got["psi"], plan)
+                rows.append(got)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", default="trainer,engines,mfu", help="which of trainer, engines, mfu to run")
+    args = parser.parse_args()
+    import torch
+
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                    "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    print(f"# {report['device']}, torch {report['torch']}, CUDA {report['cuda']}, NCCL {report['nccl']}\n", flush=True)
+
+    parts = args.parts.split(",")
+    mid = ["--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--seq-len", "256", "--batch-size", "8",
+           "--steps", "8", "--warmup-steps", "3", "--max-chars", "2000000"]
+    report["trainer"] = [train(plan, *mid) for plan in ("dp", "zero1", "zero2", "zero3", "zero3_offload")
+                         if "trainer" in parts]
+    print("## Trainer, one GPU (nccl): allocator peak vs the estimator\n")
+    print("| plan | max_allocated MiB | model states MiB (measured) | estimate: states + activations MiB | tokens/s |")
+    print("|---|---|---|---|---|")
+    for r in report["trainer"]:
+        if "error" in r:
+            print(f"| {r['plan']} | failed: {r['error'][-300:]!r} | | | |")
+            continue
+        mem = r.get("memory_bytes") or {}
+        pred = (r.get("predicted") or {}).get("memory") or [{}]
+        est = sum(pred[0].get(k, 0) for k in ("params", "grads", "optimizer", "activations"))
+        print(f"| {r['plan']} | {mem.get('max_allocated', 0) / 2**20:.1f} | {mem.get('total', 0) / 2**20:.1f} "
+              f"| {est / 2**20:.1f} | {r.get('tokens_per_s') or 0:,.0f} |", flush=True)
+
+    report["engines"] = engines_on_two_ranks() if "engines" in parts else []
+    print("\n## ZeRO engines, two ranks on the GPU (gloo): model states vs the formulas at N = 2\n")
+    print("| plan | rank | params MiB meas/pred | grads | optimizer | host | max_allocated MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report["engines"]:
+        if "error" in r:
+            print(f"| {r['mode']} | - | failed: {r['error'][-300:]!r} | | | | |")
+            continue
+        s, p = r["states"], r["predicted"]
+        cells = " | ".join(f"{s[k] / 2**20:.2f} / {p[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "host"))
+        print(f"| {r['mode']} | {r['rank']} | {cells} | {r['max_allocated'] / 2**20:.1f} |", flush=True)
+
+    big = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--seq-len", "1024", "--batch-size",
+           "16" if args.quick else "32", "--steps", "12" if args.quick else "25", "--warmup-steps", "5",
+           "--max-chars", "4000000"]
+    report["mfu"] = [train("dp", *big, "--precision", p) for p in ("32-true", "bf16-mixed") if "mfu" in parts]
+    print("\n## Throughput and MFU, GPT 12 x 768, sequence 1024, one GPU\n")
+    print("| precision | tokens/s | TFLOP/s | MFU | max_allocated GiB |")
+    print("|---|---|---|---|---|")
+    for r, p in zip(report["mfu"], ("32-true", "bf16-mixed")):
+        if "error" in r:
+            print(f"| {p} | failed: {r['error'][-300:]!r} | | | |")
+            continue
+        mem = r.get("memory_bytes") or {}
+        print(f"| {p} | {r.get('tokens_per_s') or 0:,.0f} | {(r.get('flops_per_s') or 0) / 1e12:.1f} "
+              f"| {r.get('mfu') or 0:.3f} | {mem.get('max_allocated', 0) / 2**30:.2f} |", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
