@@ -102,6 +102,15 @@ def engines_on_two_ranks() -> list[dict]:
     return rows
 
 
+def _table(title: str, columns: list[str], rows: list[dict], key, cells) -> None:
+    """A markdown table: ``key(row)`` cells, then ``cells(row)`` or the row's error."""
+    print(f"\n## {title}\n\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for r in rows:
+        rest = [f"failed: {r['error'][-300:]!r}"] if "error" in r else cells(r)
+        rest += [""] * (len(columns) - len(key(r)) - len(rest))
+        print("| " + " | ".join(key(r) + rest) + " |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
@@ -119,45 +128,35 @@ def main() -> int:
            "--steps", "8", "--warmup-steps", "3", "--max-chars", "2000000"]
     report["trainer"] = [train(plan, *mid) for plan in ("dp", "zero1", "zero2", "zero3", "zero3_offload")
                          if "trainer" in parts]
-    print("## Trainer, one GPU (nccl): allocator peak vs the estimator\n")
-    print("| plan | max_allocated MiB | model states MiB (measured) | estimate: states + activations MiB | tokens/s |")
-    print("|---|---|---|---|---|")
-    for r in report["trainer"]:
-        if "error" in r:
-            print(f"| {r['plan']} | failed: {r['error'][-300:]!r} | | | |")
-            continue
+
+    def trainer_row(r: dict) -> list[str]:
         mem = r.get("memory_bytes") or {}
         pred = (r.get("predicted") or {}).get("memory") or [{}]
         est = sum(pred[0].get(k, 0) for k in ("params", "grads", "optimizer", "activations"))
-        print(f"| {r['plan']} | {mem.get('max_allocated', 0) / 2**20:.1f} | {mem.get('total', 0) / 2**20:.1f} "
-              f"| {est / 2**20:.1f} | {r.get('tokens_per_s') or 0:,.0f} |", flush=True)
+        return [f"{mem.get('max_allocated', 0) / 2**20:.1f}", f"{mem.get('total', 0) / 2**20:.1f}", f"{est / 2**20:.1f}",
+                f"{r.get('tokens_per_s') or 0:,.0f}"]
+
+    _table("Trainer, one GPU (nccl): allocator peak vs the estimator",
+           ["plan", "max_allocated MiB", "model states MiB (measured)", "estimate: states + activations MiB",
+            "tokens/s"], report["trainer"], lambda r: [r["plan"]], trainer_row)
 
     report["engines"] = engines_on_two_ranks() if "engines" in parts else []
-    print("\n## ZeRO engines, two ranks on the GPU (gloo): model states vs the formulas at N = 2\n")
-    print("| plan | rank | params MiB meas/pred | grads | optimizer | host | max_allocated MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in report["engines"]:
-        if "error" in r:
-            print(f"| {r['mode']} | - | failed: {r['error'][-300:]!r} | | | | |")
-            continue
-        s, p = r["states"], r["predicted"]
-        cells = " | ".join(f"{s[k] / 2**20:.2f} / {p[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "host"))
-        print(f"| {r['mode']} | {r['rank']} | {cells} | {r['max_allocated'] / 2**20:.1f} |", flush=True)
+    _table("ZeRO engines, two ranks on the GPU (gloo): model states vs the formulas at N = 2",
+           ["plan", "rank", "params MiB meas/pred", "grads", "optimizer", "host", "max_allocated MiB"],
+           report["engines"], lambda r: [r["mode"], str(r.get("rank", "-"))],
+           lambda r: [f"{r['states'][k] / 2**20:.2f} / {r['predicted'][k] / 2**20:.2f}"
+                      for k in ("params", "grads", "optimizer", "host")] + [f"{r['max_allocated'] / 2**20:.1f}"])
 
     big = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--seq-len", "1024", "--batch-size",
            "16" if args.quick else "32", "--steps", "12" if args.quick else "25", "--warmup-steps", "5",
            "--max-chars", "4000000"]
-    report["mfu"] = [train("dp", *big, "--precision", p) for p in ("32-true", "bf16-mixed") if "mfu" in parts]
-    print("\n## Throughput and MFU, GPT 12 x 768, sequence 1024, one GPU\n")
-    print("| precision | tokens/s | TFLOP/s | MFU | max_allocated GiB |")
-    print("|---|---|---|---|---|")
-    for r, p in zip(report["mfu"], ("32-true", "bf16-mixed")):
-        if "error" in r:
-            print(f"| {p} | failed: {r['error'][-300:]!r} | | | |")
-            continue
-        mem = r.get("memory_bytes") or {}
-        print(f"| {p} | {r.get('tokens_per_s') or 0:,.0f} | {(r.get('flops_per_s') or 0) / 1e12:.1f} "
-              f"| {r.get('mfu') or 0:.3f} | {mem.get('max_allocated', 0) / 2**30:.2f} |", flush=True)
+    report["mfu"] = [{**train("dp", *big, "--precision", p), "precision": p} for p in ("32-true", "bf16-mixed")
+                     if "mfu" in parts]
+    _table("Throughput and MFU, GPT 12 x 768, sequence 1024, one GPU",
+           ["precision", "tokens/s", "TFLOP/s", "MFU", "max_allocated GiB"], report["mfu"],
+           lambda r: [r["precision"]],
+           lambda r: [f"{r.get('tokens_per_s') or 0:,.0f}", f"{(r.get('flops_per_s') or 0) / 1e12:.1f}",
+                      f"{r.get('mfu') or 0:.3f}", f"{(r.get('memory_bytes') or {}).get('max_allocated', 0) / 2**30:.2f}"])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

@@ -132,28 +132,22 @@ def simulate(table: Schedule, pp: int) -> list[list[tuple[Action, int]]]:
     """Run ``table`` on unit-time stages, each rank in its own order, an action starting once its inputs
     exist: the (action, start time) per rank. Raises if the table deadlocks (some action can never run)."""
     done: dict[Action, int] = {}
-    cursor = [0] * pp
     clock = [0] * pp
     out: list[list[tuple[Action, int]]] = [[] for _ in range(pp)]
     last_stage = max(a.stage for actions in table for a in actions)
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            if cursor[r] == len(table[r]):
-                continue
-            action = table[r][cursor[r]]
-            needs = _dependencies(action, last_stage)
-            if all(n in done for n in needs):
-                start = max([clock[r]] + [done[n] for n in needs])
-                done[action] = start + 1
-                clock[r] = start + 1
-                out[r].append((action, start))
-                cursor[r] += 1
-                progress = True
-    if any(cursor[r] < len(table[r]) for r in range(pp)):
-        stuck = [str(table[r][cursor[r]]) for r in range(pp) if cursor[r] < len(table[r])]
-        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on {stuck}")
+
+    def run(r: int, action: Action, following: Action | None) -> bool:
+        needs = _dependencies(action, last_stage)
+        if not all(n in done for n in needs):
+            return False
+        start = max([clock[r]] + [done[n] for n in needs])
+        done[action] = clock[r] = start + 1
+        out[r].append((action, start))
+        return True
+
+    stuck = _as_far_as_possible(table, pp, run)
+    if stuck:
+        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on {[str(a) for a in stuck]}")
     return out
 
 
@@ -162,42 +156,57 @@ def sends_can_wait(table: Schedule, pp: int) -> bool:
 
     Sends rendezvous: one completes only once its receiver has posted the receive (gloo and nccl both work so
     for large messages). The runner, per action: receives the input (posting that receive), posts the next
-    action's receive where it can (a backward's gradient; a forward's activation after the step's first one
-    of that stage, whose shape comes in a header), waits for its earlier sends, computes, then sends. Every
-    condition only ever turns true, so running each rank as far as it can, round after round, either finishes
-    or finds the deadlock."""
+    action's receive where it can (a backward's gradient once its forward ran here; a forward's activation
+    after the step's first one of that stage, whose shape comes in a header), waits for its earlier sends,
+    computes, then sends. Every condition only ever turns true, so running each rank as far as it can, round
+    after round, either finishes or finds the deadlock."""
     last = max(a.stage for actions in table for a in actions)
     computed: set[Action] = set()
     posted: set[Action] = set()  # actions whose input receive is posted
     headers: set[tuple[int, int]] = set()  # (rank, stage): this step's first activation of the stage arrived
     sent: list[list[Action]] = [[] for _ in range(pp)]  # per rank, the consumers of its sends so far
-    cursor, ready = [0] * pp, [False] * pp  # ready: the current action's input is in and the next recv posted
+    ready = [False] * pp  # the current action's input is in and the next action's receive posted
+
+    def run(r: int, action: Action, following: Action | None) -> bool:
+        if not ready[r]:
+            posted.add(action)
+            producer = _producer(action, last)
+            if producer is not None and producer not in computed:
+                return False
+            if action.phase is Phase.FORWARD and action.stage > 0 and action.microbatch == 0:
+                headers.add((r, action.stage))
+            if following is not None and (
+                    (r, following.stage) in headers if following.phase is Phase.FORWARD
+                    else Action(Phase.FORWARD, following.stage, following.microbatch) in computed):
+                posted.add(following)
+            ready[r] = True
+        if not all(c in posted for c in sent[r]):
+            return False
+        computed.add(action)
+        consumer = _consumer(action, last)
+        if consumer is not None:
+            sent[r].append(consumer)
+        ready[r] = False
+        return True
+
+    return not _as_far_as_possible(table, pp, run)
+
+
+def _as_far_as_possible(table: Schedule, pp: int, run) -> list[Action]:
+    """Offer each rank its next action, round after round, while any ``run(rank, action, following)`` returns
+    True (it ran); the actions the ranks are stuck on at the end (none: the table completes)."""
+    cursor = [0] * pp
     progress = True
     while progress:
         progress = False
         for r in range(pp):
-            if cursor[r] == len(table[r]):
-                continue
-            action = table[r][cursor[r]]
-            if not ready[r]:
-                posted.add(action)
-                producer = _producer(action, last)
-                if producer is not None and producer not in computed:
-                    continue
-                if action.phase is Phase.FORWARD and action.stage > 0 and action.microbatch == 0:
-                    headers.add((r, action.stage))
-                if cursor[r] + 1 < len(table[r]):
-                    following = table[r][cursor[r] + 1]
-                    if following.phase is Phase.BACKWARD or (r, following.stage) in headers:
-                        posted.add(following)
-                ready[r], progress = True, True
-            if all(c in posted for c in sent[r]):
-                computed.add(action)
-                consumer = _consumer(action, last)
-                if consumer is not None:
-                    sent[r].append(consumer)
-                cursor[r], ready[r], progress = cursor[r] + 1, False, True
-    return all(cursor[r] == len(table[r]) for r in range(pp))
+            while cursor[r] < len(table[r]):
+                following = table[r][cursor[r] + 1] if cursor[r] + 1 < len(table[r]) else None
+                if not run(r, table[r][cursor[r]], following):
+                    break
+                cursor[r] += 1
+                progress = True
+    return [table[r][cursor[r]] for r in range(pp) if cursor[r] < len(table[r])]
 
 
 def _producer(action: Action, last_stage: int) -> Action | None:
