@@ -97,18 +97,19 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     app = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dashboard", "app.py")
     env = {**os.environ, RUNS_ENV: str(runs_dir(args.runs_dir).resolve())}
     local = args.address in ("127.0.0.1", "localhost", "::1")
+    host = f"[{args.address}]" if ":" in args.address else args.address  # an IPv6 address in a URL
     if not local:
         where = args.address or "all interfaces"
         print(f"warning: serving on {where}: anyone who can reach this machine on port {args.port} can "
               "read the run store", file=sys.stderr)
-    print(f"dashboard: http://{args.address}:{args.port} over {env[RUNS_ENV]} (Ctrl-C stops it)", file=sys.stderr,
+    print(f"dashboard: http://{host}:{args.port} over {env[RUNS_ENV]} (Ctrl-C stops it)", file=sys.stderr,
           flush=True)
     cmd = [sys.executable, "-m", "streamlit", "run", app, "--server.address", args.address, "--server.port",
            str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
            # On the command line, so neither a STREAMLIT_* variable nor a .streamlit/config.toml turns them off.
            "--server.enableXsrfProtection", "true", "--server.enableCORS", "true"]
     if local:  # a page on another site that resolves its name to 127.0.0.1 (DNS rebinding) is not served
-        cmd += ["--server.allowedHosts", "localhost", "--server.allowedHosts", "127.0.0.1"]
+        cmd += [arg for name in ("localhost", "127.0.0.1", "::1") for arg in ("--server.allowedHosts", name)]
     sys.stdout.flush()
     sys.stderr.flush()
     # Become the server (exec, not a child): stopping this process stops the server, nothing is left running.

@@ -314,13 +314,20 @@ class PlanStrategy(PipelineStepsMixin, StateRoutingMixin, ParallelStrategy):
                 output = super().training_step(*args, **kwargs)
         self.activation_bytes = meter.bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
-        if self._stop_on_nonfinite:
+        if self._stop_on_nonfinite and self.pipeline is not None:
+            # The schedule already ran backward; raising here still skips the optimizer step.
             self._check_finite(output)
         return output
 
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Before backward, automatic or manual (`manual_backward` comes here too): a NaN loss would make NaN
+        # gradients, the all-reduce would spread them to every rank and the step would poison the parameters.
+        if self._stop_on_nonfinite and self.pipeline is None:
+            self._check_finite(closure_loss)
+        super().pre_backward(closure_loss)
+
     def _check_finite(self, output: Any) -> None:
-        # Before backward: a NaN loss would make NaN gradients, the all-reduce would spread them to every rank
-        # and the optimizer step would poison the parameters; stopping here keeps the last good step's state.
         loss = output.get("loss") if isinstance(output, dict) else output
         if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
             step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"

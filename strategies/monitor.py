@@ -63,6 +63,7 @@ class StrategyMonitor(L.Callback):
         self._t_last = self._t_warm = 0.0  # perf_counter at the last step's end, and at the warm-up's end
         self.local_losses: list[float] = []  # this rank's loss at each recorded step (`keep_record`)
         self._since_record = 0  # steps since the last record
+        self._unrecorded: tuple | None = None  # the last step, while no record holds it
         self.samples_per_step = 0
         self._pending_loss = 0.0
         self._last_comm: dict[str, dict[str, float]] = {}
@@ -82,7 +83,7 @@ class StrategyMonitor(L.Callback):
         if stats is not None:
             stats.reset()  # leave out the set-up broadcast: count training steps only
         self._t_last = self._t_warm = time.perf_counter()
-        self.steps, self._since_record = 0, 0
+        self.steps, self._since_record, self._unrecorded = 0, 0, None
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         if self.store:
             label = self.label or _strategy_label(trainer)
@@ -111,11 +112,16 @@ class StrategyMonitor(L.Callback):
             self._t_warm = now
         self._since_record += 1
         step_loss, self._pending_loss = self._pending_loss, 0.0
-        if not keep_record(self.steps, self.full_steps):
-            return
+        self._unrecorded = (step_loss, bubble, step_time, batch)
+        if keep_record(self.steps, self.full_steps):
+            self._write_record(trainer, pl_module)
+
+    def _write_record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The record of the last step (`keep_record` chose it, or it is the run's last)."""
+        (step_loss, bubble, step_time, batch), self._unrecorded = self._unrecorded, None
         self.local_losses.append(step_loss)
         if bubble is not None:
-            self.bubbles.append(bubble)
+            self.bubbles.append((self.steps, bubble))
         if not self.samples_per_step:
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if trainer.world_size > 1 else 1
@@ -157,6 +163,8 @@ class StrategyMonitor(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._unrecorded is not None:  # a thinned-out run still ends on a record of its last step
+            self._write_record(trainer, pl_module)
         stats = getattr(trainer.strategy, "comm_stats", None)
         snapshot = stats.snapshot() if stats is not None else {}  # before the loss reduce below adds to it
         losses = torch.tensor(self.local_losses, dtype=torch.float64)
@@ -198,7 +206,7 @@ class StrategyMonitor(L.Callback):
     def _pipeline_summary(self, trainer: L.Trainer, pipeline: Any) -> dict[str, Any]:
         """The measured bubble (mean over the ranks of each rank's median over the timed steps) beside the
         schedule's theory, the partition, and this rank's timeline of the last step."""
-        timed = self.bubbles[self.warmup_steps :] or self.bubbles
+        timed = [b for step, b in self.bubbles if step > self.warmup_steps] or [b for _, b in self.bubbles]
         mine = torch.tensor(float(torch.tensor(timed).median()) if timed else float("nan"), dtype=torch.float64)
         measured = trainer.strategy.reduce(mine, reduce_op="mean") if trainer.world_size > 1 else mine
         last = pipeline.last_step

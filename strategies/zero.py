@@ -154,7 +154,11 @@ class ZeroGradSync(GradSync):
         handle = self._handles[index]
         if handle is not None:
             handle.wait()
-            self.flats[index].grad_full = None
+            flat = self.flats[index]
+            flat.grad_full = None
+            if flat.offload:  # to the host now: the device holds a few shards in flight, not all of them
+                flat.master.grad = flat.grad_shard.to(flat.master.device, copy=True)
+                flat.grad_shard = None
 
     def finish(self) -> None:
         if not self.require_sync:
@@ -174,6 +178,8 @@ class ZeroGradSync(GradSync):
         self._launch_ready(force=True)
         for flat, handle in zip(self.flats, self._handles):
             handle.wait()
+            if flat.grad_shard is None:  # offloaded during backward (`_release_full_grad`)
+                continue
             grad = flat.grad_shard
             if self.stage == 1:  # keep the reduced shard inside the full gradient buffer: no extra 4 Psi / N
                 start = self.axis.index * flat.shard_size

@@ -49,7 +49,7 @@ class PipelineEngine:
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
         self.runner = PipelineRunner(self.axis, self.stages, self.microbatches,
-                                     wait_sends=schedules.sends_can_wait(tables, pp))
+                                     wait_sends=_gloo(self.axis) and schedules.sends_can_wait(tables, pp))
         last_backward: dict[int, schedules.Action] = {}
         for action in self.table:
             if action.phase is schedules.Phase.BACKWARD:
@@ -184,6 +184,14 @@ class PipelineEngine:
         for src in range(self.axis.size):
             merged.update(comm.broadcast_object(state if src == self.axis.index else None, self.axis, src=src))
         return merged
+
+
+def _gloo(axis) -> bool:
+    """Whether the pp axis runs on gloo, whose rendezvous sends `schedules.sends_can_wait` models (nccl orders a
+    pair's sends and receives as issued, which it does not; and on GPUs the CPU is free to overlap)."""
+    import torch.distributed as dist
+
+    return axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"
 
 
 def _capture(module: nn.Module, args: tuple, output: Any):

@@ -2,11 +2,11 @@
 
 Receives block and sends do not (`comm.isend`), so a rank never waits on its own send; since every
 schedule in `schedules` is deadlock-free for that model (checked by `schedules.simulate`), neither does
-the pipeline. Where the table allows it (`schedules.sends_can_wait`: every shipped schedule does), a rank
-also completes its sends before it computes again, as torch's schedules do: a send left in flight is moved
-by the backend's thread while this rank computes, and on a host with a core per rank that thread then
-waits for a core, so the next stage gets its input late (1F1B on 2 CPU ranks: 0.93 of torch's speed with
-sends in flight, 0.99 with them completed first). Each message is tagged with (kind, stage, microbatch): between two ranks activations and
+the pipeline. On gloo, where the table allows it (`schedules.sends_can_wait`: every shipped schedule does),
+a rank also completes its sends before it computes again, as torch's schedules do: a send left in flight is
+moved by gloo's thread while this rank computes, and on a host with a core per rank that thread then waits
+for a core, so the next stage gets its input late (1F1B on 2 CPU ranks against torch's: 0.93 with sends in
+flight, 0.94-1.02 over four runs with them completed first). Each message is tagged with (kind, stage, microbatch): between two ranks activations and
 gradients can travel the same way (interleaved, pp = 2), and tags keep them apart. The first microbatch's
 activation of each step goes with a small header (shape, dtype), since the receiver cannot know it in
 advance; the step's other microbatches have the same shape (the batch is cut evenly), so they go without

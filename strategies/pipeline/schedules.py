@@ -154,8 +154,8 @@ def simulate(table: Schedule, pp: int) -> list[list[tuple[Action, int]]]:
 def sends_can_wait(table: Schedule, pp: int) -> bool:
     """Whether `runner.PipelineRunner` may finish its sends before each compute on ``table`` without a deadlock.
 
-    Sends rendezvous: one completes only once its receiver has posted the receive (gloo and nccl both work so
-    for large messages). The runner, per action: receives the input (posting that receive), posts the next
+    Sends rendezvous: one completes only once its receiver has posted the receive (as gloo's do; nccl also
+    orders a pair's operations as issued, which this does not model, so the runner asks only on gloo). The runner, per action: receives the input (posting that receive), posts the next
     action's receive where it can (a backward's gradient once its forward ran here; a forward's activation
     after the step's first one of that stage, whose shape comes in a header), waits for its earlier sends,
     computes, then sends. Every condition only ever turns true, so running each rank as far as it can, round

@@ -34,7 +34,8 @@ def test_a_two_rank_run_writes_meta_records_and_summary_and_wandb_offline(tmp_pa
 
 
 def test_a_long_run_records_steps_sparser_and_says_how_many_each_covers(tmp_path):
-    # full_steps=2: steps 1 and 2, then every 2nd step up to 4, every 4th up to 8 (`keep_record`). A killed run
+    # full_steps=2: steps 1 and 2, then every 2nd step up to 4, every 4th up to 8 (`keep_record`), and always the
+    # last step (7), which stands for the 3 since the record of step 4. A killed run
     # (incomplete, every step up to the fault) is tests/safety/test_faults.py's.
     import lightning as L
     import torch
@@ -45,12 +46,12 @@ def test_a_long_run_records_steps_sparser_and_says_how_many_each_covers(tmp_path
     L.seed_everything(0, verbose=False)
     base, dataset = make_demo(n_layer=1, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
     monitor = StrategyMonitor(warmup_steps=1, runs_dir=tmp_path / "runs", full_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=7, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
     trainer.fit(GPTModule(base.config), torch.utils.data.DataLoader(dataset, batch_size=4, drop_last=True))
     (folder,) = runstore.list_runs(tmp_path / "runs")
     run = runstore.read_run(folder)
     records = run["records"][0]
-    assert [r["step"] for r in records] == [1, 2, 4, 8] and [r["steps"] for r in records] == [1, 1, 2, 4]
-    assert len(run["summary"]["losses"]) == 4 and run["summary"]["steps"] == 8
-    assert run["summary"]["tokens_per_s"] > 0  # over the 7 steps after the warm-up, recorded or not
+    assert [r["step"] for r in records] == [1, 2, 4, 7] and [r["steps"] for r in records] == [1, 1, 2, 3]
+    assert len(run["summary"]["losses"]) == 4 and run["summary"]["steps"] == 7
+    assert run["summary"]["tokens_per_s"] > 0  # over the 6 steps after the warm-up, recorded or not
