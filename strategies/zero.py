@@ -67,6 +67,7 @@ class FlatParam:
             master = master.pin_memory()  # async host<->device copies
         self.master = nn.Parameter(master)
         self.grad_full: torch.Tensor | None = None  # the bucket reduce-scatter reads
+        self.grad_host: torch.Tensor | None = None  # with offload: the reduced shard on the host, until `finish`
         self.ready = 0
 
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
@@ -157,7 +158,9 @@ class ZeroGradSync(GradSync):
             flat = self.flats[index]
             flat.grad_full = None
             if flat.offload:  # to the host now: the device holds a few shards in flight, not all of them
-                flat.master.grad = flat.grad_shard.to(flat.master.device, copy=True)
+                # Held aside until `finish`: under pp this runs inside training_step, and Lightning's zero_grad
+                # between training_step and backward would drop a .grad set now.
+                flat.grad_host = flat.grad_shard.to(flat.master.device, copy=True)
                 flat.grad_shard = None
 
     def finish(self) -> None:
@@ -179,6 +182,7 @@ class ZeroGradSync(GradSync):
         for flat, handle in zip(self.flats, self._handles):
             handle.wait()
             if flat.grad_shard is None:  # offloaded during backward (`_release_full_grad`)
+                flat.master.grad, flat.grad_host = flat.grad_host, None
                 continue
             grad = flat.grad_shard
             if self.stage == 1:  # keep the reduced shard inside the full gradient buffer: no extra 4 Psi / N
@@ -226,7 +230,7 @@ class ZeroGradSync(GradSync):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         flats = self.flats
-        offloaded = [t for f in flats if f.offload for t in (f.master, f.master.grad)]
+        offloaded = [t for f in flats if f.offload for t in (f.master, f.master.grad, f.grad_host)]
         return {
             "params": [f.full for f in flats] + [f.shard for f in flats],
             "grads": [f.grad_shard for f in flats] + [f.grad_full for f in flats]
