@@ -265,8 +265,13 @@ def _worker(rank: int, world: int, impl: str, cfg: BenchConfig, measure: str = "
     return _train(rank, world, impl, cfg)
 
 
+def _replicas(impl: str, world: int) -> int:
+    """How many different batches a step of ``impl`` trains on: one per rank, or one for all (tp, pp)."""
+    return 1 if impl in TENSOR_PARALLEL else world
+
+
 def _train(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any]:
-    replicas = 1 if impl in TENSOR_PARALLEL else world
+    replicas = _replicas(impl, world)
     model, batches = _model_and_data(cfg, rank if replicas > 1 else 0)
     step = _engine(impl, model, cfg)
     times, ends = [], []
@@ -301,13 +306,16 @@ def run_pair(ours: str, peer: str, cfg: BenchConfig, pairs: int = 5) -> dict[str
         rows.append(got)
         ratios.append(got[ours][0]["tokens_per_s"] / got[peer][0]["tokens_per_s"])
     memory = {impl: peak_memory(impl, cfg) for impl in (ours, peer)}
+    prediction = predict(ours, cfg)
     median_pair = rows[sorted(range(pairs), key=lambda k: ratios[k])[pairs // 2]]
     return {
         "ours": ours, "peer": peer, "pairs": pairs, "median_ratio": statistics.median(ratios), "ratios": ratios,
         "ours_tokens_per_s": statistics.median(r[ours][0]["tokens_per_s"] for r in rows),
         "peer_tokens_per_s": statistics.median(r[peer][0]["tokens_per_s"] for r in rows),
         "ours_peak_bytes": memory[ours], "peer_peak_bytes": memory[peer],
-        "predicted_peak_bytes": predicted_peaks(ours, cfg),
+        "predicted": prediction,  # the estimator's, for ours and for the peer (the same plan)
+        "predicted_peak_bytes": [sum(m[k] for k in ("params", "grads", "optimizer", "host", "activations"))
+                                 for m in prediction["memory"]] if prediction else None,
         "runs": median_pair,  # every rank's step times in the pair whose ratio is the median
         "config": asdict(cfg),
     }
@@ -331,15 +339,12 @@ def model_config(cfg: BenchConfig) -> dict[str, Any]:
             "seq_len": cfg.seq_len}
 
 
-def predicted_peaks(impl: str, cfg: BenchConfig) -> list[float] | None:
-    """The estimator's per-rank peak (model states + activations) for ``impl``'s plan, in rank order."""
+def predict(impl: str, cfg: BenchConfig) -> dict | None:
+    """What `estimate.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
     from strategies.estimate import predict_run
 
-    replicas = 1 if impl in TENSOR_PARALLEL else cfg.world_size
-    pred = predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg), cfg.batch_per_rank * replicas)
-    if pred is None:
-        return None
-    return [sum(m[k] for k in ("params", "grads", "optimizer", "host", "activations")) for m in pred["memory"]]
+    return predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg),
+                       cfg.batch_per_rank * _replicas(impl, cfg.world_size))
 
 
 def format_report(results: list[dict[str, Any]]) -> str:
@@ -364,15 +369,14 @@ def write_runs(results: list[dict[str, Any]], cfg: BenchConfig, root: str | None
     and ``summary.bench`` hold the pair, the ratios and both sides' figures."""
     import platform
     import sys
-    import uuid
 
     from strategies import runstore
-    from strategies.estimate import predict_run
+    from strategies.estimate import ModelShape
     from strategies.plan import ParallelPlan
 
-    comparison = f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    comparison = runstore.new_comparison_id("bench")
     model = model_config(cfg)
-    num_params = None
+    num_params = ModelShape.from_config(model).total()  # exact for the demo GPT (tests/unit/test_estimate.py)
     for result in results:
         if "skipped" in result:
             continue
@@ -382,12 +386,8 @@ def write_runs(results: list[dict[str, Any]], cfg: BenchConfig, root: str | None
         for role in ("ours", "peer"):
             impl = result[role]
             plan = ParallelPlan.parse(plan_of(impl, cfg.world_size)).resolve(cfg.world_size)
-            replicas = 1 if impl in TENSOR_PARALLEL else cfg.world_size
             run_id = runstore.new_run_id(f"bench-{impl}")
             writers = [runstore.RunWriter(root, run_id, rank) for rank in range(cfg.world_size)]
-            if num_params is None:
-                num_params = sum(p.numel() for p in _model_and_data(BenchConfig(**{**asdict(cfg), "steps": 0}), 0)[0]
-                                 .parameters())
             writers[0].write_meta({
                 "run_id": run_id, "comparison": comparison, "label": NAMES[impl],
                 "plan": str(plan) if role == "ours" else None,
@@ -396,7 +396,7 @@ def write_runs(results: list[dict[str, Any]], cfg: BenchConfig, root: str | None
                 "versions": {"torch": torch.__version__, "stratpack": runstore.pack_version(),
                              "python": sys.version.split()[0]},
                 "model": model, "num_params": num_params, "seed": cfg.seed, "started": time.time(),
-                "predicted": predict_run(str(plan), cfg.world_size, model, cfg.batch_per_rank * replicas),
+                "predicted": result["predicted"],
                 "bench": {**bench, "role": role, "config": asdict(cfg)},
             })
             peaks = result[f"{role}_peak_bytes"]

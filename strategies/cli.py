@@ -193,8 +193,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not 0 <= args.warmup_steps < args.steps:
         print(f"error: --warmup-steps must be at least 0 and below --steps ({args.steps})", file=sys.stderr)
         return 2
-    cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps, n_layer=args.n_layer, n_embd=args.n_embd,
-                      seq_len=args.seq_len, batch_per_rank=args.batch_per_rank)
+    cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps,
+                      n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len,
+                      batch_per_rank=args.batch_per_rank)
     results = []
     for name in names:
         ours, peer = PAIRS[name]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import fields
 from typing import Any
 
@@ -116,9 +115,9 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
 def run_comparison(labels: list[str], make_config, repeat: int = 1, runs_dir: str | None = None) -> tuple[str, list]:
     """Run ``labels`` (``repeat`` times, alternating the order) under one comparison id; return it and the
     results. ``make_config(label, comparison)`` gives each run's RunConfig."""
-    from strategies.runstore import runs_dir as resolve
+    from strategies.runstore import new_comparison_id, runs_dir as resolve
 
-    comparison = f"cmp-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    comparison = new_comparison_id()
     total, done, results = repeat * len(labels), 0, []
     print(f"comparison {comparison}: {total} runs into {resolve(runs_dir)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="stratpack_") as tmp:

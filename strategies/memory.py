@@ -6,6 +6,7 @@ buffer), and a storage is counted whole: padding included, a freed (resized-to-z
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -170,28 +171,23 @@ class HeapSampler:
         return self.peak - self.start
 
 
-_MALLINFO: list = []
-
-
+@functools.cache
 def _mallinfo():
     """A function returning glibc's bytes in use (arenas + mmapped), or None where there is no mallinfo2."""
-    if not _MALLINFO:
-        import ctypes
-        import ctypes.util
+    import ctypes
+    import ctypes.util
 
-        class Info(ctypes.Structure):
-            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                             "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                         "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            call = libc.mallinfo2
-            call.restype = Info
-        except (OSError, AttributeError):
-            _MALLINFO.append(None)
-        else:
-            def in_use() -> int:
-                info = call()
-                return info.uordblks + info.hblkhd
-            _MALLINFO.append(in_use)
-    return _MALLINFO[0]
+    try:
+        call = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    call.restype = Info
+
+    def in_use() -> int:
+        info = call()
+        return info.uordblks + info.hblkhd
+    return in_use

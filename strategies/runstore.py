@@ -56,6 +56,11 @@ def runs_dir(path: str | os.PathLike | None = None) -> Path:
     return Path(path or os.environ.get(RUNS_ENV) or "runs")
 
 
+def new_comparison_id(prefix: str = "cmp") -> str:
+    """An id the runs of one comparison share (``cmp-...`` from `stratpack compare`, ``bench-...`` from bench)."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
 def new_run_id(label: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in label)[:60]
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:4]}"

@@ -155,7 +155,8 @@ def sends_can_wait(table: Schedule, pp: int) -> bool:
     """Whether `runner.PipelineRunner` may finish its sends before each compute on ``table`` without a deadlock.
 
     Sends rendezvous: one completes only once its receiver has posted the receive (as gloo's do; nccl also
-    orders a pair's operations as issued, which this does not model, so the runner asks only on gloo). The runner, per action: receives the input (posting that receive), posts the next
+    orders a pair's operations as issued, which this does not model, so the runner asks only on gloo). The
+    runner, per action: receives the input (posting that receive), posts the next
     action's receive where it can (a backward's gradient once its forward ran here; a forward's activation
     after the step's first one of that stage, whose shape comes in a header), waits for its earlier sends,
     computes, then sends. Every condition only ever turns true, so running each rank as far as it can, round
@@ -226,12 +227,11 @@ def _consumer(action: Action, last_stage: int) -> Action | None:
 
 
 def _dependencies(action: Action, last_stage: int) -> list[Action]:
-    s, m = action.stage, action.microbatch
-    if action.phase is Phase.FORWARD:
-        return [Action(Phase.FORWARD, s - 1, m)] if s > 0 else []
-    needs = [Action(Phase.FORWARD, s, m)]
-    if s < last_stage:
-        needs.append(Action(Phase.BACKWARD, s + 1, m))
+    """What must have run before ``action``: its input's producer, and a backward's own forward."""
+    producer = _producer(action, last_stage)
+    needs = [] if producer is None else [producer]
+    if action.phase is Phase.BACKWARD:
+        needs.insert(0, Action(Phase.FORWARD, action.stage, action.microbatch))
     return needs
 
 
