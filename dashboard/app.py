@@ -1,4 +1,4 @@
-"""The comparison dashboard: `stratpack dashboard` (or `streamlit run dashboard/app.py`).
+"""The comparison dashboard: `stratpack dashboard` (or, with the pack installed, `streamlit run dashboard/app.py`).
 
 Reads only the run store (``$STRATPACK_RUNS``, else ``./runs``). Nothing here imports torch at page load;
 the planner page imports the estimator (and so torch) when it is opened.
@@ -9,14 +9,10 @@ from __future__ import annotations
 import csv
 import io
 import os
-import sys
-from pathlib import Path
 
 import streamlit as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `streamlit run dashboard/app.py` from anywhere
-
-from dashboard import charts, data  # noqa: E402
+from dashboard import charts, data
 
 PAGES = ("Compare", "Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner")
 
@@ -73,7 +69,8 @@ def page_planner() -> None:
     gpus = col[1].number_input("GPUs", 1, 4096, 8)
     memory = col[2].number_input("GiB per GPU", 1.0, 1024.0, 80.0)
     batch = col[3].number_input("Global batch (samples)", 1, 65536, 64)
-    from strategies.estimate import GiB, Hardware, ModelShape, rank_plans  # torch: only on this page
+    from strategies.measure.estimate import ModelShape  # torch: only on this page
+    from strategies.measure.planner import GiB, Hardware, rank_plans
 
     shape = ModelShape.from_params(params * 1e9)
     ranked = rank_plans(shape, Hardware(gpus=int(gpus), memory=memory * GiB), int(batch))

@@ -7,6 +7,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from strategies.runs import MEMORY_CATEGORIES
+
 COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "host": "#B279A2",
           "activations": "#E45756", "forward": "#4C78A8", "backward": "#F58518"}
 MiB = 2**20
@@ -16,7 +18,7 @@ def memory_figure(rows: list[dict[str, Any]]) -> go.Figure:
     """Stacked bars of memory per rank by category, measured beside predicted, for every run."""
     fig = go.Figure()
     x_of = lambda r: [f"{r['run']} r{r['rank']}", r["source"][:4]]  # noqa: E731 - two-level axis
-    for category in ("params", "grads", "optimizer", "host", "activations"):
+    for category in MEMORY_CATEGORIES:
         picked = [r for r in rows if r["category"] == category]
         if picked:
             fig.add_bar(name=category, marker_color=COLORS[category], x=list(zip(*[x_of(r) for r in picked])),

@@ -1,26 +1,18 @@
-"""The dashboard's view of the run store: runs as plain dicts and tidy tables, without importing torch.
+"""The dashboard's view of the run store: runs as plain dicts and tidy tables.
 
-The store's reader (`strategies/runstore.py`, stdlib only) is loaded from its file, not as
-``strategies.runstore``: importing the ``strategies`` package registers the plan names with Lightning and so
-imports torch, which would cost the page seconds to open.
+The store is read through `strategies.runs`, which imports no torch (nor does ``import strategies``), so a page
+opens without loading it; only the planner page imports the estimator, and torch with it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-_RUNSTORE = Path(__file__).resolve().parent.parent / "strategies" / "runstore.py"
-_spec = importlib.util.spec_from_file_location("stratpack_runstore", _RUNSTORE)
-runstore = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("stratpack_runstore", runstore)
-_spec.loader.exec_module(runstore)
+from strategies import runs as runstore
+from strategies.runs import MEMORY_CATEGORIES as CATEGORIES
 
-CATEGORIES = ("params", "grads", "optimizer", "host", "activations")
 MAX_FILE_BYTES = 256 * 2**20  # a record file larger than this is not read (a page must stay responsive)
 
 
@@ -178,9 +170,3 @@ def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({"run": label(run), "step": record.get("step"), "loss": _num(loss),
                          "seconds": when - start if when is not None else None})
     return rows
-
-
-def timeline_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The last step's pipeline timeline: one row per (rank, action)."""
-    pipeline = (run["summary"] or {}).get("pipeline") or {}
-    return [dict(event) for event in pipeline.get("timeline") or [] if isinstance(event, dict)]

@@ -42,7 +42,7 @@ def _engine_rank(rank: int, world: int, mode: str, store: str, results: str) -> 
 
     from demos.gpt import GPT, GPTConfig
     from strategies.comm import Axis, CommStats
-    from strategies.memory import model_state_bytes
+    from strategies.measure.memory import model_state_bytes
     from strategies.zero import shard_model
 
     torch.cuda.set_device(0)
@@ -80,7 +80,7 @@ def _engine_rank(rank: int, world: int, mode: str, store: str, results: str) -> 
 def engines_on_two_ranks() -> list[dict]:
     import torch.multiprocessing as mp
 
-    from strategies.estimate import model_states
+    from strategies.measure.estimate import model_states
     from strategies.plan import ParallelPlan
 
     rows = []

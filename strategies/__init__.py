@@ -2,35 +2,57 @@
 
     import lightning as L
     import strategies                       # makes every plan string a Lightning strategy name
-    L.Trainer(strategy="dp", devices=4)     # our DDP; "naive", "zero3", "dp_tp2", ... (see ParallelPlan)
+    L.Trainer(strategy="zero3_tp2", devices=4, callbacks=[strategies.StrategyMonitor()])
+
+Every plan string is a strategy (`ParallelPlan` has the grammar); the named classes (`DataParallelStrategy`,
+`ZeroStrategy`, `TensorParallelStrategy`, `PipelineStrategy`...) spell one out. The layers, lowest first: `plan`
+and `mesh`; `comm`; one package per technique (`data_parallel`, `zero`, `tensor_parallel`, `pipeline`,
+`activation_checkpoint`); `checkpoint` files; the `lightning` adapter; `measure`; the `runs` store; `cli`.
+
+Importing the package imports no torch: the names below load on first use, and the plan names reach Lightning's
+registry as soon as Lightning is imported (`lightning.registry`).
 """
 
-from strategies.comm import Axis, CommStats, Op
-from strategies.data_parallel import BucketedDataParallel, NaiveDataParallel
-from strategies.lightning import DataParallelStrategy, NaiveDataParallelStrategy, PlanStrategy
-from strategies.mesh import ParallelMesh
-from strategies.plan import DataMode, ParallelPlan, Schedule
-from strategies.registry import install as _install_registry
-from strategies.sharded_checkpoint import ShardedCheckpointIO
-from strategies.tp_plan import Colwise, Rowwise, VocabEmbedding
+from __future__ import annotations
 
-_install_registry()
+import importlib
+from typing import Any
 
-__all__ = [
-    "Axis",
-    "BucketedDataParallel",
-    "Colwise",
-    "CommStats",
-    "DataMode",
-    "DataParallelStrategy",
-    "NaiveDataParallel",
-    "NaiveDataParallelStrategy",
-    "Op",
-    "ParallelMesh",
-    "ParallelPlan",
-    "PlanStrategy",
-    "Rowwise",
-    "Schedule",
-    "ShardedCheckpointIO",
-    "VocabEmbedding",
-]
+from strategies.lightning.registry import register_with_lightning
+
+register_with_lightning()
+
+_EXPORTS = {
+    "Axis": "strategies.comm",
+    "CommStats": "strategies.comm",
+    "Op": "strategies.comm",
+    "BucketedDataParallel": "strategies.data_parallel",
+    "NaiveDataParallel": "strategies.data_parallel",
+    "PlanStrategy": "strategies.lightning",
+    "PlanOptions": "strategies.lightning",
+    "NaiveDataParallelStrategy": "strategies.lightning",
+    "DataParallelStrategy": "strategies.lightning",
+    "ZeroStrategy": "strategies.lightning",
+    "TensorParallelStrategy": "strategies.lightning",
+    "PipelineStrategy": "strategies.lightning",
+    "ParallelMesh": "strategies.mesh",
+    "DataMode": "strategies.plan",
+    "ParallelPlan": "strategies.plan",
+    "PipelineSchedule": "strategies.plan",
+    "ShardedCheckpointIO": "strategies.checkpoint",
+    "StrategyMonitor": "strategies.measure.monitor",
+    "Colwise": "strategies.tensor_parallel",
+    "Rowwise": "strategies.tensor_parallel",
+    "VocabEmbedding": "strategies.tensor_parallel",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -21,36 +21,38 @@ from strategies import comm
 from strategies.comm import Axis
 
 
-def total_norm(pieces: Sequence[tuple[Tensor, bool]], *, tp: Axis | None = None, disjoint: Sequence[Axis] = (),
-               norm_type: float = 2.0, device: torch.device | None = None) -> Tensor:
-    """The norm of the whole gradient from this rank's ``pieces`` ``(tensor, split over tp?)``; a collective
-    over ``tp`` and each of ``disjoint``, so every rank of those axes must call it."""
+def total_norm(pieces: Sequence[tuple[Tensor, Axis | None]], *, split: Sequence[Axis] = (),
+               disjoint: Sequence[Axis] = (), norm_type: float = 2.0, device: torch.device | None = None) -> Tensor:
+    """The norm of the whole gradient from this rank's ``pieces`` ``(tensor, the axis it is split over, or None)``;
+    a collective over each of ``split`` (whose pieces are summed over it) and ``disjoint``, so every rank of those
+    axes must call it."""
     device = device or (pieces[0][0].device if pieces else torch.device("cpu"))
     inf = math.isinf(norm_type)
+    op = ReduceOp.MAX if inf else ReduceOp.SUM
 
-    def local(split: bool) -> Tensor:
-        values = [g.detach() for g, is_split in pieces if is_split == split and g.numel()]
+    def local(over: Axis | None) -> Tensor:
+        values = [g.detach() for g, axis in pieces if axis == over and g.numel()]
         if not values:
             return torch.zeros((), dtype=torch.float64, device=device)
         if inf:
             return torch.stack([v.abs().max().double().to(device) for v in values]).max()
         return torch.stack([v.double().pow(norm_type).sum().to(device) for v in values]).sum()
 
-    split, replicated = local(True), local(False)
-    op = ReduceOp.MAX if inf else ReduceOp.SUM
-    if tp is not None:
-        comm.all_reduce(split, tp, op=op)
-    total = torch.maximum(split, replicated) if inf else split + replicated
+    total = local(None)  # the replicated pieces: the same on every rank of a split axis, counted once
+    for axis in split:
+        part = local(axis)
+        comm.all_reduce(part, axis, op=op)
+        total = torch.maximum(part, total) if inf else part + total
     for axis in disjoint:
         comm.all_reduce(total, axis, op=op)
     return total if inf else total.pow(1.0 / norm_type)
 
 
-def clip_pieces(pieces: Sequence[tuple[Tensor, bool]], max_norm: float, *, tp: Axis | None = None,
+def clip_pieces(pieces: Sequence[tuple[Tensor, Axis | None]], max_norm: float, *, split: Sequence[Axis] = (),
                 disjoint: Sequence[Axis] = (), norm_type: float = 2.0, device: torch.device | None = None) -> Tensor:
     """Scale every piece in place so that the whole gradient's norm is at most ``max_norm``; returns the norm
     before clipping (torch's ``clip_grad_norm_`` formula: scale = max_norm / (norm + 1e-6), capped at 1)."""
-    norm = total_norm(pieces, tp=tp, disjoint=disjoint, norm_type=norm_type, device=device)
+    norm = total_norm(pieces, split=split, disjoint=disjoint, norm_type=norm_type, device=device)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g, _ in pieces:
         g.mul_(scale.to(device=g.device, dtype=g.dtype))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from strategies.comm import RECORDER, Axis, CommStats
+from strategies import comm
+from strategies.comm import Axis, CommStats
 from strategies.plan import ParallelPlan
 
 AXES = ("pp", "dp", "tp")
@@ -37,7 +38,7 @@ class ParallelMesh:
         else:
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
             self.axes = {name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES}
-        RECORDER.register_peers(self.world)  # to name a rank that dies later
+        comm.register_peers(self.world)  # to name a rank that dies later
         expected = self.plan.coordinates(dist.get_rank())
         actual = {name: axis.index for name, axis in self.axes.items()}
         if expected != actual:  # the layout every other piece assumes (samplers, stage ownership)

@@ -21,6 +21,8 @@ import enum
 import re
 from dataclasses import dataclass
 
+from strategies.equivalents import LIGHTNING as _LIGHTNING_EQUIVALENT
+
 
 class DataMode(enum.Enum):
     """How the data-parallel axis shares the model state."""
@@ -41,7 +43,7 @@ class DataMode(enum.Enum):
         return int(self.value[-1]) if self.is_zero else 0
 
 
-class Schedule(enum.Enum):
+class PipelineSchedule(enum.Enum):
     """Pipeline schedule: the order in which each stage runs its microbatches."""
 
     GPIPE = "gpipe"
@@ -49,21 +51,6 @@ class Schedule(enum.Enum):
     INTERLEAVED = "interleaved"
 
 
-# Lightning already registers these names; after `import strategies` they keep Lightning's meaning, and
-# at the head of a plan they are mistakes with a known fix: our equivalent.
-_LIGHTNING_EQUIVALENT = {
-    "ddp": "dp",
-    "ddp_spawn": "dp",
-    "ddp_fork": "dp",
-    "fsdp": "zero3",
-    "fsdp_cpu_offload": "zero3_offload",
-    "deepspeed": "zero2",
-    "deepspeed_stage_1": "zero1",
-    "deepspeed_stage_2": "zero2",
-    "deepspeed_stage_2_offload": "zero2_offload",
-    "deepspeed_stage_3": "zero3",
-    "deepspeed_stage_3_offload": "zero3_offload",
-}
 _DEGREE = re.compile(r"^(dp|tp|pp|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
@@ -84,7 +71,7 @@ class ParallelPlan:
     """Tensor-parallel degree: each weight matrix is split over this many ranks (Megatron column/row)."""
     pp: int = 1
     """Pipeline-parallel degree: the layers are cut into this many stages."""
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     """Pipeline schedule; only meaningful with pp > 1."""
     virtual: int = 1
     """Virtual stages per rank (model chunks) for the interleaved schedule."""
@@ -105,27 +92,27 @@ class ParallelPlan:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
             if value is not None and value > MAX_DEGREE:
                 raise ValueError(f"{name} must be at most {MAX_DEGREE}")
-        if not isinstance(self.data, DataMode) or not isinstance(self.schedule, Schedule):
-            raise TypeError("data must be a DataMode and schedule a Schedule (use ParallelPlan.parse for strings)")
-        if self.pp == 1 and (self.schedule is not Schedule.ONE_F_ONE_B or self.microbatches is not None):
+        if not isinstance(self.data, DataMode) or not isinstance(self.schedule, PipelineSchedule):
+            raise TypeError("data must be a DataMode and schedule a PipelineSchedule (use ParallelPlan.parse for strings)")
+        if self.pp == 1 and (self.schedule is not PipelineSchedule.ONE_F_ONE_B or self.microbatches is not None):
             given = " and ".join(f"'{t}'" for t in (
-                self.schedule.value if self.schedule is not Schedule.ONE_F_ONE_B else "",
+                self.schedule.value if self.schedule is not PipelineSchedule.ONE_F_ONE_B else "",
                 f"mb{self.microbatches}" if self.microbatches is not None else "") if t)
             raise ValueError(
                 f"{given}: a pipeline schedule and mb<N> need pipeline parallelism (pp<N> with N > 1); "
                 "for gradient accumulation use Trainer(accumulate_grad_batches=N)"
             )
-        if (self.schedule is Schedule.INTERLEAVED) != (self.virtual > 1):
+        if (self.schedule is PipelineSchedule.INTERLEAVED) != (self.virtual > 1):
             raise ValueError(f"'{self.schedule.value}' with 'v{self.virtual}': the interleaved schedule needs v<N> "
                              "with N >= 2 virtual stages, and v<N> needs interleaved")
-        if self.schedule is Schedule.INTERLEAVED and self.microbatches is not None and self.microbatches % self.pp:
+        if self.schedule is PipelineSchedule.INTERLEAVED and self.microbatches is not None and self.microbatches % self.pp:
             raise ValueError(
                 f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
             )
         if self.sp and self.tp == 1:
             raise ValueError("sp (sequence parallel) splits the sequence over the tensor-parallel ranks, so it "
                              "needs tp<N> with N > 1 (e.g. 'tp2_sp')")
-        if (self.pp > 1 and self.schedule is Schedule.ONE_F_ONE_B and self.microbatches is not None
+        if (self.pp > 1 and self.schedule is PipelineSchedule.ONE_F_ONE_B and self.microbatches is not None
                 and self.microbatches < self.pp):
             raise ValueError(
                 f"1F1B needs at least as many microbatches as stages: mb{self.microbatches} < pp{self.pp}; use "
@@ -162,7 +149,7 @@ class ParallelPlan:
             _parse_token(text, token, put)
         if "virtual" in fields and "schedule" not in fields:
             raise ValueError(f"{text!r}: v{fields['virtual']} (virtual stages) needs the interleaved schedule")
-        if fields.get("schedule") is Schedule.INTERLEAVED and "virtual" not in fields:
+        if fields.get("schedule") is PipelineSchedule.INTERLEAVED and "virtual" not in fields:
             fields["virtual"] = 2
         try:
             return cls(**fields)  # type: ignore[arg-type]
@@ -181,7 +168,7 @@ class ParallelPlan:
             parts.append("sp")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
-        if self.schedule is not Schedule.ONE_F_ONE_B:
+        if self.schedule is not PipelineSchedule.ONE_F_ONE_B:
             parts.append(self.schedule.value)
         if self.virtual > 1:
             parts.append(f"v{self.virtual}")
@@ -237,7 +224,7 @@ def _parse_token(text: str, token: str, put) -> None:
     if token in ("naive", "dp", "zero1", "zero2", "zero3"):
         put("data", DataMode(token), token)
     elif token in ("gpipe", "1f1b", "interleaved"):
-        put("schedule", Schedule(token), token)
+        put("schedule", PipelineSchedule(token), token)
     elif token in ("sp", "ac", "offload"):
         put(token, True, token)
     elif match := _DEGREE.match(token):

@@ -1,11 +1,12 @@
-"""The pipeline engine the Lightning strategy drives: one training step as a schedule, evaluation as a chain.
+"""Pipeline parallel as a technique of a plan: one training step as a schedule, evaluation as a chain.
 
 Training: the batch is cut into microbatches; the schedule runs the user's ``training_step`` on each
 (stage, microbatch) through `StageRunner` and `PipelineRunner`; the last stage's losses, each scaled by
 1/mb (and 1/accumulate_grad_batches, as Lightning scales its own backward) so the gradients sum to the
 batch's, are summed and sent to the other stages, so every rank returns the same loss to Lightning.
-Data-parallel sync is enabled only in the last backward of each stage, so each parameter's gradient is
-reduced once, complete, while the rest of the schedule still runs (overlap).
+Data-parallel sync is enabled only in the last backward of each stage (the others run inside the ``no_sync``
+the caller passes), so each parameter's gradient is reduced once, complete, while the rest of the schedule still
+runs (overlap).
 
 Evaluation (validation, test, prediction): the whole batch runs once through the stages in order; the
 last stage captures the output of the model's top module, broadcasts it over the pp axis, and every rank
@@ -23,11 +24,13 @@ import torch
 from torch import nn
 
 from strategies import comm
+from strategies.comm import Axis
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import schedules
 from strategies.pipeline.runner import PipelineRunner, StepResult
 from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
 from strategies.plan import ParallelPlan
+from strategies.technique import OptimizerState, Technique
 
 
 class _TopDone(Exception):
@@ -36,7 +39,9 @@ class _TopDone(Exception):
         self.output = output
 
 
-class PipelineEngine:
+class PipelineParallel(Technique):
+    """``module`` cut into ``plan.pp * plan.virtual`` stages over the mesh's pp axis; this rank runs its own."""
+
     def __init__(self, module: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, blocks: str | None = None,
                  weights: tuple[list[float], float, float] | None = None):
         self.module, self.axis = module, mesh.pp
@@ -72,9 +77,12 @@ class PipelineEngine:
     # -- training ------------------------------------------------------------------------------------------
 
     def train_step(self, batch: Any, batch_idx: int, step: Callable[[Any, int], Any], device: torch.device,
-                   grad_sync=None, accumulate: int = 1) -> torch.Tensor:
-        """One batch through the schedule; returns the batch's mean loss on every pp rank. ``accumulate``:
-        Lightning's accumulate_grad_batches, which it would divide the loss by before its own backward."""
+                   no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+                   accumulate: int = 1) -> torch.Tensor:
+        """One batch through the schedule; returns the batch's mean loss on every pp rank. ``no_sync``: the
+        context in which a backward must not reduce gradients over dp (all but each stage's last one).
+        ``accumulate``: Lightning's accumulate_grad_batches, which it would divide the loss by before its own
+        backward."""
         micro = split_microbatches(batch, self.microbatches)
         scale = self.microbatches * accumulate
         self.finish()
@@ -90,17 +98,11 @@ class PipelineEngine:
                 raise TypeError("under pipeline parallel training_step must return the loss (or {'loss': ...})")
             return loss / scale
 
-        outer = grad_sync.require_sync if grad_sync is not None else False
+        def backward_context(action: schedules.Action) -> contextlib.AbstractContextManager:
+            # Reduce each parameter once, complete, in its stage's last backward.
+            return no_sync() if no_sync is not None and action not in self._last_backward else contextlib.nullcontext()
 
-        def before_backward(action: schedules.Action) -> None:
-            if grad_sync is not None:  # reduce each parameter once, in its stage's last backward
-                grad_sync.require_sync = outer and action in self._last_backward
-
-        try:
-            self.last_step = self.runner.run(self.table, forward, device, before_backward)
-        finally:
-            if grad_sync is not None:
-                grad_sync.require_sync = outer
+        self.last_step = self.runner.run(self.table, forward, device, backward_context)
         losses = self.last_step.losses
         loss = torch.stack(losses).sum().float() * accumulate if losses else torch.zeros((), device=device)
         self._share_loss(loss)
@@ -178,12 +180,39 @@ class PipelineEngine:
         """Whether this rank's stages hold parameter ``name``."""
         return name in self.runner_stages.owned
 
-    def merge_states(self, state: dict[int, Any]) -> dict[int, Any]:
+    def merge_states(self, state: dict[str, Any]) -> dict[str, Any]:
         """The union of every stage's per-parameter optimizer states (each holds its own parameters')."""
         merged: dict = {}
         for src in range(self.axis.size):
             merged.update(comm.broadcast_object(state if src == self.axis.index else None, self.axis, src=src))
         return merged
+
+    # -- the technique's hooks -----------------------------------------------------------------------------
+
+    loads_own_entries = True  # other stages' parameters are placeholders here: each stage loads its own
+
+    def full_model_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.full_state_dict(state)
+
+    def local_model_state(self, state: dict[str, torch.Tensor], strict: bool) -> dict[str, torch.Tensor]:
+        params = {name for name, _ in self.module.named_parameters()}
+        missing = sorted(params - set(state))
+        if strict and missing:
+            raise KeyError(f"the checkpoint has no values for {', '.join(missing[:8])}")
+        return {k: v for k, v in state.items() if k not in params or self.owns(k)}
+
+    def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
+        return state.with_entries(self.merge_states(state.per_param))
+
+    def local_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
+        return state.with_entries({k: v for k, v in state.per_param.items() if self.owns(k)})  # this stage's
+
+    def disjoint_axes(self) -> list[Axis]:
+        return [self.axis]
+
+    def teardown(self, healthy: bool) -> None:
+        if healthy:
+            self.restore_full_model()  # every parameter back from its stage: a whole module again
 
 
 def _gloo(axis) -> bool:

@@ -15,6 +15,7 @@ one, and a gradient has the shape of the output the receiver sent, so it never n
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,17 @@ class StepResult:
             return 0.0
         span = max(e.end for e in self.timeline)
         return 1.0 - sum(e.end - e.start for e in self.timeline) / span if span > 0 else 0.0
+
+
+@dataclass
+class _Step:
+    """One step's bookkeeping while its actions run."""
+
+    t0: float  # perf_counter at the step's start
+    kept: dict = field(default_factory=dict)  # (stage, microbatch) -> (output, received input), until its backward
+    pending: list = field(default_factory=list)  # (handle, tensor) of sends in flight
+    posted: dict = field(default_factory=dict)  # (kind, stage, microbatch) -> (handle, buffer) of early receives
+    result: StepResult = field(default_factory=lambda: StepResult(losses=[]))
 
 
 class PipelineRunner:
@@ -120,47 +132,58 @@ class PipelineRunner:
             posted[(1, s, m)] = (comm.irecv(grad, self.axis, src, self._tag(1, s + 1, m)), grad)
 
     def run(self, actions: list[Action], forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-            device: torch.device, on_backward: Callable[[Action], None] | None = None) -> StepResult:
-        last = self.stages - 1
-        kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        pending: list = []
-        posted: dict = {}
-        result = StepResult(losses=[])
-        t0 = time.perf_counter()
+            device: torch.device,
+            backward_context: Callable[[Action], contextlib.AbstractContextManager] | None = None) -> StepResult:
+        """Run this rank's ``actions``; ``backward_context(action)`` is entered around each backward (data
+        parallel's ``no_sync`` for all but a stage's last one, so each gradient is reduced once, complete)."""
+        step = _Step(time.perf_counter())
         for i, action in enumerate(actions):
-            s, m = action.stage, action.microbatch
+            following = actions[i + 1] if i + 1 < len(actions) else None
             if action.phase is Phase.FORWARD:
-                received = self._recv_activation(s, m, device, posted) if s > 0 else None
-                if i + 1 < len(actions):
-                    self._prefetch(actions[i + 1], kept, posted, device)
-                self._complete(pending)
-                start = time.perf_counter()
-                out = forward(s, m, received)
-                end = time.perf_counter()
-                if s == last:
-                    result.losses.append(out.detach())
-                else:
-                    self._send_activation(out, s, m, pending)
-                kept[(s, m)] = (out, received)
+                start, end = self._forward(action, following, forward, device, step)
             else:
-                out, received = kept.pop((s, m))
-                grad = self._recv_grad(out, s, m, posted) if s < last else None
-                if i + 1 < len(actions):
-                    self._prefetch(actions[i + 1], kept, posted, device)
-                if on_backward is not None:
-                    on_backward(action)
-                self._complete(pending)
-                start = time.perf_counter()
-                if out.requires_grad:
-                    torch.autograd.backward(out, grad)
-                end = time.perf_counter()
-                if s > 0:
-                    g = received.grad if received.grad is not None else torch.zeros_like(received)
-                    pending.append((comm.isend(g, self.axis, owner(s - 1, self.axis.size), self._tag(1, s, m)), g))
-            result.timeline.append(TimelineEntry(str(action), action.phase.value, s, m, start - t0, end - t0))
-        for handle, _ in pending:
+                context = backward_context(action) if backward_context is not None else contextlib.nullcontext()
+                start, end = self._backward(action, following, device, step, context)
+            step.result.timeline.append(TimelineEntry(str(action), action.phase.value, action.stage,
+                                                      action.microbatch, start - step.t0, end - step.t0))
+        for handle, _ in step.pending:
             handle.wait()
-        return result
+        return step.result
+
+    def _forward(self, action: Action, following: Action | None, forward: Callable, device: torch.device,
+                 step: _Step) -> tuple[float, float]:
+        s, m = action.stage, action.microbatch
+        received = self._recv_activation(s, m, device, step.posted) if s > 0 else None
+        if following is not None:
+            self._prefetch(following, step.kept, step.posted, device)
+        self._complete(step.pending)
+        start = time.perf_counter()
+        out = forward(s, m, received)
+        end = time.perf_counter()
+        if s == self.stages - 1:
+            step.result.losses.append(out.detach())
+        else:
+            self._send_activation(out, s, m, step.pending)
+        step.kept[(s, m)] = (out, received)
+        return start, end
+
+    def _backward(self, action: Action, following: Action | None, device: torch.device, step: _Step,
+                  context: contextlib.AbstractContextManager) -> tuple[float, float]:
+        s, m = action.stage, action.microbatch
+        out, received = step.kept.pop((s, m))
+        grad = self._recv_grad(out, s, m, step.posted) if s < self.stages - 1 else None
+        if following is not None:
+            self._prefetch(following, step.kept, step.posted, device)
+        self._complete(step.pending)
+        start = time.perf_counter()
+        if out.requires_grad:
+            with context:
+                torch.autograd.backward(out, grad)
+        end = time.perf_counter()
+        if s > 0:
+            g = received.grad if received.grad is not None else torch.zeros_like(received)
+            step.pending.append((comm.isend(g, self.axis, owner(s - 1, self.axis.size), self._tag(1, s, m)), g))
+        return start, end
 
     def _complete(self, pending: list) -> None:
         if self.wait_sends:

@@ -36,7 +36,7 @@ class Action:
         return f"{self.phase.value}{self.stage}.{self.microbatch}"
 
 
-Schedule = list[list[Action]]  # one ordered list per pipeline rank
+ScheduleTable = list[list[Action]]  # one ordered list of actions per pipeline rank
 
 
 def owner(stage: int, pp: int) -> int:
@@ -44,14 +44,14 @@ def owner(stage: int, pp: int) -> int:
     return stage % pp
 
 
-def gpipe(pp: int, microbatches: int) -> Schedule:
+def gpipe(pp: int, microbatches: int) -> ScheduleTable:
     """All forwards, then all backwards (in the same microbatch order)."""
     _check(pp, microbatches, 1)
     return [[Action(Phase.FORWARD, r, m) for m in range(microbatches)]
             + [Action(Phase.BACKWARD, r, m) for m in range(microbatches)] for r in range(pp)]
 
 
-def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+def one_f_one_b(pp: int, microbatches: int) -> ScheduleTable:
     """Warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
     _check(pp, microbatches, 1)
     if microbatches < pp:
@@ -73,7 +73,7 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     return out
 
 
-def interleaved(pp: int, microbatches: int, virtual: int) -> Schedule:
+def interleaved(pp: int, microbatches: int, virtual: int) -> ScheduleTable:
     """Interleaved 1F1B with ``virtual`` chunks per rank: stage c*pp + r is rank r's chunk c."""
     _check(pp, microbatches, virtual)
     if microbatches % pp:
@@ -102,7 +102,7 @@ def interleaved(pp: int, microbatches: int, virtual: int) -> Schedule:
     return out
 
 
-def build(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+def build(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> ScheduleTable:
     """The table for a plan's schedule name (``gpipe``, ``1f1b``, ``interleaved``)."""
     if schedule == "gpipe":
         return gpipe(pp, microbatches)
@@ -128,7 +128,7 @@ def peak_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def simulate(table: Schedule, pp: int) -> list[list[tuple[Action, int]]]:
+def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
     """Run ``table`` on unit-time stages, each rank in its own order, an action starting once its inputs
     exist: the (action, start time) per rank. Raises if the table deadlocks (some action can never run)."""
     done: dict[Action, int] = {}
@@ -151,7 +151,7 @@ def simulate(table: Schedule, pp: int) -> list[list[tuple[Action, int]]]:
     return out
 
 
-def sends_can_wait(table: Schedule, pp: int) -> bool:
+def sends_can_wait(table: ScheduleTable, pp: int) -> bool:
     """Whether `runner.PipelineRunner` may finish its sends before each compute on ``table`` without a deadlock.
 
     Sends rendezvous: one completes only once its receiver has posted the receive (as gloo's do; nccl also
@@ -193,7 +193,7 @@ def sends_can_wait(table: Schedule, pp: int) -> bool:
     return not _as_far_as_possible(table, pp, run)
 
 
-def _as_far_as_possible(table: Schedule, pp: int, run) -> list[Action]:
+def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
     """Offer each rank its next action, round after round, while any ``run(rank, action, following)`` returns
     True (it ran); the actions the ranks are stuck on at the end (none: the table completes)."""
     cursor = [0] * pp

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from strategies import runstore
+from strategies import runs as runstore
 
 CMP = "cmp-test"
 

@@ -12,7 +12,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from dashboard import charts, data  # noqa: E402
-from strategies import runstore  # noqa: E402
+from strategies import runs as runstore  # noqa: E402
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.estimate import ModelShape, estimate
-from strategies.testing import ATOL, DEEP, PARAM_ATOL, RTOL, train_demo
+from strategies.measure.estimate import ModelShape, estimate
+from tests.helpers import ATOL, DEEP, PARAM_ATOL, RTOL, train_demo
 
 EIGHT = [("dp_tp2_pp2", ()), ("zero1_tp2_pp2", ()), ("zero2_tp2_pp2", ()), ("zero3_tp2_pp2", ()),
          ("zero3_tp2_pp2_ac", ()), ("zero3_tp2_pp2_1f1b_mb4", ()), ("naive_tp2_pp2", ()),

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from dashboard import data
-from strategies import runstore
-from strategies.bench import plan_of
-from strategies.monitor import keep_record
+from strategies import runs as runstore
+from strategies.cli.bench import plan_of
+from strategies.measure.monitor import keep_record
 
 TINY = ["--repeat", "1", "--steps", "3", "--warmup-steps", "1", "--n-layer", "2", "--n-embd", "32", "--seq-len",
         "16", "--batch-per-rank", "4"]

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import strategies
-from strategies.sharded_checkpoint import ShardedCheckpointIO
+from strategies.checkpoint import ShardedCheckpointIO
 from demos.gpt import make_demo
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
@@ -66,7 +66,7 @@ def test_model_a_plan_cannot_split_fails_clearly_without_hanging():
 
 
 def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):
-    from strategies import runstore
+    from strategies import runs as runstore
 
     out = tmp_path / "runs.json"
     proc = _cli("compare", "--strategies", "single,dp,ddp,zero2", "--devices", "2", "--steps", "4", "--n-embd", "16",

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from strategies.testing import ATOL, PARAM_ATOL, RTOL, train_demo
+from tests.helpers import ATOL, PARAM_ATOL, RTOL, train_demo
 
 EPOCHS = ("--epoch-steps", "3", "--steps", "6")
 STEP3 = "epoch=0-step=3.ckpt"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from strategies import runstore
-from strategies.testing import train_demo
+from strategies import runs as runstore
+from tests.helpers import train_demo
 
 def test_a_two_rank_run_writes_meta_records_and_summary_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -41,7 +41,7 @@ def test_a_long_run_records_steps_sparser_and_says_how_many_each_covers(tmp_path
     import torch
 
     from demos.gpt import GPTModule, make_demo
-    from strategies.monitor import StrategyMonitor
+    from strategies.measure.monitor import StrategyMonitor
 
     L.seed_everything(0, verbose=False)
     base, dataset = make_demo(n_layer=1, n_head=2, n_embd=16, seq_len=16, max_chars=4000)

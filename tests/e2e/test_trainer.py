@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from strategies.testing import ATOL, DEEP, PARAM_ATOL, RTOL, train_demo as _train
+from tests.helpers import ATOL, DEEP, PARAM_ATOL, RTOL
+from tests.helpers import train_demo as _train
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from strategies import sharded_checkpoint as ckpt
+from strategies.checkpoint import sharded as ckpt
 
 path = sys.argv[1]
 k = 0

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from strategies import sharded_checkpoint as ckpt
+from strategies.checkpoint import sharded as ckpt
 
 LOOP = os.path.join(os.path.dirname(__file__), "_save_loop.py")
 

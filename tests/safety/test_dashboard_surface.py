@@ -423,11 +423,12 @@ def test_query_parameters_are_not_read_and_change_nothing(store, monkeypatch):
 def launch(monkeypatch, tmp_path):
     """`stratpack dashboard ARGS` up to its exec: the command line and environment it would become."""
     from strategies import cli
+    from strategies.cli import dashboard
 
     for key in [k for k in os.environ if k.startswith("STREAMLIT_")]:
         monkeypatch.delenv(key)
     calls = []
-    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: calls.append((path, list(argv), dict(env))))
+    monkeypatch.setattr(dashboard.os, "execve", lambda path, argv, env: calls.append((path, list(argv), dict(env))))
 
     def run(*args: str) -> tuple[list[str], dict[str, str]]:
         calls.clear()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from strategies import runstore
+from strategies import runs as runstore
 
 JOB = os.path.join(os.path.dirname(__file__), "_fault_job.py")
 TIMEOUT_S = 30  # the collective timeout the job runs with (STRATPACK_TIMEOUT)

@@ -33,11 +33,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
 from strategies.lightning import PlanStrategy
-from strategies.options import TIMEOUT_ENV, collective_timeout
-from strategies.plan import MAX_DEGREE, VALID_TOKENS, DataMode, ParallelPlan, Schedule
-from strategies.registry import looks_like_plan
-from strategies.tp_plan import FUSED_QKV_PLAN, Colwise, Rowwise
-from strategies.zero3 import default_units
+from strategies.lightning.options import TIMEOUT_ENV, collective_timeout
+from strategies.plan import MAX_DEGREE, VALID_TOKENS, DataMode, ParallelPlan, PipelineSchedule
+from strategies.lightning.names import looks_like_plan
+from strategies.tensor_parallel.plans import FUSED_QKV_PLAN, Colwise, Rowwise
+from strategies.zero.stage3 import default_units
 
 hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")
@@ -70,12 +70,12 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
     degrees = st.integers(1, 64) | st.integers(1, MAX_DEGREE)
     data, dp, tp, pp = (draw(st.sampled_from(list(DataMode))), draw(st.none() | degrees), draw(degrees),
                         draw(st.integers(1, 16)))
-    schedule = draw(st.sampled_from(list(Schedule))) if pp > 1 else Schedule.ONE_F_ONE_B
-    virtual = draw(st.integers(2, 8)) if schedule is Schedule.INTERLEAVED else 1
+    schedule = draw(st.sampled_from(list(PipelineSchedule))) if pp > 1 else PipelineSchedule.ONE_F_ONE_B
+    virtual = draw(st.integers(2, 8)) if schedule is PipelineSchedule.INTERLEAVED else 1
     microbatches = None
     if pp > 1 and draw(st.booleans()):
-        microbatches = {Schedule.INTERLEAVED: pp * draw(st.integers(1, 8)),
-                        Schedule.ONE_F_ONE_B: draw(st.integers(pp, pp + 64))}.get(schedule, draw(st.integers(1, 64)))
+        microbatches = {PipelineSchedule.INTERLEAVED: pp * draw(st.integers(1, 8)),
+                        PipelineSchedule.ONE_F_ONE_B: draw(st.integers(pp, pp + 64))}.get(schedule, draw(st.integers(1, 64)))
     fields = dict(data=data, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual=virtual, microbatches=microbatches,
                   sp=tp > 1 and draw(st.booleans()), ac=draw(st.booleans()),
                   offload=data.is_zero and draw(st.booleans()))
@@ -83,7 +83,7 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
     for head, value, default in (("dp", dp, None), ("tp", tp, 1), ("pp", pp, 1), ("mb", microbatches, None)):
         if value is not None and (value != default or draw(st.booleans())):
             tokens.append(degree_token(draw, head, value))
-    if schedule is not Schedule.ONE_F_ONE_B or draw(st.booleans()):
+    if schedule is not PipelineSchedule.ONE_F_ONE_B or draw(st.booleans()):
         tokens.append(schedule.value)
     if virtual > 2 or (virtual == 2 and draw(st.booleans())):
         tokens.append(degree_token(draw, "v", virtual))

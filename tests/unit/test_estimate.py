@@ -10,7 +10,8 @@ import pytest
 
 from demos.gpt import GPT, GPTConfig
 from strategies.cli import main as cli_main
-from strategies.estimate import GiB, Hardware, ModelShape, estimate, model_states, rank_plans, stage_params
+from strategies.measure.estimate import ModelShape, estimate, model_states, stage_params
+from strategies.measure.planner import GiB, Hardware, rank_plans
 from strategies.plan import ParallelPlan
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from strategies.memory import SavedTensorsMeter, count_bytes
+from strategies.measure.memory import SavedTensorsMeter, count_bytes
 
 
 def test_count_bytes_dedupes_views_and_earlier_categories():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from strategies.plan import VALID_TOKENS, DataMode, ParallelPlan, Schedule
+from strategies.plan import VALID_TOKENS, DataMode, ParallelPlan, PipelineSchedule
 
 EXAMPLES = [
     "dp",
@@ -44,9 +44,9 @@ def test_examples_parse_to_the_intended_fields():
     assert ParallelPlan.parse("dp") == ParallelPlan()
     assert ParallelPlan.parse("naive") == ParallelPlan(data=DataMode.NAIVE)
     assert ParallelPlan.parse("zero3_tp2_pp2") == ParallelPlan(data=DataMode.ZERO3, tp=2, pp=2)
-    assert ParallelPlan.parse("pp4_gpipe_mb8") == ParallelPlan(pp=4, schedule=Schedule.GPIPE, microbatches=8)
+    assert ParallelPlan.parse("pp4_gpipe_mb8") == ParallelPlan(pp=4, schedule=PipelineSchedule.GPIPE, microbatches=8)
     assert ParallelPlan.parse("zero1_pp2_interleaved_v2_mb8_ac") == ParallelPlan(
-        data=DataMode.ZERO1, pp=2, schedule=Schedule.INTERLEAVED, virtual=2, microbatches=8, ac=True
+        data=DataMode.ZERO1, pp=2, schedule=PipelineSchedule.INTERLEAVED, virtual=2, microbatches=8, ac=True
     )
     assert ParallelPlan.parse("zero3_offload") == ParallelPlan(data=DataMode.ZERO3, offload=True)
     assert ParallelPlan.parse("dp4") == ParallelPlan(dp=4)
@@ -100,7 +100,7 @@ def test_round_trip_over_a_grid_of_plans():
         (None, 1, 2),  # dp
         (1, 2, 4),  # tp
         (1, 2, 3, 4),  # pp
-        list(Schedule),
+        list(PipelineSchedule),
         (1, 2, 3),  # virtual
         (None, 1, 2, 4, 6, 8),  # microbatches
         (False, True),  # sp
@@ -134,13 +134,13 @@ def test_round_trip_with_hypothesis():
         # Draw only plans the constructor's rules allow, so no input is filtered out.
         data = draw(st.sampled_from(list(DataMode)))
         pp = draw(degrees)
-        schedule = draw(st.sampled_from(list(Schedule))) if pp > 1 else Schedule.ONE_F_ONE_B
-        virtual = draw(st.integers(min_value=2, max_value=8)) if schedule is Schedule.INTERLEAVED else 1
+        schedule = draw(st.sampled_from(list(PipelineSchedule))) if pp > 1 else PipelineSchedule.ONE_F_ONE_B
+        virtual = draw(st.integers(min_value=2, max_value=8)) if schedule is PipelineSchedule.INTERLEAVED else 1
         if pp == 1:
             microbatches = None
-        elif schedule is Schedule.INTERLEAVED:
+        elif schedule is PipelineSchedule.INTERLEAVED:
             microbatches = draw(st.none() | st.integers(1, 8).map(lambda k: k * pp))
-        elif schedule is Schedule.ONE_F_ONE_B:
+        elif schedule is PipelineSchedule.ONE_F_ONE_B:
             microbatches = draw(st.none() | st.integers(pp, pp + 64))
         else:
             microbatches = draw(st.none() | degrees)

@@ -133,7 +133,7 @@ def test_registry_get():
 
 def test_install_is_idempotent():
     before = dict(StrategyRegistry)
-    strategies.registry.install()
+    strategies.lightning.registry.install()
     assert dict(StrategyRegistry) == before
     assert "zero2_tp2" in StrategyRegistry.available_strategies()
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from strategies import runstore
+from strategies import runs as runstore
 
 
 def _run(tmp_path, name="r1", meta=None):

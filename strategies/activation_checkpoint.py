@@ -1,0 +1,49 @@
+"""Activation checkpointing: each block keeps only its input for backward and recomputes the rest.
+
+Non-reentrant ``torch.utils.checkpoint`` (the one torch recommends): autograd hooks, module hooks and
+gradient-accumulation hooks behave as without it, so it composes with DDP, ZeRO (a ZeRO-3 unit is gathered
+again for its backward before the recomputation needs it), tensor parallel (the recomputation repeats the
+block's collectives, counted by comm.py like any other) and the pipeline's stage swap. The blocks are the
+list pipeline parallel cuts (`pipeline.stages.find_blocks`). What it saves shows in the strategy's
+activation bytes: only each block's input is kept. (Not to be confused with `strategies.checkpoint`, the files a
+run saves and resumes from.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from strategies.technique import Technique
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(blocks: nn.Module) -> list[nn.Module]:
+    """Wrap the forward of every element of ``blocks`` (a ModuleList/Sequential); returns them for `remove`."""
+    wrapped = []
+    for block in blocks:
+        if "forward" in vars(block):
+            raise RuntimeError(f"{type(block).__name__} already has an instance-level forward; cannot checkpoint it")
+        block.forward = functools.partial(_checkpointed, block.forward)
+        wrapped.append(block)
+    return wrapped
+
+
+def remove_activation_checkpointing(blocks: list[nn.Module]) -> None:
+    for block in blocks:
+        vars(block).pop("forward", None)
+
+
+class ActivationCheckpointing(Technique):
+    """Every block of ``blocks`` recomputed in backward; undone at teardown."""
+
+    def __init__(self, blocks: nn.Module) -> None:
+        self.blocks = apply_activation_checkpointing(blocks)
+
+    def teardown(self, healthy: bool) -> None:
+        remove_activation_checkpointing(self.blocks)

@@ -1,0 +1,288 @@
+"""Sharded checkpoints: every rank writes a part of the state, a manifest says where each tensor's parts are.
+
+A checkpoint is a directory:
+
+    manifest.json            format, version, plan, world size, each tensor's shape, dtype and parts, and
+                             the byte size of every file (a truncated file is caught before anything loads)
+    meta.pt                  the rest of Lightning's checkpoint (loop state, schedulers, callbacks,
+                             hyperparameters) with each tensor replaced by its index in the manifest
+    shard-00003-of-00008.pt  rank 3's parts: {tensor index: 1-D slice of the flattened tensor}
+
+What is saved is the single-process layout (the strategy's techniques gather it), so the parts are plain ranges of
+flattened tensors and the directory loads under any plan and world size, or in one process
+(`ShardedCheckpointIO`), and converts to a single file (`convert`). Every large tensor is cut into
+world-size equal ranges, one per rank; small ones (< `SMALL` elements) are written whole by rank 0.
+
+Saving is atomic: the ranks write into ``<path>.tmp-<token>``, rank 0 writes the manifest last, and only
+then is the directory renamed to ``<path>``; a crash before that leaves any previous checkpoint at
+``<path>`` as it was. Loading reads with ``torch.load(weights_only=True)``: no arbitrary objects are
+unpickled. Limits: the gather to the single-process layout holds the full state on every rank while saving,
+and loading reads every part on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
+
+from strategies.files import atomic_write, pack_version
+
+FORMAT = "stratpack-sharded"
+VERSION = 1
+MANIFEST = "manifest.json"
+META = "meta.pt"
+SMALL = 4096  # elements: smaller tensors are not worth cutting
+_REF = "__stratpack_tensor__"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: missing, truncated, of another format, or of another model."""
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+# -- the layout: which rank writes which range of which tensor ---------------------------------------------
+
+
+def split_tensors(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``obj`` with every tensor replaced by ``{_REF: index}``, and the tensors in index order."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return {_REF: len(tensors) - 1}
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # not named tuples
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(obj), tensors
+
+
+def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of `split_tensors`."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_REF}:
+            return tensors[skeleton[_REF]]
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def parts(numel: int, world_size: int) -> list[tuple[int, int, int]]:
+    """``(rank, start, stop)`` ranges of a flattened tensor of ``numel`` elements, one per writing rank."""
+    if numel < SMALL or world_size == 1:
+        return [(0, 0, numel)]
+    chunk = math.ceil(numel / world_size)
+    return [(r, r * chunk, min(numel, (r + 1) * chunk)) for r in range(world_size) if r * chunk < numel]
+
+
+def layout(tensors: list[torch.Tensor], world_size: int) -> list[dict[str, Any]]:
+    return [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+             "parts": [list(p) for p in parts(t.numel(), world_size)]} for t in tensors]
+
+
+# -- saving -----------------------------------------------------------------------------------------------
+
+
+def _write(obj: Any, path: str) -> int:
+    return atomic_write(path, lambda f: torch.save(obj, f), binary=True)
+
+
+def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: int, world_size: int,
+                 broadcast: Callable[[Any], Any], gather: Callable[[Any], list[Any]], barrier: Callable[[], None],
+                 info: dict[str, Any] | None = None) -> None:
+    """Write ``checkpoint`` (the same, full one on every rank) as a sharded directory at ``path``.
+
+    Every rank must call this. ``broadcast(obj)`` returns rank 0's ``obj``; ``gather(obj)`` returns every
+    rank's ``obj`` in rank order; ``barrier()`` waits for all (comm.py's, over the world)."""
+    path = os.fspath(path)
+    if os.path.lexists(path) and not (is_sharded(path) or os.path.isfile(path)):
+        # Every rank sees the same path: all refuse together, before any collective.
+        raise CheckpointError(f"{path} exists and is not a checkpoint: not replacing it")
+    token = broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    tmp = f"{path}.tmp-{token}"
+    skeleton, tensors = split_tensors(checkpoint)
+    entries = layout(tensors, world_size)
+    # Every rank must describe the same state, or the parts would not fit together.
+    signature = [(e["shape"], e["dtype"]) for e in entries]
+    signatures = gather(signature)
+    if any(s != signature for s in signatures):
+        bad = [r for r, s in enumerate(signatures) if s != signature]
+        raise CheckpointError(f"ranks {bad} hold a different checkpoint layout than rank {rank} (tensor shapes "
+                              "or dtypes differ); every rank must save the same single-process state")
+    mine = {str(i): tensors[i].detach().reshape(-1)[start:stop].to("cpu", copy=True)
+            for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
+    # A rank that fails to write (disk full, permissions) says so to the others instead of leaving them waiting
+    # in the next collective: every rank then raises the same error.
+    written = _attempt(lambda: (os.makedirs(tmp, exist_ok=True), _write(mine, os.path.join(tmp, shard_name(
+        rank, world_size))))[1])
+    results = gather(written)
+    _raise_failures(results, "writing its part of")
+    if rank == 0:
+        def finish() -> None:
+            files = {shard_name(r, world_size): size for r, (size, _) in enumerate(results)}
+            files[META] = _write(skeleton, os.path.join(tmp, META))
+            manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
+                        "files": files, "tensors": entries}
+            atomic_write(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f))  # complete from here on
+            # Two renames: between them the new checkpoint is complete at tmp and the old one at old, and
+            # `read_manifest` names both if a crash happens right there.
+            old = f"{path}.old-{token}"
+            if os.path.lexists(path):
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if os.path.lexists(old):
+                shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+
+        status = _attempt(finish)
+    _raise_failures([broadcast(status if rank == 0 else None)], "finishing (manifest, rename)")
+    barrier()
+
+
+def _attempt(fn) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, the error)`` when it raises an OSError or a CheckpointError."""
+    try:
+        return fn(), None
+    except (OSError, CheckpointError) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _raise_failures(results: list[tuple[Any, str | None]], what: str) -> None:
+    failed = {r: err for r, (_, err) in enumerate(results) if err is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {err}" for r, err in failed.items())
+        raise CheckpointError(f"saving the checkpoint failed {what} it ({detail}); the previous checkpoint, if "
+                              "any, is untouched")
+
+
+# -- loading ----------------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, after checking that every file it lists is complete."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+        leftovers = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        old = [n for n in leftovers if n.startswith(name + ".old-")]
+        tmp = [n for n in leftovers if n.startswith(name + ".tmp-")]
+        hint = ""
+        if old:  # a crash between the two renames of a save: both checkpoints are whole
+            hint = f" (a save was interrupted while replacing it: the previous checkpoint is whole at {old[0]}"
+            hint += f", the new one at {tmp[0]}" if tmp and is_sharded(os.path.join(folder, tmp[0])) else ""
+            hint += "; rename one back)"
+        elif tmp:
+            hint = f" (an interrupted save left {tmp[0]}, which is incomplete)"
+        raise CheckpointError(f"no checkpoint at {path}{hint}")
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{path} is not a complete sharded checkpoint: it has no {MANIFEST} (a save that "
+                              "did not finish, or another kind of directory)")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{manifest_path} is unreadable: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} checkpoint")
+    if manifest.get("version") != VERSION:
+        writer = manifest.get("pack_version") or "unknown"
+        raise CheckpointError(
+            f"{path} is format version {manifest.get('version')} (written by stratpack {writer}); this stratpack "
+            f"({pack_version() or 'from source'}) reads version {VERSION}. Load it with the stratpack that wrote it "
+            "and save it again, or `stratpack convert` it there to one file, which any version loads")
+    for name, size in manifest["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(f"{path} is truncated or altered: {name} has {os.path.getsize(file)} bytes, the "
+                                  f"manifest says {size}")
+    return manifest
+
+
+def load_sharded(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
+    """The full checkpoint (single-process layout) from a sharded directory. ``weights_only=False`` lets the
+    metadata hold arbitrary objects (hyperparameters as a Namespace...): only for checkpoints you trust."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    world_size = manifest["world_size"]
+    try:
+        skeleton = torch.load(os.path.join(path, META), weights_only=weights_only)
+        shards = [torch.load(os.path.join(path, shard_name(r, world_size)), weights_only=True, mmap=True)
+                  for r in range(world_size)]
+    except Exception as err:  # noqa: BLE001 - whatever torch raises for a damaged or hostile file
+        raise CheckpointError(f"{path}: a file failed to load ({type(err).__name__}: {err})") from None
+    tensors = []
+    for i, entry in enumerate(manifest["tensors"]):
+        dtype = getattr(torch, entry["dtype"])
+        full = torch.empty(entry["shape"], dtype=dtype)
+        flat = full.view(-1)
+        for r, start, stop in entry["parts"]:
+            piece = shards[r].get(str(i))
+            if piece is None or piece.numel() != stop - start:
+                raise CheckpointError(f"{path}: tensor {i}'s part from rank {r} is missing or of the wrong size")
+            flat[start:stop] = piece
+        tensors.append(full.to(map_location) if map_location not in (None, "cpu") else full)
+    return join_tensors(skeleton, tensors)
+
+
+def load_any(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool | None = None) -> dict[str, Any]:
+    """A sharded directory, or a single-file checkpoint, read with ``weights_only=True`` unless the caller
+    passes ``False`` (Lightning's ``trainer.fit(..., weights_only=False)``) for a file they trust."""
+    safe = weights_only is not False
+    if os.path.isdir(path):
+        return load_sharded(path, map_location, weights_only=safe)
+    if not os.path.exists(path):
+        read_manifest(path)  # raises, naming an interrupted save if one is there
+    try:
+        return torch.load(path, map_location=map_location, weights_only=safe)
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(
+            f"{path} could not be loaded with torch.load(weights_only=True): {type(err).__name__}: {err}. If it "
+            "comes from a source you trust, pass weights_only=False (trainer.fit(..., weights_only=False))."
+        ) from None
+
+
+def convert(path: str | os.PathLike, out: str | os.PathLike, *, model_only: bool = False,
+            strip_prefix: str = "") -> dict[str, Any]:
+    """Write the sharded checkpoint at ``path`` as one file: the whole Lightning checkpoint, or with
+    ``model_only`` the model's state_dict (keys without ``strip_prefix``), which ``load_state_dict`` takes."""
+    checkpoint = load_sharded(path)
+    obj = checkpoint
+    if model_only:
+        obj = {k.removeprefix(strip_prefix): v for k, v in checkpoint["state_dict"].items()
+               if k.startswith(strip_prefix)}
+    tmp = f"{os.fspath(out)}.part"
+    torch.save(obj, tmp)
+    os.replace(tmp, out)
+    return obj
+
+
+class ShardedCheckpointIO(TorchCheckpointIO):
+    """Lightning CheckpointIO that also reads sharded checkpoint directories: pass it to a Trainer whose
+    strategy is not a plan (one process, ``ddp``, ...) to resume from one, e.g.
+    ``Trainer(plugins=[ShardedCheckpointIO()])``. Saving stays Lightning's single file."""
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        return load_any(path, map_location or "cpu", weights_only)

@@ -1,0 +1,5 @@
+import sys
+
+from strategies.cli import main
+
+sys.exit(main())

@@ -1,0 +1,226 @@
+"""``stratpack bench``: our engines against torch DDP, FSDP2, DTensor TP, torch's pipelining and DeepSpeed.
+
+Every implementation (`bench_engines.ENGINES`) trains the same workload (the demo GPT by default) with the same
+model, data, per-rank batch, optimizer and seed, in a plain training loop (no Lightning, so only the engines
+differ), each run in fresh processes. A pair's runs go A B, B A, A B, ... so that a machine that drifts favours
+neither side; the report gives the median of the per-pair ratios ours / peer, then each rank's peak memory from
+separate short runs (`bench_report` writes it). Kept apart from the tests: speed is never a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from strategies.cli import bench_report
+
+# (ours, peer) pairs by name; a peer whose package is missing is reported as skipped.
+PAIRS = {
+    "dp": ("dp", "torch_ddp"),
+    "zero1": ("zero1", "deepspeed1"),
+    "zero2": ("zero2", "deepspeed2"),
+    "zero3": ("zero3", "deepspeed3"),
+    "zero3-fsdp2": ("zero3", "fsdp2"),
+    "tp": ("tp", "dtensor_tp"),
+    "pp-1f1b": ("pp_1f1b", "torch_pp_1f1b"),
+    "pp-gpipe": ("pp_gpipe", "torch_pp_gpipe"),
+    "pp-interleaved": ("pp_interleaved", "torch_pp_interleaved"),
+}
+
+# Every rank works on the same batch: tensor-parallel peers, and pipeline stages (one batch flows through).
+TENSOR_PARALLEL = ("tp", "dtensor_tp", "pp_1f1b", "pp_gpipe", "pp_interleaved", "torch_pp_1f1b", "torch_pp_gpipe",
+                   "torch_pp_interleaved")
+MEMORY_STEPS = 3  # the optimizer states exist from the first step on; the peak is reached by the second
+MEMORY_RUNS = 3  # the backward's peak moves by a few hundred KiB with the timing of async frees: median of 3
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    world_size: int = 2
+    steps: int = 30
+    warmup_steps: int = 5
+    batch_per_rank: int = 8
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    lr: float = 1e-3
+    seed: int = 0
+    workload: str = "gpt"
+
+
+def plan_of(impl: str, world_size: int) -> str:
+    """The plan whose estimator figures stand beside ``impl``'s measurements (`bench_engines.plan_of`)."""
+    from strategies.cli.bench_engines import plan_of as twin_plan
+
+    return twin_plan(impl, world_size)
+
+
+def replicas(impl: str, world: int) -> int:
+    """How many different batches a step of ``impl`` trains on: one per rank, or one for all (tp, pp)."""
+    return 1 if impl in TENSOR_PARALLEL else world
+
+
+def _worker(rank: int, world: int, impl: str, cfg: BenchConfig, measure: str = "time") -> dict[str, Any]:
+    """One rank of one run. ``measure="time"``: step times, nothing else running. ``measure="memory"``: a short run
+    while `memory.HeapSampler` reads the heap in use, from before the model is built: the peak above that is what
+    this rank's model, engine and steps held at most (a sampling thread would disturb a timed run, hence the
+    separate run)."""
+    if measure == "memory":
+        from strategies.measure.memory import HeapSampler
+
+        cfg = BenchConfig(**{**asdict(cfg), "steps": MEMORY_STEPS, "warmup_steps": 0})
+        with HeapSampler() as heap:
+            _train(rank, world, impl, cfg)
+        return {"impl": impl, "peak_allocated": heap.peak_above_start}
+    return _train(rank, world, impl, cfg)
+
+
+def _train(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any]:
+    from strategies.cli.bench_engines import build_engine
+    from strategies.cli.workload import find_workload
+
+    workload = find_workload(cfg.workload)
+    shared = replicas(impl, world)
+    model = workload.bench_model(cfg)
+    batches = workload.bench_batches(cfg, rank if shared > 1 else 0)
+    step = build_engine(impl, workload, model, cfg)
+    times, ends = [], []
+    for batch in batches:
+        start = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - start)
+        ends.append(time.time())
+    getattr(step, "finish", lambda: None)()
+    timed = times[cfg.warmup_steps :]
+    tokens_per_step = cfg.batch_per_rank * cfg.seq_len * shared
+    return {"impl": impl, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),
+            "step_s": statistics.median(timed), "step_times": times, "step_ends": ends,
+            "tokens_per_step": tokens_per_step}
+
+
+def available(impl: str) -> bool:
+    if impl.startswith("deepspeed"):
+        try:
+            import deepspeed  # noqa: F401
+        except Exception:
+            return False
+    return True
+
+
+def run_pair(ours: str, peer: str, cfg: BenchConfig, pairs: int = 5) -> dict[str, Any]:
+    """``pairs`` runs of each, the order swapped every pair (A B, B A, ...); the median of the per-pair throughput
+    ratios. Then `MEMORY_RUNS` memory runs of each (see `_worker`)."""
+    from strategies.runs import MEMORY_CATEGORIES
+    from strategies.testing import run_ranks
+
+    ratios, rows = [], []
+    for k in range(pairs):
+        order = (ours, peer) if k % 2 == 0 else (peer, ours)
+        got = {impl: run_ranks(_worker, cfg.world_size, impl, cfg, timeout_s=600) for impl in order}
+        rows.append(got)
+        ratios.append(got[ours][0]["tokens_per_s"] / got[peer][0]["tokens_per_s"])
+    memory = {impl: peak_memory(impl, cfg) for impl in (ours, peer)}
+    prediction = predict(ours, cfg)
+    return {
+        "ours": ours, "peer": peer, "pairs": pairs, "median_ratio": statistics.median(ratios), "ratios": ratios,
+        "ours_tokens_per_s": statistics.median(r[ours][0]["tokens_per_s"] for r in rows),
+        "peer_tokens_per_s": statistics.median(r[peer][0]["tokens_per_s"] for r in rows),
+        "ours_peak_bytes": memory[ours], "peer_peak_bytes": memory[peer],
+        "predicted": prediction,  # the estimator's, for ours and for the peer (the same plan)
+        "predicted_peak_bytes": [sum(m[k] for k in MEMORY_CATEGORIES) for m in prediction["memory"]]
+        if prediction else None,
+        "runs": rows[sorted(range(pairs), key=lambda k: ratios[k])[pairs // 2]],  # the median pair's step times
+        "config": asdict(cfg),
+    }
+
+
+def peak_memory(impl: str, cfg: BenchConfig) -> list[int]:
+    """Each rank's peak allocated bytes, the median of `MEMORY_RUNS` profiled runs."""
+    from strategies.testing import run_ranks
+
+    runs = [run_ranks(_worker, cfg.world_size, impl, cfg, "memory", timeout_s=600) for _ in range(MEMORY_RUNS)]
+    return [int(statistics.median(run[rank]["peak_allocated"] for run in runs)) for rank in range(cfg.world_size)]
+
+
+def model_config(cfg: BenchConfig) -> dict[str, Any]:
+    """The bench model's config, as the run store and the estimator take it."""
+    from strategies.cli.workload import find_workload
+
+    return find_workload(cfg.workload).model_config(cfg)
+
+
+def predict(impl: str, cfg: BenchConfig) -> dict | None:
+    """What `estimate.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
+    from strategies.measure.estimate import predict_run
+
+    return predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg),
+                       cfg.batch_per_rank * replicas(impl, cfg.world_size))
+
+
+def describe(cfg: BenchConfig) -> str:
+    from strategies.cli.bench_engines import MICROBATCHES
+
+    return (f"Workload {cfg.workload!r} {cfg.n_layer} layers x {cfg.n_embd} wide, sequence {cfg.seq_len}, "
+            f"{cfg.batch_per_rank} samples per rank (tp/pp: one batch of {cfg.batch_per_rank} through all ranks, "
+            f"{MICROBATCHES} microbatches), AdamW, {cfg.world_size} gloo ranks on CPU; {cfg.steps} steps per run, the "
+            f"first {cfg.warmup_steps} not timed; tokens/s is the median over pairs of runs in alternating order, the "
+            f"ratio the median of the per-pair ratios ours/peer; peak MiB is each rank's most heap in use above what it "
+            f"held before the model was built (glibc, sampled every 0.2 ms; median of {MEMORY_RUNS} runs of "
+            f"{MEMORY_STEPS} steps), beside the estimator's model states + activations.")
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    defaults = BenchConfig()
+    p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio")
+    p.add_argument("--pairs", default=None, help=f"comma-separated comparisons (default: all of {', '.join(PAIRS)})")
+    p.add_argument("--repeat", type=int, default=5, help="pairs of runs per comparison")
+    for name in ("world_size", "steps", "n_layer", "n_embd", "seq_len", "batch_per_rank"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps of each run not timed")
+    p.add_argument("--workload", default=defaults.workload, help="a registered workload or module:object")
+    p.add_argument("--out", default=None, help="also write the results as JSON")
+    p.add_argument("--report", action="append", help="write the table here: .md for markdown, else CSV (repeatable)")
+    p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
+    p.add_argument("--no-store", action="store_true", help="do not write the runs to the run store")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.pairs.split(",") if n.strip()] if args.pairs else list(PAIRS)
+    unknown = [n for n in names if n not in PAIRS]
+    if unknown:
+        print(f"error: unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}", file=sys.stderr)
+        return 2
+    if not 0 <= args.warmup_steps < args.steps:
+        print(f"error: --warmup-steps must be at least 0 and below --steps ({args.steps})", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps,
+                      n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len,
+                      batch_per_rank=args.batch_per_rank, workload=args.workload)
+    results = []
+    for ours, peer in (PAIRS[name] for name in names):
+        if not available(peer):
+            results.append({"ours": ours, "peer": peer, "skipped": f"{peer} is not installed"})
+            continue
+        print(f"bench {ours} vs {peer}: {args.repeat} pairs of runs...", file=sys.stderr, flush=True)
+        results.append(run_pair(ours, peer, cfg, pairs=args.repeat))
+    print(describe(cfg) + "\n\n" + bench_report.format_report(results))
+    for path in args.report or []:
+        bench_report.write_report(results, describe(cfg), path)
+        print(f"report: {path}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if any("skipped" not in r for r in results) and not args.no_store:
+        comparison = bench_report.write_runs(results, cfg, model_config(cfg), args.runs_dir)
+        print(f"comparison id: {comparison} (in the run store; `stratpack dashboard` shows it)")
+    return 0

@@ -1,0 +1,207 @@
+"""The implementations `stratpack bench` measures, as a table of small builders: ours and the peers'.
+
+Each builder takes the workload, its plain model, the bench config and the optimizer's arguments, applies one
+implementation to the model on the process group `run_ranks` started, and returns the step: ``step(batch)`` runs
+forward, backward and the optimizer on one ``(inputs, targets)`` batch. Every side uses the same model, data and
+AdamW, in the same plain loop (no Lightning), so only the engines differ.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Step = Callable[[Any], None]
+
+MICROBATCHES = 4
+VIRTUAL = 2  # stages per rank in the interleaved pair
+
+
+def _plain(model: nn.Module, opt: torch.optim.Optimizer, workload: Any) -> Step:
+    def step(batch: Any) -> None:
+        x, y = batch
+        workload.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _world_axis(name: str) -> Any:
+    from strategies.comm import Axis, CommStats
+
+    return Axis.of_group(name, dist.group.WORLD, CommStats())
+
+
+def ours_data_parallel(stage: int) -> Callable[..., Step]:
+    """Our DDP (stage 0) or ZeRO-``stage`` over every rank."""
+    def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+        from strategies.data_parallel import BucketedDataParallel
+        from strategies.zero import shard_model
+
+        axis = _world_axis("dp")
+        opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+        sync = BucketedDataParallel(model, axis) if stage == 0 else shard_model(model, opt, axis, stage)
+
+        def step(batch: Any) -> None:
+            x, y = batch
+            workload.loss(model(x), y).backward()
+            sync.finish()
+            opt.step()
+            sync.after_step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    return build
+
+
+def ours_tensor_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """Every rank on the tp axis: the whole world is one tensor-parallel group."""
+    from strategies.tensor_parallel import apply_plan, detect_plan
+
+    apply_plan(model, detect_plan(model), _world_axis("tp"))
+    return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload)
+
+
+def ours_pipeline(schedule: str) -> Callable[..., Step]:
+    """Our pipeline engine in a plain loop: the step function is the loss."""
+    def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+        from strategies.mesh import ParallelMesh
+        from strategies.pipeline import PipelineParallel
+        from strategies.plan import ParallelPlan
+
+        plan = ParallelPlan.parse(pipeline_plan(schedule, dist.get_world_size()))
+        engine = PipelineParallel(model, plan.resolve(dist.get_world_size()), ParallelMesh(plan, "cpu"))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+
+        def step(batch: Any) -> None:
+            engine.train_step(batch, 0, lambda mb, i: workload.loss(model(mb[0]), mb[1]), torch.device("cpu"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step.finish = engine.finish  # the last loss is still on its way to the other stages
+        return step
+    return build
+
+
+def pipeline_plan(schedule: str, world_size: int) -> str:
+    """The plan of our pipeline side (and the peer's twin): every rank a stage, `MICROBATCHES` microbatches."""
+    virtual = f"_v{VIRTUAL}" if schedule == "interleaved" else ""
+    return f"pp{world_size}_{schedule}{virtual}_mb{MICROBATCHES}"
+
+
+def plan_of(impl: str, world_size: int) -> str:
+    """The plan whose estimator figures stand beside ``impl``'s measurements (ours, or the peer's twin)."""
+    from strategies.equivalents import PEERS
+
+    base = impl.removeprefix("torch_")
+    if base.startswith("pp_"):
+        return pipeline_plan(base[3:], world_size)
+    twin = PEERS.get(impl, impl)
+    return f"tp{world_size}" if twin == "tp" else twin
+
+
+def torch_ddp(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    ddp = nn.parallel.DistributedDataParallel(model)
+    return _plain(ddp, torch.optim.AdamW(ddp.parameters(), **opt_kwargs), workload)
+
+
+def fsdp2(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """torch's FSDP2: ``fully_shard`` on every block, then on the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from strategies.pipeline.stages import find_blocks
+
+    for block in model.get_submodule(find_blocks(model)):
+        fully_shard(block)
+    fully_shard(model)
+    return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload)
+
+
+def dtensor_tp(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """torch's DTensor ``parallelize_module`` on every block, splitting the layers our detected plan splits (a
+    fused qkv is split as one block here, which costs the same compute and traffic; the per-rank head layout
+    differs, which only matters for the numbers)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from strategies.pipeline.stages import find_blocks
+    from strategies.tensor_parallel import Colwise, detect_plan
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    style = {pattern.removeprefix("*."): ColwiseParallel() if isinstance(rule, Colwise) else RowwiseParallel()
+             for pattern, rule in detect_plan(model).items()}
+    for block in model.get_submodule(find_blocks(model)):
+        parallelize_module(block, mesh, style)
+    return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload)
+
+
+def deepspeed_zero(stage: int) -> Callable[..., Step]:
+    def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+        import deepspeed
+
+        # DeepSpeed reads its ranks from the launcher's environment; run_ranks started the group itself.
+        os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
+                          WORLD_SIZE=str(dist.get_world_size()))
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = {"train_micro_batch_size_per_gpu": cfg.batch_per_rank, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+        opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+        def step(batch: Any) -> None:
+            x, y = batch
+            engine.backward(workload.loss(engine(x), y))
+            engine.step()
+        return step
+    return build
+
+
+def torch_pipeline(schedule: str) -> Callable[..., Step]:
+    """``torch.distributed.pipelining`` on the same cut as ours: the blocks split as our planner splits them, the
+    workload's stage modules around them, stage s on rank s mod world (looped)."""
+    def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        from strategies.pipeline.stages import plan_stages
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        stages = world * (VIRTUAL if schedule == "interleaved" else 1)
+        layout = plan_stages(model, stages)
+        indices = range(rank, stages, world)
+        mine = [workload.pipeline_stage(model, layout.ranges[s], s == 0, s == stages - 1) for s in indices]
+        pipe = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(mine, indices)]
+        if schedule == "interleaved":
+            runner = ScheduleInterleaved1F1B(pipe, n_microbatches=MICROBATCHES, loss_fn=workload.loss)
+        else:
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            runner = cls(pipe[0], n_microbatches=MICROBATCHES, loss_fn=workload.loss)
+        opt = torch.optim.AdamW([p for m in mine for p in m.parameters()], **opt_kwargs)
+        holds_first, holds_last = 0 in indices, stages - 1 in indices
+
+        def step(batch: Any) -> None:
+            x, y = batch
+            runner.step(*([x] if holds_first else []), **({"target": y} if holds_last else {}))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    return build
+
+
+ENGINES: dict[str, Callable[..., Step]] = {
+    "dp": ours_data_parallel(0), "zero1": ours_data_parallel(1), "zero2": ours_data_parallel(2),
+    "zero3": ours_data_parallel(3), "tp": ours_tensor_parallel, "pp_1f1b": ours_pipeline("1f1b"),
+    "pp_gpipe": ours_pipeline("gpipe"), "pp_interleaved": ours_pipeline("interleaved"),
+    "torch_ddp": torch_ddp, "fsdp2": fsdp2, "dtensor_tp": dtensor_tp, "deepspeed1": deepspeed_zero(1),
+    "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3), "torch_pp_1f1b": torch_pipeline("1f1b"),
+    "torch_pp_gpipe": torch_pipeline("gpipe"), "torch_pp_interleaved": torch_pipeline("interleaved"),
+}
+
+
+def build_engine(impl: str, workload: Any, model: nn.Module, cfg: Any) -> Step:
+    """The step function of implementation ``impl`` (a key of `ENGINES`)."""
+    if impl not in ENGINES:
+        raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(ENGINES)}")
+    return ENGINES[impl](workload, model, cfg, dict(lr=cfg.lr, betas=(0.9, 0.95)))

@@ -1,0 +1,71 @@
+"""``stratpack plan``: a plan string's layout over the ranks, or the plans that fit a model ranked (``--params``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="show a strategy string's layout, or rank the plans that fit a model (--params)")
+    p.add_argument("plan", nargs="?", default=None)
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--params", type=float, default=None, help="model size to plan for, e.g. 7e9")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpu-mem", type=float, default=80, help="GiB per GPU")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per GPU)")
+    p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    from strategies.plan import ParallelPlan
+
+    if args.plan is None:
+        if args.params is None:
+            print("error: give a plan to explain, or --params (and --gpus, --gpu-mem) to rank the plans that fit",
+                  file=sys.stderr)
+            return 2
+        return _rank_plans(args)
+    try:
+        plan = ParallelPlan.parse(args.plan)
+        resolved = plan.resolve(args.world_size)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"canonical: {plan}\nresolved at world size {args.world_size}: {resolved}")
+    print(f"axes (outermost first): pp={resolved.pp} dp={resolved.dp} tp={resolved.tp}")
+    for rank in range(args.world_size):
+        print(f"  rank {rank}: {resolved.coordinates(rank)}")
+    return 0
+
+
+def _rank_plans(args: argparse.Namespace) -> int:
+    from strategies.measure.estimate import ModelShape
+    from strategies.measure.planner import GiB, Hardware, rank_plans
+
+    try:
+        shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    hw = Hardware(gpus=args.gpus, memory=args.gpu_mem * GiB)
+    batch = args.global_batch or 8 * args.gpus
+    ranked = rank_plans(shape, hw, batch, precision=args.precision)
+    fits = [r for r in ranked if r.fits]
+    print(f"{args.params:.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, "
+          f"sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs of {args.gpu_mem:g} GiB "
+          f"(plans may fill {hw.usable:.0%}); {args.precision} precision with Adam")
+    print(f"{len(fits)} of {len(ranked)} plans fit. Predicted step time = compute + bubble + recompute + exposed "
+          f"communication at {hw.flops / 1e12:.0f} TFLOP/s per GPU, tp at {hw.tp_bandwidth / 1e9:.0f} GB/s, "
+          f"dp/pp at {hw.dp_bandwidth / 1e9:.0f} GB/s (a model to rank by, not a promise):")
+    best = fits[0] if fits else None
+    for r in (fits or ranked)[: args.top]:
+        print("  " + r.explain(shape, best))
+    if not fits:
+        print("none fits: more GPUs, more memory per GPU, or a smaller batch", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,293 @@
+"""``stratpack train``: fit a workload (the demo GPT by default) once with one strategy, and return what the
+StrategyMonitor measured.
+
+Every strategy sees the same global batches: Lightning's DistributedSampler shuffles with the global seed and gives
+rank r the positions r, r+N, ... of one permutation, so a step's union over the data-parallel ranks is a contiguous
+slice of it. The single-device run draws that permutation itself (``DistributedSampler`` with one replica), so its
+batch k is the same set of samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from typing import Any
+
+SINGLE = "single"  # one process, Lightning's default single-device strategy: the reference
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "dp"
+    devices: int = 2
+    steps: int = 30
+    batch_size: int = 16  # global: split over the data-parallel ranks
+    accumulate: int = 1
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    data: str | None = None
+    max_chars: int = 200_000
+    seed: int = 0
+    precision: str = "32-true"
+    warmup_steps: int = 3
+    gradient_clip_val: float | None = None
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    epoch_steps: int | None = None  # optimizer steps per epoch (default: the whole dataset)
+    checkpoint_dir: str | None = None  # save a checkpoint there at the end of every epoch
+    resume: str | None = None  # a checkpoint to resume from (sharded directory or single file)
+    runs_dir: str | None = None  # the run store (default $STRATPACK_RUNS or ./runs)
+    comparison: str | None = None  # the id shared by the runs of one `stratpack compare`
+    wandb: str = "auto"  # auto (offline unless logged in; off without wandb), offline, online, off
+    accelerator: str = "cpu"  # "gpu" / "auto" on a machine with GPUs (nccl)
+    workload: str = "gpt"  # what to train (`workload.find_workload`)
+
+
+def data_parallel_degree(strategy: str, devices: int) -> int:
+    """How many ranks split the global batch: the plan's dp degree, or all devices for other strategies."""
+    if strategy == SINGLE:
+        return 1
+    from strategies.lightning.names import looks_like_plan
+    from strategies.plan import ParallelPlan
+
+    if looks_like_plan(strategy):
+        return ParallelPlan.parse(strategy).resolve(devices).dp
+    return devices
+
+
+def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
+    """Fit the workload for ``config.steps`` optimizer steps; the monitor's summary plus the config.
+
+    ``params_out``: rank 0 also saves the final parameters there (``torch.save`` of the state dict)."""
+    import lightning as L
+
+    import strategies  # noqa: F401  (registers the plan names)
+    from strategies.cli.workload import find_workload
+    from strategies.measure.estimate import predict_run
+
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    module, dataset = find_workload(config.workload).lightning(config)
+    dataset = _check_batches(config, dataset)
+    world = 1 if config.strategy == SINGLE else config.devices
+    model = _model_config(module)
+    predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate)
+    trainer, monitor = _trainer(config, predicted)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(module, _loader(config, dataset), _validation(config, dataset), ckpt_path=config.resume)
+    _finish_wandb(trainer)
+    result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
+    result["model"] = model  # the shape the estimator needs (strategies.measure.estimate)
+    result["predicted"] = predicted  # what the estimator expected of this run (also in its meta.json)
+    # What this rank's loggers saw last (rank 0 writes the logs): e.g. train_loss of the last step.
+    result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items()
+                        if getattr(v, "numel", lambda: 1)() == 1}
+    result.update(_final_parameters(trainer, params_out))
+    return result
+
+
+def _model_config(module: Any) -> dict[str, Any]:
+    """The module's config as a dict (a dataclass ``config`` attribute, as the demo GPT has), else empty."""
+    config = getattr(module, "config", None)
+    return asdict(config) if is_dataclass(config) else dict(vars(config)) if config is not None else {}
+
+
+def _check_batches(config: RunConfig, dataset: Any) -> Any:
+    """``dataset``, cut to whole epochs of ``config.epoch_steps``; a clear error for a batch that does not split."""
+    from torch.utils.data import Subset
+
+    replicas = data_parallel_degree(config.strategy, config.devices)
+    if config.batch_size % replicas:
+        raise ValueError(f"global batch {config.batch_size} does not split over {replicas} data-parallel ranks")
+    if config.epoch_steps and config.steps % config.epoch_steps:
+        raise ValueError(f"steps ({config.steps}) must be a whole number of epochs of epoch_steps "
+                         f"({config.epoch_steps})")
+    if config.epoch_steps:
+        # An epoch of exactly epoch_steps optimizer steps: a dataset of that many global batches (rather than
+        # limit_train_batches, which a resumed run does not honour for the epoch it resumes in).
+        dataset = Subset(dataset, range(config.epoch_steps * config.batch_size * config.accumulate))
+    return dataset
+
+
+def _loader(config: RunConfig, dataset: Any) -> Any:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = None
+    if config.strategy == SINGLE:
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
+    per_rank = config.batch_size // data_parallel_degree(config.strategy, config.devices)
+    return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
+
+
+def _validation(config: RunConfig, dataset: Any) -> Any:
+    """With checkpoints, a one-batch validation after each epoch (the checkpoint is saved after it), as in a real
+    run; else none."""
+    from torch.utils.data import DataLoader, Subset
+
+    if not config.checkpoint_dir:
+        return None
+    per_rank = config.batch_size // data_parallel_degree(config.strategy, config.devices)
+    return DataLoader(Subset(dataset, range(config.batch_size)), batch_size=per_rank)
+
+
+def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from strategies.checkpoint import ShardedCheckpointIO
+    from strategies.measure.monitor import StrategyMonitor
+
+    single = config.strategy == SINGLE
+    monitor = StrategyMonitor(warmup_steps=config.warmup_steps, runs_dir=config.runs_dir,
+                              comparison=config.comparison, label=config.strategy,
+                              meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted})
+    callbacks: list = [monitor]
+    if config.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, every_n_epochs=1))
+    trainer = L.Trainer(
+        accelerator=config.accelerator, devices=1 if single else config.devices,
+        strategy="auto" if single else config.strategy,
+        # With epochs of a known length, the run is counted in epochs: Lightning 2.6 resumes an epoch-end checkpoint
+        # of a max_steps run as an unfinished epoch (one batch too many), not of a max_epochs run.
+        max_steps=-1 if config.epoch_steps else config.steps,
+        max_epochs=config.steps // config.epoch_steps if config.epoch_steps else None,
+        accumulate_grad_batches=config.accumulate, precision=config.precision,
+        gradient_clip_val=config.gradient_clip_val, logger=_wandb_logger(config) or False,
+        enable_checkpointing=bool(config.checkpoint_dir), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks, limit_val_batches=1 if config.checkpoint_dir else 0,
+        # One process reads the pack's sharded checkpoints too (a plan's strategy reads them itself).
+        plugins=[ShardedCheckpointIO()] if single else None,
+    )
+    return trainer, monitor
+
+
+def _final_parameters(trainer: Any, params_out: str | None) -> dict[str, Any]:
+    """The parameters' count and norm in the single-device view (gathered: a collective, every rank), saved to
+    ``params_out`` by rank 0; then the ranks say goodbye together."""
+    import torch
+
+    state = trainer.strategy.lightning_module_state_dict()
+    out = {"num_params": sum(v.numel() for v in state.values()),
+           "final_param_norm": float(torch.cat([v.detach().float().flatten() for v in state.values()]).norm())}
+    if params_out and trainer.global_rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, params_out)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A script that is done with its ranks says so, all ranks together (rank 0 hosts the store).
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return out
+
+
+def _wandb_logger(config: RunConfig) -> Any:
+    """A WandbLogger grouped by comparison: offline unless the user is logged in or asks for online; None when
+    wandb is off or not installed (training never depends on it)."""
+    if config.wandb == "off":
+        return None
+    try:
+        import wandb  # noqa: F401
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:
+        if config.wandb != "auto":
+            warnings.warn(f"wandb={config.wandb!r} asked for, but wandb is not installed: not logging to wandb")
+        return None
+    mode = os.environ.get("WANDB_MODE")
+    if config.wandb in ("offline", "online"):
+        mode = config.wandb
+    elif mode is None:
+        mode = "online" if _wandb_logged_in() else "offline"
+    from strategies.runs import runs_dir
+
+    save_dir = runs_dir(config.runs_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    return WandbLogger(project="stratpack", group=config.comparison, name=config.strategy, save_dir=str(save_dir),
+                       offline=mode != "online", config=asdict(config))
+
+
+def _finish_wandb(trainer: Any) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(trainer.logger, WandbLogger) and trainer.global_rank == 0:
+        import wandb
+
+        wandb.finish()  # flush the run to disk now: the CLI ends its processes with os._exit
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.expanduser("~/.netrc")
+    return os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read()
+
+
+def write_result(result: dict[str, Any], path: str) -> None:
+    """Write atomically (temp file + replace), from rank 0 only."""
+    if result.get("rank", 0) != 0:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, allow_nan=True)
+    os.replace(tmp, path)
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of one run, shared by `train` and `compare`."""
+    defaults = RunConfig()
+    p.add_argument("--devices", type=int, default=defaults.devices, help="processes (CPU: gloo ranks)")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (samples)")
+    p.add_argument("--accumulate", type=int, default=defaults.accumulate, help="gradient accumulation steps")
+    for name in ("seq_len", "n_layer", "n_head", "n_embd", "max_chars", "seed"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--data", default=None, help="a text file to train on (default: Python stdlib sources)")
+    p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps left out of timing")
+    p.add_argument("--gradient-clip-val", type=float, default=None, help="clip by the global gradient norm")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default=defaults.optimizer)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
+    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file)")
+    p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")
+    p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
+    p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")
+    p.add_argument("--wandb", choices=("auto", "offline", "online", "off"), default=defaults.wandb,
+                   help="auto: offline unless logged in (off when wandb is not installed)")
+    p.add_argument("--workload", default=defaults.workload,
+                   help="what to train: a registered workload (default: gpt, the demo) or module:object")
+
+
+def config_from(args: argparse.Namespace, strategy: str) -> RunConfig:
+    names = {f.name for f in fields(RunConfig)} - {"strategy"}
+    return RunConfig(strategy=strategy, **{name: getattr(args, name) for name in names})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train the workload (the demo GPT) once")
+    p.add_argument("strategy", help="'single', a plan string (dp, naive, zero3_tp2...) or a Lightning name")
+    p.add_argument("--out", default=None, help="write the result as JSON here (rank 0)")
+    p.add_argument("--params-out", default=None, help="save the final parameters here (rank 0, torch.save)")
+    add_run_options(p)
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    result = run(config_from(args, args.strategy), params_out=args.params_out)
+    if args.out:
+        write_result(result, args.out)
+    elif result["rank"] == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))
+    # The run is over and its results are written. Rarely (seen ~2 in 40 ZeRO-3 runs, never in a plain loop), a
+    # rank then aborts in C++ teardown at interpreter exit ("terminate called without an active exception"),
+    # turning a finished run into exit code 134. Skip that teardown: nothing is left to do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

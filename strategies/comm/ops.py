@@ -1,0 +1,251 @@
+"""The one place that calls torch.distributed: every collective and p2p message, counted.
+
+Each call records, per (operation, axis), the bytes this rank sent and received and the seconds it spent
+blocked. Collectives are counted with the ring cost model (what NCCL's "bus bandwidth" assumes): an
+all-reduce of B bytes over N ranks moves 2(N-1)/N * B per rank each way, a reduce-scatter or all-gather of
+B bytes in total (N-1)/N * B. Point-to-point messages are counted exactly. Async calls are timed when
+waited on, so ``wait_s`` is communication the computation did *not* hide.
+
+A call over an axis of size 1 is a no-op and records nothing, so pieces compose when a degree is 1.
+
+Every call is also logged in this process's `FlightRecorder` (the last few, with kind, axis, per-axis
+sequence number and shapes). When a call fails, a timeout or a peer that died, the error becomes a
+`CollectiveError` that names the call, lists the recorder's calls and any rank on this host that has
+exited, so each rank says where it stopped. With ``STRATPACK_DEBUG_COLLECTIVES=1`` the ranks of an axis
+also compare each collective's kind and shapes before running it, and a mismatch (the usual cause of a
+hang or of silently wrong sums) raises `CollectiveMismatch` naming every rank's call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from strategies.comm.recorder import DEBUG_ENV, RECORDER, CallRecord, CollectiveMismatch, fail
+from strategies.comm.stats import Axis, Op
+
+
+def _check_same(record: CallRecord, axis: Axis) -> None:
+    """Debug mode: every rank of ``axis`` must be issuing the same collective (kind and shapes) as its n-th
+    collective on that axis (numbered in the message)."""
+    RECORDER.collectives[axis.name] += 1
+    mine = (RECORDER.collectives[axis.name], record.op, record.shapes, record.dtype, record.peer)
+    theirs: list[Any] = [None] * axis.size
+    try:  # directly, not through all_gather_object: the check is not a call of its own in the recorder
+        dist.all_gather_object(theirs, mine, group=axis.group)
+    except Exception as err:  # noqa: BLE001
+        raise fail(record, err) from err
+    if any(t != mine for t in theirs):
+        calls = "; ".join(f"rank {axis.ranks[i]}: #{t[0]} {t[1]} {' '.join(map(str, t[2]))} {t[3]}"
+                          + (f" peer {t[4]}" if t[4] is not None else "") for i, t in enumerate(theirs))
+        record.state = "mismatch"
+        raise CollectiveMismatch(f"[rank {dist.get_rank()}] mismatched collectives on axis {axis.name}: {calls}")
+
+
+class Handle:
+    """An in-flight async call; ``wait()`` adds the seconds blocked to the counters."""
+
+    def __init__(self, work: Any, axis: Axis, op: Op, record: CallRecord | None = None) -> None:
+        self._work, self._axis, self._op, self._record = work, axis, op, record
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        start = time.perf_counter()
+        try:
+            self._work.wait()
+        except Exception as err:  # noqa: BLE001 - gloo / nccl raise RuntimeError subclasses; name the call
+            raise fail(self._record, err) from err
+        self._axis.stats.record(self._op, self._axis.name, wait_s=time.perf_counter() - start, calls=0)
+        if self._record is not None:
+            self._record.state = "done"
+        self._work = None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, async_op: bool,
+         tensors: tuple[torch.Tensor, ...] = (), peer: int | None = None) -> Handle | None:
+    """Issue ``call``, count it, log it, and time it now (sync) or at ``wait()`` (async)."""
+    axis.stats.record(op, axis.name, sent=sent, recv=recv)
+    record = RECORDER.start(op, axis, tensors, peer)
+    if op not in (Op.SEND, Op.RECV) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        _check_same(record, axis)
+    start = time.perf_counter()
+    try:
+        work = call()
+    except Exception as err:  # noqa: BLE001
+        raise fail(record, err) from err
+    if not async_op:
+        axis.stats.record(op, axis.name, wait_s=time.perf_counter() - start, calls=0)
+        record.state = "done"
+        return None
+    return Handle(work, axis, op, record)
+
+
+# -- collectives --------------------------------------------------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
+    """In-place reduction of ``tensor`` over the axis: ring cost 2(N-1)/N * bytes each way."""
+    if axis.size == 1:
+        return Handle(None, axis, Op.ALL_REDUCE) if async_op else None
+    moved = 2 * (axis.size - 1) / axis.size * _nbytes(tensor)
+    return _run(
+        Op.ALL_REDUCE, axis, lambda: dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op),
+        moved, moved, async_op, (tensor,),
+    )
+
+
+# torch 2.13 renamed the flat-tensor forms (and deprecates the old names); pyproject accepts torch >= 2.6, whose
+# CUDA builds users keep, so take whichever this torch has (seen: 2.11 on an H100 has only the old names).
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM,
+                   async_op: bool = False):
+    """``output`` (1/N of ``input``) gets this rank's reduced shard: (N-1)/N * bytes(input) each way."""
+    if axis.size == 1:
+        output.copy_(input)
+        return Handle(None, axis, Op.REDUCE_SCATTER) if async_op else None
+    moved = (axis.size - 1) / axis.size * _nbytes(input)
+    return _run(
+        Op.REDUCE_SCATTER, axis,
+        lambda: _REDUCE_SCATTER(output, input, op=op, group=axis.group, async_op=async_op),
+        moved, moved, async_op, (output, input),
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: bool = False):
+    """``output`` (N times ``input``) gets every rank's shard in axis order: (N-1)/N * bytes(output)."""
+    if axis.size == 1:
+        output.copy_(input)
+        return Handle(None, axis, Op.ALL_GATHER) if async_op else None
+    moved = (axis.size - 1) / axis.size * _nbytes(output)
+    return _run(
+        Op.ALL_GATHER, axis,
+        lambda: _ALL_GATHER(output, input, group=axis.group, async_op=async_op),
+        moved, moved, async_op, (output, input),
+    )
+
+
+def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, async_op: bool = False):
+    """Copy ``tensor`` from axis index ``src`` to every rank (counted as root sends once, others receive)."""
+    if axis.size == 1:
+        return Handle(None, axis, Op.BROADCAST) if async_op else None
+    size = _nbytes(tensor)
+    sent, recv = (size, 0) if axis.index == src else (0, size)
+    return _run(
+        Op.BROADCAST, axis,
+        lambda: dist.broadcast(tensor, group=axis.group, group_src=src, async_op=async_op),
+        sent, recv, async_op, (tensor,), src,
+    )
+
+
+def broadcast_object(obj: Any, axis: Axis, src: int = 0) -> Any:
+    """Pickle ``obj`` from axis index ``src`` to every rank (not counted: control messages, not training data)."""
+    if axis.size == 1:
+        return obj
+    box = [obj]
+    _guarded("broadcast_object", axis, lambda: dist.broadcast_object_list(box, group=axis.group, group_src=src), src)
+    return box[0]
+
+
+def all_gather_object(obj: Any, axis: Axis) -> list[Any]:
+    """Every rank's ``obj`` in axis order (pickled; not counted: control messages)."""
+    if axis.size == 1:
+        return [obj]
+    out: list[Any] = [None] * axis.size
+    _guarded("all_gather_object", axis, lambda: dist.all_gather_object(out, obj, group=axis.group))
+    return out
+
+
+def _guarded(name: str, axis: Axis, call: Callable[[], Any], peer: int | None = None) -> None:
+    # Object collectives are control messages: logged in the recorder (not counted, not checked in debug mode,
+    # which itself runs on them), and named when they fail.
+    RECORDER.seq[axis.name] += 1
+    record = CallRecord(RECORDER.seq[axis.name], name, axis.name, (), "object", peer)
+    RECORDER.calls.append(record)
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001
+        raise fail(record, err) from err
+    record.state = "done"
+
+
+def register_peers(world: Axis) -> None:
+    """Learn every rank's host and pid (a collective over ``world``), so that a rank that dies later is named."""
+    me = RECORDER.identity()
+    RECORDER.peers = all_gather_object(me, world) if world.size > 1 else [me]
+
+
+def barrier(axis: Axis) -> None:
+    if axis.size > 1:
+        _run(Op.BARRIER, axis, lambda: dist.barrier(group=axis.group), 0, 0, False)
+
+
+# -- point to point -----------------------------------------------------------------------------------------
+
+
+def send(tensor: torch.Tensor, axis: Axis, dst: int, tag: int = 0) -> None:
+    """Blocking send to axis index ``dst``. ``tag`` tells apart messages between the same two ranks."""
+    _run(Op.SEND, axis, lambda: dist.send(tensor, group=axis.group, group_dst=dst, tag=tag), _nbytes(tensor), 0,
+         False, (tensor,), dst)
+
+
+def recv(tensor: torch.Tensor, axis: Axis, src: int, tag: int = 0) -> None:
+    """Blocking receive from axis index ``src`` into ``tensor``."""
+    _run(Op.RECV, axis, lambda: dist.recv(tensor, group=axis.group, group_src=src, tag=tag), 0, _nbytes(tensor),
+         False, (tensor,), src)
+
+
+def isend(tensor: torch.Tensor, axis: Axis, dst: int, tag: int = 0) -> Handle:
+    return _run(Op.SEND, axis, lambda: dist.isend(tensor, group=axis.group, group_dst=dst, tag=tag),
+                _nbytes(tensor), 0, True, (tensor,), dst)
+
+
+def irecv(tensor: torch.Tensor, axis: Axis, src: int, tag: int = 0) -> Handle:
+    return _run(Op.RECV, axis, lambda: dist.irecv(tensor, group=axis.group, group_src=src, tag=tag), 0,
+                _nbytes(tensor), True, (tensor,), src)
+
+
+def ring_all_reduce(tensor: torch.Tensor, axis: Axis) -> None:
+    """Sum ``tensor`` (contiguous) over the axis with an explicit ring of p2p messages, in place.
+
+    The flat tensor is cut into N chunks. Reduce-scatter: in step s (0..N-2) rank r sends chunk (r - s) to
+    its right neighbour and adds the chunk (r - s - 1) it receives from its left one; afterwards rank r holds
+    the full sum of chunk (r + 1). All-gather: in step s rank r passes on chunk (r + 1 - s) and stores chunk
+    (r - s). 2(N-1) steps, each moving ~1/N of the tensor: 2(N-1)/N * bytes per rank, the same as the model
+    that `all_reduce` is counted with.
+    """
+    n, r = axis.size, axis.index
+    if n == 1:
+        return
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce works in place on a contiguous tensor")
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (r + 1) % n, (r - 1) % n
+    scratch = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        out_chunk, in_chunk = chunks[(r - step) % n], chunks[(r - step - 1) % n]
+        incoming = scratch[: in_chunk.numel()]
+        _exchange(out_chunk, incoming, axis, right, left)
+        in_chunk.add_(incoming)
+    for step in range(n - 1):
+        _exchange(chunks[(r + 1 - step) % n], chunks[(r - step) % n], axis, right, left)
+
+
+def _exchange(out: torch.Tensor, into: torch.Tensor, axis: Axis, right: int, left: int) -> None:
+    # Post the receive before the send so neither neighbour can block the other.
+    pending = [irecv(into, axis, left), isend(out.contiguous(), axis, right)]
+    for handle in pending:
+        handle.wait()

@@ -1,0 +1,82 @@
+"""Which techniques a plan applies to the model, built in the order the strategy keeps them (see `technique`).
+
+Tensor parallel splits the full, initialised layers first; activation checkpointing wraps the blocks; the
+replicas of the data-parallel axis are made equal; the pipeline then replaces the parameters other stages own by
+placeholders; last, once Lightning has built the optimizer, data parallel or ZeRO (which shards that optimizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from strategies import comm
+from strategies.activation_checkpoint import ActivationCheckpointing
+from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
+from strategies.lightning.options import PlanOptions
+from strategies.mesh import ParallelMesh
+from strategies.pipeline import PipelineParallel
+from strategies.pipeline.stages import find_blocks, measure_times
+from strategies.plan import DataMode, ParallelPlan
+from strategies.technique import Technique
+from strategies.tensor_parallel import TensorParallel, detect_plan
+from strategies.zero import shard_model
+
+
+def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
+                     options: PlanOptions) -> list[Technique]:
+    """Tensor parallel and activation checkpointing, applied to ``model``; then every data-parallel replica
+    starts from the same weights."""
+    techniques: list[Technique] = []
+    if plan.tp > 1:
+        rules = options.tp_plan if options.tp_plan is not None else detect_plan(model)
+        techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
+    if plan.ac:
+        techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))
+    broadcast_module(model, mesh.dp)  # before the pipeline: its placeholders are not weights to send
+    return techniques
+
+
+def check_pipeline_precision(precision_plugin: Any) -> None:
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise ValueError("pipeline parallel does not support fp16 loss scaling (16-mixed) yet; use "
+                         "precision='bf16-mixed' or '32-true'")
+
+
+def timed_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
+                   run_forward: Callable[[], None]) -> PipelineParallel:
+    """The pipeline cut by measured time: the whole model is still on every rank, so time its blocks in
+    ``run_forward()`` (a warm-up run, then a measured one), take the slowest rank's figures so that every rank cuts
+    the same way, then cut."""
+    blocks = find_blocks(model, options.pipeline_blocks)
+    run_forward()
+    times, first, last = measure_times(model, blocks, run_forward)
+    agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)
+    comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
+    weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
+    return PipelineParallel(model, plan, mesh, blocks, weights)
+
+
+def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
+                  fp16_scaler: bool) -> GradSync:
+    """The data-parallel technique of ``plan``'s data mode over the mesh's dp axis, for the optimizers built."""
+    axis, find_unused = mesh.dp, options.find_unused_parameters
+    if plan.data.is_zero:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"ZeRO shards one optimizer, but configure_optimizers returned {len(optimizers)}; "
+                "use one optimizer (with several param groups if needed), or the 'dp' plan"
+            )
+        sync = shard_model(model, optimizers[0], axis, stage=plan.data.stage, offload=plan.offload,
+                           bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,
+                           units=options.zero3_units)
+        sync.sync_nonfinite = fp16_scaler  # fp16: one rank's overflow skips the step everywhere
+        return sync
+    if plan.data is DataMode.NAIVE:
+        return NaiveDataParallel(model, axis, server=options.server_rank, find_unused_parameters=find_unused)
+    return BucketedDataParallel(model, axis, bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,
+                                ring=options.ring_all_reduce)

@@ -1,0 +1,126 @@
+"""The options of every plan strategy, in one frozen object checked when it is built: in the main process, before
+anything starts. A bad value is a ValueError that names it (wrong types too, which would otherwise fail, or as a
+truthy string pass, later, on every rank, deep in a step)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB
+from strategies.tensor_parallel import Colwise, Rowwise, VocabEmbedding
+
+TIMEOUT_ENV = "STRATPACK_TIMEOUT"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_tp_rule(item: tuple) -> bool:
+    return isinstance(item[0], str) and isinstance(item[1], (Colwise, Rowwise, VocabEmbedding))
+
+
+def _rule(check: Callable[[Any], bool], expected: str) -> dict[str, Any]:
+    """A field's metadata: the check its value must pass, and what to say it must be when it does not."""
+    return {"check": check, "expected": expected}
+
+
+_BOOL = _rule(_is_bool, "True or False")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """How a plan runs, beyond the plan string. Every strategy class of the pack takes these as keyword arguments."""
+
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    """DDP bucket size (torch's default, 25 MB); ZeRO-1/2 flats are cut the same way."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in a step (they are reduced as zeros)."""
+    ring_all_reduce: bool = False
+    """Reduce DDP buckets with the explicit p2p ring of `strategies.comm` instead of the backend's all-reduce
+    (synchronous: it shows the algorithm; the backend's is faster)."""
+    server_rank: int = 0
+    """The parameter server's index on the data-parallel axis, for ``naive``."""
+    zero3_units: Callable | None = None
+    """ZeRO-3's wrapping policy: ``module -> [(name, submodule), ...]`` gathered together (default: the blocks of
+    every ModuleList/Sequential, then each other module owning parameters)."""
+    tp_plan: dict | None = None
+    """Which submodules tensor parallel splits, ``{"*.attn.qkv": Colwise(chunks=3), ...}``
+    (`strategies.tensor_parallel`); by default the shipped plan that fits the model."""
+    pipeline_blocks: str | None = None
+    """The name of the list of blocks pipeline parallel cuts into stages and activation checkpointing wraps (e.g.
+    ``"model.layers"``); by default the longest ``nn.ModuleList`` / ``nn.Sequential`` of the module."""
+    pipeline_balance: Literal["params", "time"] = "params"
+    """Cut the stages by parameter count (``"params"``), or by the forward time of each block measured on the first
+    training batch (``"time"``, agreed by all ranks)."""
+    process_group_backend: str | None = None
+    """``"gloo"`` / ``"nccl"``; by default from the device."""
+    timeout: timedelta | float | None = None
+    """How long a collective may wait for the other ranks before the job fails with each rank's last collectives
+    (a timedelta or seconds); by default ``$STRATPACK_TIMEOUT`` seconds, else 30 minutes. Held as a timedelta."""
+    start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
+    """``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``."""
+    stop_on_nonfinite_loss: bool = True
+    """A NaN or infinite loss ends the job with ``FloatingPointError`` naming the rank and step, instead of
+    training on with parameters it would poison."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name in _RULES and not _RULES[f.name]["check"](getattr(self, f.name)):
+                raise ValueError(f"{f.name} must be {_RULES[f.name]['expected']}, got {getattr(self, f.name)!r}")
+        object.__setattr__(self, "timeout", collective_timeout(self.timeout))
+
+
+_RULES = {
+    "bucket_cap_mb": _rule(lambda v: _is_number(v) and 0 < v and v * 2**20 < math.inf, "> 0 and finite (megabytes)"),
+    "find_unused_parameters": _BOOL,
+    "ring_all_reduce": _BOOL,
+    "server_rank": _rule(lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0,
+                         "the server's index on the data-parallel axis, an int >= 0"),
+    "zero3_units": _rule(lambda v: v is None or callable(v), "None or a function module -> [(name, submodule), ...]"),
+    "tp_plan": _rule(lambda v: v is None or isinstance(v, dict) and all(map(_is_tp_rule, v.items())),
+                     "None or a dict {module-name pattern: Colwise() / Rowwise() / VocabEmbedding()}"),
+    "pipeline_blocks": _rule(lambda v: v is None or isinstance(v, str) and v != "",
+                             "None or the dotted name of the list of blocks, e.g. 'model.layers'"),
+    "pipeline_balance": _rule(lambda v: isinstance(v, str) and v in ("params", "time"), "'params' or 'time'"),
+    "process_group_backend": _rule(lambda v: v is None or isinstance(v, str) and v != "",
+                                   "None or a backend name such as 'gloo' or 'nccl'"),
+    "stop_on_nonfinite_loss": _BOOL,
+    "start_method": _rule(lambda v: isinstance(v, str) and v in ("popen", "spawn", "fork", "forkserver"),
+                          "'popen', 'spawn', 'fork' or 'forkserver'"),
+}
+
+
+def collective_timeout(timeout: timedelta | float | None = None) -> timedelta:
+    """The process-group timeout: ``timeout``, else ``$STRATPACK_TIMEOUT`` (seconds), else torch's 30 minutes."""
+    source = f"timeout={timeout!r}"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return default_pg_timeout
+        try:
+            source, timeout = f"{TIMEOUT_ENV}={raw!r}", float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not isinstance(timeout, timedelta):
+        if not _is_number(timeout):
+            raise ValueError(f"{source}: the collective timeout must be a timedelta or a number of seconds")
+        try:
+            timeout = timedelta(seconds=float(timeout))
+        except (OverflowError, ValueError):  # nan, inf, or more than timedelta.max
+            raise ValueError(f"{source}: the collective timeout must be a finite number of seconds") from None
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"{source}: the collective timeout must be positive, got {timeout}")
+    return timeout

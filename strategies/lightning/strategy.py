@@ -1,0 +1,445 @@
+"""The Lightning Strategy that runs a ParallelPlan: ranks, launching and the loops from Lightning, the rest a loop
+over the plan's techniques.
+
+Lightning owns processes (its launchers, torchrun, SLURM), ranks, the loops and precision. This class resolves the
+plan against the world size (at Trainer construction, in the main process), builds the mesh once the process group
+exists, applies the plan's techniques (`assemble`) and keeps them in a list, and routes each of Lightning's hooks
+through them (`strategies.technique`: state, gradients, steps, teardown); steps go through `steps`, Lightning's own
+reduce / broadcast / barrier through `strategies.comm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Generator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from typing_extensions import override
+
+from strategies import comm
+from strategies.checkpoint import load_any, save_sharded
+from strategies.clipping import clip_pieces
+from strategies.comm import CommStats
+from strategies.files import pack_version
+from strategies.lightning import assemble
+from strategies.lightning.launcher import ExitingMultiProcessingLauncher
+from strategies.lightning.options import PlanOptions
+from strategies.lightning.steps import DirectSteps, PipelineSteps, check_finite
+from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
+from strategies.mesh import ParallelMesh
+from strategies.pipeline import PipelineParallel
+from strategies.pipeline.stages import split_microbatches
+from strategies.plan import DataMode, ParallelPlan
+from strategies.technique import HeldGrad, OptimizerState, Technique, optimizer_names
+
+
+class PlanStrategy(ParallelStrategy):
+    """Train a LightningModule, written as for one device, with a parallel plan such as ``"zero3_tp2_pp2"``.
+
+    Args:
+        plan: a strategy string (``"dp"``, ``"naive_dp4"``, ``"zero3_tp2_pp2"``...) or a ParallelPlan.
+        **options: `PlanOptions` (bucket size, tp plan, pipeline blocks, timeout, launcher...), checked here.
+    The named classes (`DataParallelStrategy`, `ZeroStrategy`...) are this class with the plan spelled out.
+    """
+
+    strategy_name = "plan"
+
+    def __init__(self, plan: str | ParallelPlan = "dp", *, accelerator: Any = None,
+                 parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
+                 checkpoint_io: Any = None, precision_plugin: Any = None, **options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.plan = plan if isinstance(plan, ParallelPlan) else ParallelPlan.parse(plan)
+        self.options = PlanOptions(**options)
+        self._process_group_backend = self.options.process_group_backend
+        self._num_nodes = 1
+        self.resolved_plan: ParallelPlan | None = None
+        self.comm_stats = CommStats()
+        self.mesh: ParallelMesh | None = None
+        self.techniques: list[Technique] = []  # in the order applied (`strategies.technique`)
+        self._steps = DirectSteps(self._lightning_hook)
+        self._accumulating = False  # inside an accumulation window's micro-step: gradients stay local
+        self.activation_bytes = self.peak_activation_bytes = 0
+        self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
+
+    # -- where ranks come from -------------------------------------------------------------------------
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler and syncs self.log(sync_dist=True) only when this is True.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor- and pipeline-parallel peers must read the same samples: shard over the dp axis only.
+        plan = self.resolved_plan or self.plan.resolve(self.world_size)
+        return {"num_replicas": plan.dp, "rank": plan.coordinates(self.global_rank)["dp"]}
+
+    def set_world_ranks(self) -> None:
+        # Lightning calls this in the main process while the Trainer is built, so an impossible plan fails
+        # there, before any process is launched, with the arithmetic in the message.
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.resolved_plan = self.plan.resolve(self.world_size)
+        dp, server = self.resolved_plan.dp, self.options.server_rank
+        if self.plan.data is DataMode.NAIVE and server >= dp:
+            raise ValueError(f"server_rank={server} is not on the data-parallel axis of '{self.resolved_plan}' "
+                             f"(indices 0..{dp - 1}); pass a server_rank below {dp}")
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.options.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = ExitingMultiProcessingLauncher(self, start_method=self.options.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)
+        comm.RECORDER.timeout = self.options.timeout
+        self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
+
+    # -- model ------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.accelerator.setup(trainer)
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options)
+        self._steps = self._make_steps(fitting)
+        if fitting:
+            self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
+            if self.resolved_plan.pp == 1 or self.pipeline is not None:  # else the first batch builds both
+                self._add_grad_sync()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _make_steps(self, fitting: bool) -> DirectSteps:
+        if self.resolved_plan.pp == 1:
+            return DirectSteps(self._lightning_hook)
+        assemble.check_pipeline_precision(self.precision_plugin)
+        pipeline = None
+        if not (self.options.pipeline_balance == "time" and fitting):  # balanced by time: on the first batch
+            pipeline = PipelineParallel(self.model, self.resolved_plan, self.mesh, self.options.pipeline_blocks)
+            self.techniques.append(pipeline)
+        return PipelineSteps(self._lightning_hook, self.lightning_module, self.root_device, self._no_sync, pipeline,
+                             self._build_timed_pipeline, self.options.stop_on_nonfinite_loss)
+
+    def _build_timed_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
+        micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
+
+        def run_forward() -> None:
+            with torch.no_grad():
+                self._lightning_hook("training_step", micro, batch_idx, *args)
+
+        pipeline = assemble.timed_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)
+        self.techniques.append(pipeline)
+        self._add_grad_sync()
+        return pipeline
+
+    def _add_grad_sync(self) -> None:
+        scaler = getattr(self.precision_plugin, "scaler", None) is not None
+        self.techniques.append(assemble.gradient_sync(self.model, self.optimizers, self.resolved_plan, self.mesh,
+                                                      self.options, fp16_scaler=scaler))
+        # Lightning clips by norm in the precision plugin, over the optimizer's params (here shards, slices or
+        # one stage's): this instance's clip-by-norm takes the whole model's norm across the mesh instead.
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(float(clip_val))
+
+    @property
+    def pipeline(self) -> PipelineParallel | None:
+        """The pipeline technique once built (its last step's timeline and bubble), else None."""
+        return self._steps.pipeline
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""
+        assert self.lightning_module is not None
+        extra: dict[str, list[Tensor]] = {}
+        for technique in self.techniques:
+            for category, tensors in technique.memory_tensors().items():
+                extra.setdefault(category, []).extend(tensors)
+        return model_state_bytes(self.lightning_module, self.optimizers, extra)
+
+    # -- steps and gradients ----------------------------------------------------------------------------
+
+    def _lightning_hook(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's own Strategy.<name> (training_step, validation_step...): the user's step."""
+        return getattr(ParallelStrategy, name)(self, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
+        # Under pipeline parallel the backwards run inside too, so this is the peak held across the schedule.
+        buffers = lambda: [b for technique in self.techniques for b in technique.parameter_buffers()]  # noqa: E731
+        with SavedTensorsMeter(self.lightning_module, buffers) as meter:
+            output = self._steps.training_step(*args, **kwargs)
+        self.activation_bytes = meter.bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.eval_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.eval_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.eval_step("predict_step", *args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Before backward, automatic or manual (`manual_backward` comes here too): a NaN loss would make NaN
+        # gradients, the all-reduce would spread them to every rank and the step would poison the parameters.
+        # (Under pipeline parallel the schedule's own backward runs in training_step, which checks there.)
+        if self.options.stop_on_nonfinite_loss:
+            module = self.lightning_module
+            check_finite(closure_loss, self.global_rank, module.trainer.global_step if module is not None else "?")
+        super().pre_backward(closure_loss)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        return self._steps.backward(closure_loss, lambda: super(PlanStrategy, self).backward(
+            closure_loss, optimizer, *args, **kwargs), self.post_backward)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # Lightning calls this after every backward. Outside an accumulation window's micro-steps the techniques
+        # complete the gradients here (the dp average, sequence parallel's partial sums), before clipping and the
+        # optimizer step see them.
+        if not self._accumulating:
+            for technique in reversed(self.techniques):
+                technique.finish_backward(self.held_grads)
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Generator[None, None, None]:
+        """Backwards inside accumulate locally: no technique communicates."""
+        with contextlib.ExitStack() as stack:
+            for technique in self.techniques:
+                stack.enter_context(technique.no_sync())
+            yield
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this on gradient-accumulation micro-steps: no communication there.
+        with self._no_sync():
+            self._accumulating = True
+            try:
+                yield
+            finally:
+                self._accumulating = False
+
+    def held_grads(self) -> list[HeldGrad]:
+        """The gradient this rank holds, as the techniques leave it: each parameter's ``.grad`` (this stage's,
+        possibly tp-sliced), or under ZeRO its shard of each flat cut at parameter boundaries."""
+        grads = [HeldGrad(name, p, p.grad) for name, p in self.lightning_module.named_parameters() if p.grad is not None]
+        for technique in reversed(self.techniques):
+            grads = technique.held_grads(grads)
+        return grads
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip every rank's gradient by the whole model's norm (over tp slices, ZeRO shards and pipeline
+        stages); returns that norm. Every rank must call it."""
+        split = [axis for technique in self.techniques for axis in technique.split_axes()]
+        disjoint = [axis for technique in self.techniques for axis in technique.disjoint_axes()]
+        return clip_pieces([(g.grad, g.split) for g in self.held_grads()], max_norm, split=split, disjoint=disjoint,
+                           norm_type=norm_type, device=self.root_device)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._steps.optimizer_stepped()
+        for technique in self.techniques:
+            technique.after_step()  # ZeRO: all-gather the updated shards, refresh offloaded ones
+        return output
+
+    # -- state: every technique undoes its own split, so any plan's state loads under any other ------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = {k: v.detach() for k, v in self.lightning_module.state_dict().items()}
+        for technique in reversed(self.techniques):
+            state = technique.full_model_state(state)
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        # Lightning restores weights before setup (a full module, split afterwards); this path is for loads after
+        # setup, where tensor-parallel layers hold slices, ZeRO's parameters live in flats, and other stages'
+        # parameters are placeholders. A technique that loads its own entries has checked them.
+        state = checkpoint["state_dict"]
+        for technique in self.techniques:
+            state = technique.local_model_state(state, strict)
+        lenient = any(technique.loads_own_entries for technique in self.techniques)
+        return self.lightning_module.load_state_dict(state, strict=strict and not lenient)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        state = OptimizerState.of(self.lightning_module, optimizer)
+        for technique in reversed(self.techniques):
+            state = technique.full_optimizer_state(optimizer, state)
+        return state.state_dict()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            if len(saved["param_groups"]) != len(optimizer.param_groups):
+                raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this "
+                                 f"one {len(optimizer.param_groups)}: it was saved from a different configure_optimizers")
+            names = optimizer_names(self.lightning_module, optimizer)
+            for technique in self.techniques:
+                names = technique.optimizer_names(names)
+            state: OptimizerState | None = OptimizerState.from_state_dict(saved, names)
+            for technique in self.techniques:
+                state = technique.local_optimizer_state(optimizer, state) if state is not None else None
+            if state is not None:  # no technique loaded it itself
+                optimizer.load_state_dict(state.state_dict())
+
+    # -- checkpoint files: every rank writes its part (strategies.checkpoint) --------------------------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("PlanStrategy's sharded checkpoints take no storage_options")
+        world = self.mesh.world
+        save_sharded(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size,
+                     broadcast=lambda obj: comm.broadcast_object(obj, world, src=0),
+                     gather=lambda obj: comm.all_gather_object(obj, world), barrier=lambda: comm.barrier(world),
+                     info={"plan": str(self.resolved_plan), "pack_version": pack_version()})
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # A sharded directory from any plan and world size, or a single-file checkpoint (single process, ddp).
+        return load_any(checkpoint_path, weights_only=weights_only)
+
+    # -- Lightning's own collectives, through comm.py on the world axis -------------------------------------
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self.mesh is not None:
+            comm.barrier(self.mesh.world)
+        elif dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.mesh is None:
+            return obj
+        return comm.broadcast_object(obj, self.mesh.world, src=src)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """Every rank's ``tensor`` stacked in rank order (no gradient flows back through it)."""
+        if sync_grads:
+            raise NotImplementedError("PlanStrategy.all_gather does not propagate gradients (sync_grads=True)")
+        if self.mesh is None:
+            return tensor.unsqueeze(0)
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        comm.all_gather(out.view(-1), tensor.detach().contiguous().view(-1), self.mesh.world)
+        return out
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self.mesh is None:
+            return tensor
+        if self._steps.in_schedule:  # only the last stage's ranks get here: a world all-reduce would hang
+            raise RuntimeError(
+                "under pipeline parallel, training_step runs on the last stage's ranks only, so "
+                "self.log(..., sync_dist=True) inside it cannot reduce over every rank. Log with sync_dist=False "
+                "(the loss training_step returns is already the same on every rank), or log in "
+                "validation_step, which runs on every rank."
+            )
+        mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
+        if not mean and reduce_op not in (ReduceOp.SUM, "sum"):
+            raise ValueError(f"reduce supports 'mean' and 'sum', got {reduce_op!r}")
+        out = tensor.detach().clone()  # Lightning's callers may still use the tensor they passed
+        if mean and not out.is_floating_point():
+            out = out.float()
+        comm.all_reduce(out, self.mesh.world)
+        return out / self.world_size if mean else out
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Name the rank in the message: with N processes writing to one terminal, the traceback alone does not
+        # say whose it is. Then teardown skips everything that talks to other ranks (they may be waiting in a
+        # different collective, or be gone), so this process exits and the launcher stops the others.
+        self._failed = exception
+        hint = ""
+        if isinstance(exception, torch.OutOfMemoryError):
+            hint = (f"\n[rank {self.global_rank}] out of memory under '{self.plan}': a plan that holds less per "
+                    "rank (zero3, ac, offload, more tp/pp), a smaller batch or more microbatches; `stratpack plan` "
+                    "ranks plans by predicted memory")
+        print(f"[rank {self.global_rank}] {self.plan} failed: {type(exception).__name__}: {exception}{hint}",
+              file=sys.stderr, flush=True)
+
+    @override
+    def teardown(self) -> None:
+        # After a failure, only local undoing (hooks): gathering would wait on ranks that may be gone or stuck
+        # elsewhere, and the module is left as it was when the step failed.
+        healthy = self._failed is None and self.lightning_module is not None
+        for technique in reversed(self.techniques):
+            technique.teardown(healthy)
+        self.techniques = []
+        self._steps = DirectSteps(self._lightning_hook)
+        super().teardown()

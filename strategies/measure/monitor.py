@@ -1,0 +1,340 @@
+"""StrategyMonitor: what a run cost, measured per optimizer step on every rank, into the run store and wandb.
+
+Each rank appends one record per optimizer step to its own file of the run store (`strategies.runs`): step time,
+its loss, learning rate, throughput, memory by category (the tensors it really holds, the activations
+autograd saved, the process's peak RSS, and on CUDA the allocator's peaks), the bytes and waiting time of
+every collective during the step (comm.py's counters), and under pipeline parallel its idle fraction. At
+the end rank 0 writes the run's summary (global mean losses, per-rank memory, the pipeline timeline); a
+run that crashed has no summary and reads as incomplete, with every step logged before the crash.
+
+Long runs stay bounded (`keep_record`): every step is recorded up to ``full_steps`` (1,000), then every 2nd
+step up to 2,000, every 4th up to 4,000, and so on, so a run of a million steps writes about 6,000 records per
+rank, and what the monitor holds in memory grows the same way. A record that stands for several steps says so
+(``steps``) and its collective counts are per step, averaged over them. The pipeline timeline is the last
+step's only.
+
+Rank 0 also logs the same figures to any WandbLogger of the Trainer (keys ``loss``, ``memory/params``,
+``comm/all_reduce/dp/bytes_sent``, ``pipeline/bubble``...).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from strategies import comm, runs
+from strategies.pipeline import schedules
+
+
+class StrategyMonitor(L.Callback):
+    """Per-step records on every rank; tokens/s after ``warmup_steps``; a summary at the end.
+
+    Args:
+        warmup_steps: steps left out of the throughput figures.
+        tokens_per_sample: tokens in one sample (default: the module's ``tokens_per_sample``).
+        runs_dir: the run store (default ``$STRATPACK_RUNS`` or ``./runs``); ``store=False`` writes nothing.
+        run_id, comparison, label: the run's folder name (default: made up), the id shared by the runs of
+            one comparison, and the name shown for it (default: the strategy).
+        meta: more fields for the run's meta.json (model config, seed...).
+        full_steps: steps recorded one by one before the records thin out (`keep_record`).
+    """
+
+    def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None, *,
+                 runs_dir: str | os.PathLike | None = None, store: bool = True, run_id: str | None = None,
+                 comparison: str | None = None, label: str | None = None, meta: dict | None = None,
+                 full_steps: int = 1000) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if full_steps < 1:
+            raise ValueError(f"full_steps must be >= 1, got {full_steps}")
+        self.warmup_steps, self.full_steps = warmup_steps, full_steps
+        self.tokens_per_sample = tokens_per_sample
+        self.runs_dir, self.store, self.run_id = runs_dir, store, run_id
+        self._given_run_id = run_id  # otherwise each fit is a new run, with an id of its own
+        self.comparison, self.label, self.extra_meta = comparison, label, dict(meta or {})
+        self.writer: runs.RunWriter | None = None
+        self.steps = 0  # optimizer steps so far
+        self._t_last = self._t_warm = 0.0  # perf_counter at the last step's end, and at the warm-up's end
+        self.local_losses: list[float] = []  # this rank's loss at each recorded step (`keep_record`)
+        self._since_record = 0  # steps since the last record
+        self._unrecorded: tuple | None = None  # the last step, while no record holds it
+        self.samples_per_step = 0
+        self._pending_loss = 0.0
+        self._last_comm: dict[str, dict[str, float]] = {}
+        self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
+        self.summary: dict[str, Any] = {}
+
+    # -- start --------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before the strategy splits the model (tp slices, pipeline placeholders): the model's own size.
+        self._num_params = sum(p.numel() for p in pl_module.parameters())
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is not None:
+            stats.reset()  # leave out the set-up broadcast: count training steps only
+        self._t_last = self._t_warm = time.perf_counter()
+        self.steps, self._since_record, self._unrecorded = 0, 0, None
+        self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
+        if self.store:
+            label = self.label or _strategy_label(trainer)
+            run_id = self._given_run_id or (runs.new_run_id(label) if trainer.global_rank == 0 else None)
+            self.run_id = trainer.strategy.broadcast(run_id, src=0) if trainer.world_size > 1 else run_id
+            self.writer = runs.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
+            if trainer.global_rank == 0:
+                self.writer.write_meta(self._meta(trainer, pl_module, label))
+
+    # -- each step ----------------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        bubble = pipeline.last_step.bubble if pipeline is not None and pipeline.last_step is not None else None
+        self._pending_loss += float(loss.detach())  # Lightning already divided it by accumulate_grad_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        now = time.perf_counter()
+        step_time, self._t_last = now - self._t_last, now
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            self._t_warm = now
+        self._since_record += 1
+        step_loss, self._pending_loss = self._pending_loss, 0.0
+        self._unrecorded = (step_loss, bubble, step_time, batch)
+        if keep_record(self.steps, self.full_steps):
+            self._write_record(trainer, pl_module)
+
+    def _write_record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The record of the last step (`keep_record` chose it, or it is the run's last)."""
+        (step_loss, bubble, step_time, batch), self._unrecorded = self._unrecorded, None
+        self.local_losses.append(step_loss)
+        if bubble is not None:
+            self.bubbles.append((self.steps, bubble))
+        if not self.samples_per_step:
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch
+            replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"] if trainer.world_size > 1 else 1
+            self.samples_per_step = len(x) * replicas * trainer.accumulate_grad_batches
+        record = self._record(trainer, pl_module, bubble, step_time)
+        if self.writer is not None:
+            self.writer.append(record)
+        if trainer.global_rank == 0:
+            _to_wandb(trainer, record)
+
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, bubble: float | None,
+                step_time: float) -> dict[str, Any]:
+        covered, self._since_record = self._since_record, 0
+        samples_per_s = self.samples_per_step / step_time if step_time > 0 else None
+        tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        tokens_per_s = samples_per_s * tokens if samples_per_s and tokens else None
+        return {
+            "step": trainer.global_step, "time": time.time(), "step_time_s": step_time,
+            "loss": self.local_losses[-1], "lr": optimizer.param_groups[0].get("lr") if optimizer else None,
+            "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
+            **_flops(trainer, pl_module, tokens_per_s),
+            "memory": _memory(trainer, pl_module, current=True), "comm": self._comm_delta(trainer, covered),
+            "bubble": bubble, "steps": covered,
+        }
+
+    def _comm_delta(self, trainer: L.Trainer, steps: int) -> dict[str, dict[str, float]]:
+        """Per step, over the ``steps`` since the last record."""
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is None:
+            return {}
+        now = stats.snapshot()
+        delta = {key: {k: (v - self._last_comm.get(key, {}).get(k, 0)) / steps for k, v in rec.items()}
+                 for key, rec in now.items()}
+        self._last_comm = now
+        return {key: rec for key, rec in delta.items() if rec["calls"] or rec["bytes_sent"] or rec["wait_s"]}
+
+    # -- end ----------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._unrecorded is not None:  # a thinned-out run still ends on a record of its last step
+            self._write_record(trainer, pl_module)
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        snapshot = stats.snapshot() if stats is not None else {}  # before the loss reduce below adds to it
+        losses = torch.tensor(self.local_losses, dtype=torch.float64)
+        losses = trainer.strategy.reduce(losses, reduce_op="mean") if trainer.world_size > 1 else losses
+        steps = self.steps
+        timed_steps = steps - self.warmup_steps
+        seconds = self._t_last - self._t_warm if timed_steps > 0 else float("nan")
+        samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
+        tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
+        per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
+        memory = _memory(trainer, pl_module)
+        self.summary = {
+            "steps": steps,
+            "world_size": trainer.world_size,
+            "losses": [float(x) for x in losses],  # the recorded steps' (`keep_record`), as the records
+            "step_time_s": seconds / timed_steps if timed_steps > 0 else float("nan"),
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * tokens if tokens else None,
+            **_flops(trainer, pl_module, samples_per_s * tokens if tokens else None),
+            "comm_per_step": per_step,
+            "memory_bytes": memory,  # this rank's (rank 0's in the result files)
+            "memory_bytes_per_rank": _gather_per_rank(trainer, memory),  # every rank's, in rank order
+        }
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None:
+            self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
+        if self.writer is not None:
+            self.writer.finish(self.summary if trainer.global_rank == 0 else None)
+            self.summary["run_dir"] = str(self.writer.path)
+            self.writer = None
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Every step so far is already on disk (flushed per step); without a summary the run reads incomplete.
+        if self.writer is not None:
+            self.writer.finish(None)
+            self.writer = None
+
+    def _meta(self, trainer: L.Trainer, pl_module: L.LightningModule, label: str) -> dict[str, Any]:
+        import platform
+
+        device = trainer.strategy.root_device
+        config = getattr(pl_module, "config", None)
+        num_params = getattr(self, "_num_params", None)  # counted before the strategy split the model (`setup`)
+        return runs.run_meta(
+            run_id=self.run_id, label=label, comparison=self.comparison, world_size=trainer.world_size,
+            devices=[torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"],
+            plan=getattr(trainer.strategy, "resolved_plan", None),
+            model=vars(config) if config is not None and hasattr(config, "__dict__") else None,
+            num_params=num_params if num_params is not None else sum(p.numel() for p in pl_module.parameters()),
+            accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision), **self.extra_meta)
+
+    def _pipeline_summary(self, trainer: L.Trainer, pipeline: Any) -> dict[str, Any]:
+        """The measured bubble (mean over the ranks of each rank's median over the timed steps) beside the
+        schedule's theory, the partition, and this rank's timeline of the last step."""
+        timed = [b for step, b in self.bubbles if step > self.warmup_steps] or [b for _, b in self.bubbles]
+        mine = torch.tensor(float(torch.tensor(timed).median()) if timed else float("nan"), dtype=torch.float64)
+        measured = trainer.strategy.reduce(mine, reduce_op="mean") if trainer.world_size > 1 else mine
+        last = pipeline.last_step
+        mine_timeline = [vars(e) for e in last.timeline] if last is not None else []
+        mesh = getattr(trainer.strategy, "mesh", None)
+        every = comm.all_gather_object(mine_timeline, mesh.world) if mesh is not None else [mine_timeline]
+        plan = trainer.strategy.resolved_plan
+        table = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)
+        return {
+            "bubble_ideal": pipeline.ideal_bubble,
+            "bubble_measured": float(measured),
+            "partition": pipeline.layout.describe().splitlines(),
+            "timeline": mine_timeline,  # this rank's last step
+            "timelines": {str(rank): events for rank, events in enumerate(every)},  # every rank's
+            # The schedule's table run on unit-time stages: what the measured timelines would be with equal
+            # stage times and free communication (pp rank -> [action, start]).
+            "ideal": {str(r): [[str(a), t] for a, t in actions] for r, actions in
+                      enumerate(schedules.simulate(table, plan.pp))},
+        }
+
+
+# Dense peaks Lightning's table (lightning.fabric.utilities.throughput) lacks or mistakes (FLOP/s, by dtype).
+_PEAKS = {"h200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+          "b200": {torch.bfloat16: 2250e12, torch.float16: 2250e12, torch.float32: 80e12},
+          "l40s": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12}}
+
+
+def keep_record(step: int, full_steps: int = 1000) -> bool:
+    """Whether step ``step`` (1-based) gets a record: every step up to ``full_steps``, then every 2nd up to twice
+    that, every 4th up to four times that, ...: about ``full_steps / 2`` more records per doubling of the run."""
+    if step <= full_steps:
+        return True
+    stride = 1 << (((step - 1) // full_steps).bit_length())
+    return step % stride == 0
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """The device's dense peak FLOP/s for ``dtype`` and where the figure comes from (None on CPU)."""
+    if device.type != "cuda":
+        return None, "no peak known for CPUs"
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in _PEAKS.items():
+        if key in name.lower().replace(" ", ""):
+            return peaks.get(dtype), f"{name} (the pack's table)"
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    return get_available_flops(device, dtype), f"{name} (Lightning's table)"
+
+
+def _flops(trainer: L.Trainer, pl_module: L.LightningModule, tokens_per_s: float | None) -> dict[str, Any]:
+    """Model FLOP/s per device (6N + 12·L·h·s per token, the module's ``flops_per_token``) and MFU: model
+    FLOPs, not hardware FLOPs, so recomputation under ``ac`` does not count as useful work."""
+    per_token = getattr(pl_module, "flops_per_token", None)
+    if tokens_per_s is None or not callable(per_token):
+        return {"flops_per_s": None, "mfu": None}
+    flops = per_token() * tokens_per_s / trainer.world_size
+    dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else (
+        torch.float16 if "16" in str(trainer.precision) else torch.float32)
+    peak, source = device_peak_flops(trainer.strategy.root_device, dtype)
+    return {"flops_per_s": flops, "mfu": flops / peak if peak else None, "peak_flops": peak, "peak_source": source}
+
+
+def _strategy_label(trainer: L.Trainer) -> str:
+    plan = getattr(trainer.strategy, "resolved_plan", None)
+    return str(plan) if plan is not None else type(trainer.strategy).__name__
+
+
+def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = False) -> dict[str, float]:
+    """This rank's bytes by category: model states, activations saved for backward (this step's when
+    ``current``, else the run's peak), the process's peak RSS, and on CUDA the allocator's peaks."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "model_state_bytes"):
+        memory: dict[str, float] = dict(strategy.model_state_bytes())
+        memory["activations_peak"] = strategy.activation_bytes if current else strategy.peak_activation_bytes
+    else:  # another strategy (one process, Lightning's ddp): what the module and its optimizers hold
+        from strategies.measure.memory import model_state_bytes
+
+        memory = dict(model_state_bytes(pl_module, trainer.optimizers))
+    memory["peak_rss"] = _peak_rss_bytes()
+    device = strategy.root_device
+    if device.type == "cuda":
+        memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
+        memory["max_reserved"] = torch.cuda.max_memory_reserved(device)
+    return memory
+
+
+def _to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:
+    """The step's record, flattened, to every WandbLogger of the Trainer (rank 0)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+    if not loggers:
+        return
+    flat: dict[str, float] = {}
+    for key in ("loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "bubble"):
+        if isinstance(record.get(key), (int, float)):
+            flat["pipeline/bubble" if key == "bubble" else key] = float(record[key])
+    flat.update({f"memory/{k}": float(v) for k, v in record["memory"].items()})
+    for key, rec in record["comm"].items():
+        flat[f"comm/{key}/bytes_sent"] = float(rec["bytes_sent"])
+        flat[f"comm/{key}/wait_s"] = float(rec["wait_s"])
+    for logger in loggers:
+        logger.log_metrics(flat, step=record["step"])
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (what the OS saw: Python, torch, buffers and all)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _gather_per_rank(trainer: L.Trainer, values: dict[str, float]) -> list[dict[str, float]]:
+    """``values`` of every rank (the same keys on each), gathered in rank order."""
+    keys = sorted(values)
+    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=trainer.strategy.root_device)
+    rows = trainer.strategy.all_gather(mine) if trainer.world_size > 1 else mine.unsqueeze(0)
+    return [{k: int(v) for k, v in zip(keys, row.tolist())} for row in rows.reshape(trainer.world_size, len(keys))]

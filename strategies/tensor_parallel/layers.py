@@ -1,0 +1,290 @@
+"""Megatron tensor parallel layers over one mesh axis, built by splitting a full, initialised layer.
+
+Each layer is made *from* the single-device layer (``ColumnParallelLinear.from_linear(linear, axis)``), so
+every rank holds exactly its slice of the weights the single process would have, and the equivalence with
+one process holds from the first step. The two conjugate operators that carry all the communication:
+
+    f = `copy_to_tp`:     identity forward, all-reduce of the gradient backward;
+    g = `reduce_from_tp`: all-reduce forward, identity backward.
+
+An MLP ``Y = GeLU(X A) B`` is then ``g(GeLU(f(X) A_i) B_i)``: A split by columns, B by rows, one
+all-reduce forward and one backward per pair (Megatron-LM, Shoeybi et al. 2019, section 3).
+
+Sequence parallel (Korthikanti et al. 2022) keeps the activations *between* the pairs (norms, dropout,
+residuals) split along the sequence, 1/p per rank, and replaces each all-reduce by its two halves:
+
+    f becomes `gather_sequence`:  all-gather along the sequence forward, reduce-scatter backward;
+    g becomes `scatter_sequence`: reduce-scatter along the sequence forward, all-gather backward.
+
+The same bytes move (an all-reduce is a reduce-scatter plus an all-gather), but no rank holds the full
+sequence's activations outside the split layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strategies import comm
+from strategies.comm import Axis
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce (sum) of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, ctx.axis)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        out = x.contiguous().clone()
+        comm.all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        shards = torch.empty((axis.size, *x.shape), dtype=x.dtype, device=x.device)
+        comm.all_gather(shards.view(-1), x.contiguous().view(-1), axis)
+        return torch.cat(list(shards.unbind(0)), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.axis.size, dim=-1)[ctx.axis.index].contiguous(), None
+
+
+def _gather_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (axis order): one all-gather of the dim moved first."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((axis.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out.view(-1), moved.view(-1), axis)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's 1/p slice along ``dim``: one reduce-scatter."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // axis.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out.view(-1), moved.view(-1), axis)
+    return out.movedim(0, dim)
+
+
+def _split_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    return x.chunk(axis.size, dim=dim)[axis.index].contiguous()
+
+
+class _Conjugate(torch.autograd.Function):
+    """``forward_op`` along ``dim`` forward, its conjugate ``backward_op`` on the gradient backward. The four
+    sequence-parallel operators are pairs of `_gather_dim`, `_reduce_scatter_dim` and `_split_dim`:
+
+        gather_sequence (f):      all-gather      /  reduce-scatter
+        scatter_sequence (g):     reduce-scatter  /  all-gather
+        enter_sequence_parallel:  keep my slice   /  all-gather (every replica then holds the full gradient)
+        leave_sequence_parallel:  all-gather      /  keep my slice (replicated layers follow, so the gradient
+                                                     that comes back is the same on every rank)
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis, dim: int, forward_op, backward_op) -> torch.Tensor:
+        ctx.axis, ctx.dim, ctx.backward_op = axis, dim, backward_op
+        return forward_op(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.backward_op(grad, ctx.axis, ctx.dim), None, None, None, None
+
+
+def _check_sequence(x: torch.Tensor, axis: Axis, dim: int) -> None:
+    if x.shape[dim] % axis.size:
+        raise ValueError(
+            f"sequence parallel splits the sequence (dim {dim}, length {x.shape[dim]}) over tp = {axis.size} "
+            "ranks, and it does not divide; use a sequence length that divides by tp, or drop 'sp'"
+        )
+
+
+def gather_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _gather_dim, _reduce_scatter_dim)
+
+
+def scatter_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    if axis.size > 1:
+        _check_sequence(x, axis, dim)
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _reduce_scatter_dim, _gather_dim)
+
+
+def enter_sequence_parallel(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    if axis.size > 1:
+        _check_sequence(x, axis, dim)
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _split_dim, _gather_dim)
+
+
+def leave_sequence_parallel(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _gather_dim, _split_dim)
+
+
+def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
+
+
+def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
+
+
+def gather_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _GatherFromTP.apply(x, axis)
+
+
+def _check_divides(what: str, size: int, axis: Axis) -> None:
+    if size % axis.size:
+        raise ValueError(f"{what} = {size} does not divide by tp = {axis.size}; choose a tp that divides it")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its columns, A = [A_1, ..., A_p]: rank i computes Y_i = X A_i + b_i.
+
+    Identity forward / all-reduce backward on X (f). ``gather_output`` all-gathers the Y_i into Y. With
+    ``sequence_parallel`` X arrives split along the sequence (dim 1) and f is `gather_sequence`.
+    ``chunks`` > 1 splits each of ``chunks`` equal column blocks separately (a fused [q | k | v]
+    projection keeps a [q_i | k_i | v_i] layout on each rank, so every rank holds whole heads).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, gather_output: bool = False):
+        super().__init__()
+        self.axis, self.gather_output = axis, gather_output
+        self.sequence_parallel = False
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, axis: Axis, gather_output: bool = False, chunks: int = 1):
+        out = linear.out_features
+        if out % chunks:
+            raise ValueError(f"output features = {out} do not split into {chunks} equal blocks")
+        _check_divides("output features per block", out // chunks, axis)
+        rows = column_rows(out, chunks, axis)
+        weight = linear.weight.detach()[rows].clone()
+        bias = linear.bias.detach()[rows].clone() if linear.bias is not None else None
+        return cls(weight, bias, axis, gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_sequence(x, self.axis) if self.sequence_parallel else copy_to_tp(x, self.axis)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.axis) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split along its rows, A = [A_1; ...; A_p] and X = [X_1, ..., X_p] split along its
+    columns: rank i computes X_i A_i; the partial sums are all-reduced forward (g), identity backward; the
+    bias is added once, after the sum. With ``sequence_parallel`` g is `scatter_sequence`: each rank gets
+    the summed output for its 1/p of the sequence (and the bias's gradient is then a partial sum)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis):
+        super().__init__()
+        self.axis = axis
+        self.sequence_parallel = False
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, axis: Axis):
+        _check_divides("input features", linear.in_features, axis)
+        cols = linear.weight.detach().chunk(axis.size, dim=1)[axis.index].clone()
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(cols, bias, axis)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = scatter_sequence(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split into p contiguous ranges: rank i looks up the ids in its range
+    (zeros elsewhere) and the partial results are all-reduced forward (g)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, axis: Axis):
+        super().__init__()
+        self.axis, self.start = axis, start
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, axis: Axis):
+        _check_divides("vocabulary size", embedding.num_embeddings, axis)
+        part = embedding.num_embeddings // axis.size
+        weight = embedding.weight.detach()[axis.index * part : (axis.index + 1) * part].clone()
+        return cls(weight, axis.index * part, axis)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.axis)
+
+
+def column_rows(out: int, chunks: int, axis: Axis) -> torch.Tensor:
+    """Rows of the full weight that rank ``axis.index`` keeps: its slice of each of ``chunks`` blocks."""
+    block = out // chunks
+    part = block // axis.size
+    return torch.cat([torch.arange(c * block + axis.index * part, c * block + (axis.index + 1) * part)
+                      for c in range(chunks)])
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, axis: Axis) -> torch.Tensor:
+        # Stable softmax over the whole vocabulary from per-rank pieces: max, then sum of exp, then the
+        # target's logit, each a small all-reduce of (tokens,) values; never the (tokens, vocab) logits.
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        global_max = local_max.clone()
+        comm.all_reduce(global_max, axis, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - global_max.unsqueeze(-1)
+        local = target - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        picked = picked.masked_fill(~inside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([sum_exp, picked])
+        comm.all_reduce(both, axis)
+        sum_exp, picked = both[0], both[1]
+        loss = sum_exp.log() - picked
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local.clamp(0, logits.shape[-1] - 1), inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, inside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int, axis: Axis) -> torch.Tensor:
+    """Per-token cross-entropy of logits split along the vocabulary (this rank holds columns
+    [start, start + logits.shape[-1])), equal to ``F.cross_entropy(full_logits, target, reduction="none")``."""
+    if axis.size == 1:
+        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none").view(target.shape)
+    return _VocabParallelCrossEntropy.apply(logits, target, start, axis)

@@ -1,0 +1,105 @@
+"""Sequence parallel over the blocks of a tensor-parallel model.
+
+The region is the list of blocks that holds the tensor-parallel layers (``blocks`` of a GPT, ``layers`` of
+a Llama). Its input is split along the sequence when the first block runs (`enter_sequence_parallel`)
+and gathered again when the last one returns (`leave_sequence_parallel`); embeddings before it and the
+final norm and head after it stay replicated, as without sequence parallel. Inside it, every split layer
+switches its all-reduce for an all-gather / reduce-scatter pair (`tensor_parallel`).
+
+What changes for the replicated parameters inside the region (norms, a row-parallel bias): each rank
+now sees only its slice of the sequence, so its gradient is a partial sum over that slice. The full
+gradient is their sum over the tensor-parallel ranks: `reduce_partial_grads`, once per optimizer step
+(after data-parallel sync: both are sums, so the order does not matter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strategies import comm
+from strategies.comm import Axis
+from strategies.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    enter_sequence_parallel,
+    leave_sequence_parallel,
+)
+
+
+def find_region(module: nn.Module, layer_names: list[str]) -> tuple[str, nn.ModuleList | nn.Sequential]:
+    """The one ModuleList/Sequential whose elements hold every split layer; a clear error otherwise."""
+    found: dict[str, nn.Module] = {}
+    for name in layer_names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            prefix = ".".join(parts[:i])
+            container = module.get_submodule(prefix) if prefix else module
+            if part.isdigit() and isinstance(container, (nn.ModuleList, nn.Sequential)):
+                found.setdefault(prefix, container)
+                break
+        else:
+            found.setdefault(f"<{name} is in no list of blocks>", module)
+    if len(found) != 1 or next(iter(found)).startswith("<"):
+        raise ValueError(
+            "sequence parallel splits the sequence over one list of blocks (an nn.ModuleList or nn.Sequential "
+            f"whose elements hold every tensor-parallel layer); the split layers {layer_names[:6]} sit in "
+            f"{sorted(found)}. Drop 'sp', or keep the blocks in one ModuleList."
+        )
+    return next(iter(found.items()))
+
+
+class SequenceParallel:
+    """Turns sequence parallel on for the tensor-parallel layers ``found`` (name -> style) of ``module``."""
+
+    def __init__(self, module: nn.Module, found: dict, split_param_ids: set[int], axis: Axis, dim: int = 1):
+        self.axis, self.dim = axis, dim
+        self.region_name, region = find_region(module, list(found))
+        self.layers = [module.get_submodule(n) for n in found]
+        for layer in self.layers:
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                layer.sequence_parallel = True
+        blocks = list(region)
+        # Replicated parameters inside the region: their gradients are partial sums over the sequence.
+        self.partial = [p for block in blocks for p in block.parameters()
+                        if p.requires_grad and id(p) not in split_param_ids]
+        self._hooks = [
+            blocks[0].register_forward_pre_hook(self._enter),
+            blocks[-1].register_forward_hook(self._leave),
+        ]
+
+    def _enter(self, block: nn.Module, args: tuple) -> tuple:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise TypeError("sequence parallel needs the first block's hidden states as its first positional argument")
+        return (enter_sequence_parallel(args[0], self.axis, self.dim), *args[1:])
+
+    def _leave(self, block: nn.Module, args: tuple, output):
+        if isinstance(output, torch.Tensor):
+            return leave_sequence_parallel(output, self.axis, self.dim)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):  # (hidden, extras...)
+            return (leave_sequence_parallel(output[0], self.axis, self.dim), *output[1:])
+        raise TypeError("sequence parallel needs the last block to return its hidden states (or a tuple led by them)")
+
+    def reduce_partial_grads(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Sum the partial gradients of the region's replicated parameters over the tensor-parallel ranks,
+        in one flat all-reduce. ``grads``: where those gradients are (by default their ``.grad``; under ZeRO,
+        pieces of the shards)."""
+        if grads is None:
+            grads = [p.grad for p in self.partial if p.grad is not None]
+        if not grads or self.axis.size == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, self.axis)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for layer in self.layers:
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                layer.sequence_parallel = False
+

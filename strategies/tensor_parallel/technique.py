@@ -1,0 +1,59 @@
+"""Tensor parallel as a technique of a plan: the model's layers split in place over the tp axis, undone for state,
+clipping and the end of training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from strategies.comm import Axis
+from strategies.technique import HeldGrad, OptimizerState, Technique
+from strategies.tensor_parallel import state as tp_state
+from strategies.tensor_parallel.plans import Style, apply_plan, split_params
+from strategies.tensor_parallel.sequence_parallel import SequenceParallel
+
+
+class TensorParallel(Technique):
+    """The layers ``plan`` names (`plans.apply_plan`) split over ``axis``; with ``sequence_parallel``, the blocks
+    between them see 1/tp of the sequence (`SequenceParallel`)."""
+
+    def __init__(self, module: nn.Module, plan: dict[str, Style], axis: Axis, sequence_parallel: bool = False):
+        self.module, self.axis = module, axis
+        self.layers = apply_plan(module, plan, axis)  # split the full, initialised layers: name -> style
+        split = split_params(module, self.layers)
+        self.styles = {name: style for name, style in split.values()}  # split parameter name -> style
+        self.sequence_parallel = SequenceParallel(module, self.layers, set(split), axis) if sequence_parallel \
+            else None
+
+    def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return tp_state.unsplit_state(state, self.styles, self.axis)
+
+    def local_model_state(self, state: dict[str, Tensor], strict: bool) -> dict[str, Tensor]:
+        return tp_state.split_state(state, self.styles, self.axis)
+
+    def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
+        shapes = {n: p.shape for n, p in self.module.named_parameters()}
+        return state.with_entries(
+            tp_state.unsplit_optimizer_state(state.per_param, state.names, self.styles, shapes, self.axis))
+
+    def local_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
+        return state.with_entries(tp_state.split_optimizer_state(state.per_param, self.styles, self.axis))
+
+    def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
+        return [g._replace(split=self.axis) if g.name in self.styles else g for g in grads]
+
+    def split_axes(self) -> list[Axis]:
+        return [self.axis]
+
+    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]]) -> None:
+        if self.sequence_parallel is not None:  # the norms saw 1/tp of the sequence: sum their partial gradients
+            partial = {id(p) for p in self.sequence_parallel.partial}
+            self.sequence_parallel.reduce_partial_grads([g.grad for g in held_grads() if id(g.param) in partial])
+
+    def teardown(self, healthy: bool) -> None:
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.remove()
+        if healthy:
+            tp_state.restore_full_layers(self.module, self.layers, self.axis)  # the user's layers, whole again

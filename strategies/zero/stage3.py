@@ -1,0 +1,242 @@
+"""ZeRO-3: each rank keeps 1/N of the parameters and gathers a unit's full parameters only around its use.
+
+A unit is a module whose parameters are gathered and released together (the wrapping policy, by default
+each element of an ``nn.ModuleList`` / ``nn.Sequential`` — the transformer blocks — and each other module
+that owns parameters). Around a unit:
+
+    forward:  pre-hook all-gathers it (and starts gathering the next unit: prefetch), post-hook frees it;
+    backward: a hook on its outputs' gradients gathers it again; once all its parameters' gradients are
+              in their buckets, it is freed and the buckets are reduce-scattered into the shards.
+
+Freeing resizes the flat's storage to zero and gathering resizes it back and fills it: the parameters are
+views of that storage, and so are the tensors autograd saved for backward, which stay valid. Parameters
+owned by the root module itself (used outside any child's forward) and parameters shared between units
+are kept gathered: ZeRO-2 for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from strategies import comm
+from strategies.comm import Axis
+from strategies.zero.flat import FlatParam, build_flats
+from strategies.zero.sync import ZeroGradSync
+
+
+def default_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The wrapping policy: blocks (elements of ModuleList/Sequential) first, then the other modules that
+    own parameters directly. The root module is never a unit."""
+    units: list[tuple[str, nn.Module]] = []
+    covered: set[int] = set()
+    for name, child in module.named_modules():
+        if id(child) in covered or child is module:
+            continue
+        parent_is_list = isinstance(_parent(module, name), (nn.ModuleList, nn.Sequential))
+        if parent_is_list and any(True for _ in child.parameters()):
+            units.append((name, child))
+            covered.update(id(m) for m in child.modules())
+    for name, child in module.named_modules():
+        if id(child) in covered or child is module:
+            continue
+        if any(True for _ in child.parameters(recurse=False)):
+            units.append((name, child))
+            covered.add(id(child))
+    return units
+
+
+def _parent(root: nn.Module, name: str) -> nn.Module | None:
+    if "." not in name:
+        return root
+    return root.get_submodule(name.rsplit(".", 1)[0])
+
+
+class Unit:
+    """The flats of one module, gathered and freed together. A pinned unit (the root's own and shared
+    parameters) stays gathered and is refreshed after each optimizer step."""
+
+    def __init__(self, name: str, module: nn.Module | None, flats: list[FlatParam], pinned: bool = False) -> None:
+        self.name, self.module, self.flats, self.pinned = name, module, flats, pinned
+        self.gathered = True
+        self.pending: list[comm.Handle] = []
+        self.params = {id(p) for flat in flats for p in flat.params}
+        self.reduced: set[int] = set()
+
+    def gather(self, axis: Axis, async_op: bool = False) -> None:
+        if self.gathered:
+            if not async_op:
+                self.wait()
+            return
+        for flat in self.flats:
+            storage = flat.full.untyped_storage()
+            storage.resize_(flat.padded * flat.full.element_size())
+            self.pending.append(comm.all_gather(flat.full, flat.shard, axis, async_op=True))
+        self.gathered = True
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        for handle in self.pending:
+            handle.wait()
+        self.pending.clear()
+
+    def release(self) -> None:
+        self.wait()
+        for flat in self.flats:
+            flat.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(flat.padded * flat.full.element_size() for flat in self.flats)
+
+
+class Zero3GradSync(ZeroGradSync):
+    """ZeRO-2's gradient path plus the gather/free hooks of the units, with one-unit prefetch."""
+
+    def __init__(self, module: nn.Module, axis: Axis, flats: list[FlatParam], units: list[Unit],
+                 find_unused_parameters: bool = False, prefetch: bool = True) -> None:
+        super().__init__(module, axis, flats, stage=3, find_unused_parameters=find_unused_parameters)
+        self.units, self.prefetch = units, prefetch
+        self._unit_of = {pid: unit for unit in units for pid in unit.params}
+        self._order: list[Unit] = []  # forward order, recorded on the first forward
+        self._recorded = False
+        self.peak_gathered_bytes = 0
+        self._module_hooks = []
+        for unit in units:
+            if unit.pinned:
+                continue
+            self._module_hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
+            self._module_hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
+            unit.release()
+
+    # -- forward ---------------------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: Unit) -> Callable:
+        def hook(module, args):
+            unit.gather(self.axis)
+            if not self._recorded and unit not in self._order:
+                self._order.append(unit)
+            self._prefetch(unit, +1)
+            self._track_peak()
+        return hook
+
+    def _post_forward(self, unit: Unit) -> Callable:
+        def hook(module, args, output):
+            if self._order and unit is self._order[-1] and self._recorded:
+                pass  # the last unit's backward comes next: keep it
+            else:
+                unit.release()
+            if torch.is_grad_enabled():
+                outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in outputs:
+                    t.register_hook(self._pre_backward(unit))
+            return None
+        return hook
+
+    # -- backward --------------------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: Unit) -> Callable:
+        def hook(grad):
+            self._recorded = True  # a backward means the first forward is over
+            # A new backward through this unit (under pipeline parallel, one per microbatch before the step):
+            # its parameters' gradients are counted afresh, so it is freed only once this backward is done.
+            unit.reduced.clear()
+            unit.gather(self.axis)
+            self._prefetch(unit, -1)
+            self._track_peak()
+            return None
+        return hook
+
+    def on_param_reduced(self, param: nn.Parameter) -> None:
+        unit = self._unit_of.get(id(param))
+        if unit is None:
+            return
+        unit.reduced.add(id(param))
+        if unit.reduced >= unit.params and not unit.pinned:  # all of its gradients are bucketed: its full params are done
+            unit.release()
+
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        if not self.prefetch or unit not in self._order:
+            return
+        index = self._order.index(unit) + direction
+        if 0 <= index < len(self._order):
+            self._order[index].gather(self.axis, async_op=True)
+
+    def _track_peak(self) -> None:
+        live = sum(u.gathered_bytes for u in self.units if u.gathered)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+
+    # -- step ------------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.release_all()
+
+    def after_step(self) -> None:
+        super().after_step()
+        for unit in self.units:
+            if unit.pinned:  # kept gathered: refresh from the updated shards
+                unit.gathered = False
+                unit.gather(self.axis)
+
+    def release_all(self) -> None:
+        """Every unit freed but the pinned (after a step, or once the state has been read)."""
+        for unit in self.units:
+            unit.reduced.clear()
+            if unit.gathered and not unit.pinned:
+                unit.release()
+
+    def gather_all(self) -> None:
+        """Every unit gathered (state_dict, the end of training): a normal module again."""
+        for unit in self.units:
+            unit.gather(self.axis)
+
+    def remove(self) -> None:
+        super().remove()
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks.clear()
+
+    def full_model_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # ``state`` holds views of the flats' storage: gathered, copied out, and freed again.
+        self.gather_all()
+        try:
+            return {k: v.clone() for k, v in state.items()}
+        finally:
+            self.release_all()
+
+    def teardown(self, healthy: bool) -> None:
+        if healthy:
+            self.gather_all()  # leave a normal module behind: every parameter full again
+        self.remove()
+
+
+def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, offload: bool,
+                units: list[tuple[str, nn.Module]] | None = None) -> tuple[list[FlatParam], list[Unit]]:
+    """Flats and units for ZeRO-3. Flats are returned in reverse registration order, about the order in
+    which backward finishes them, since they are reduce-scattered strictly in that order."""
+    units = units if units is not None else default_units(module)
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for u, (_, m) in enumerate(units):
+        for p in m.parameters():
+            if owner.setdefault(id(p), u) != u:
+                shared.add(id(p))  # used by two units: freeing it after one would break the other
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = [[names[id(p)] for p in m.parameters() if owner[id(p)] == u and id(p) not in shared]
+              for u, (_, m) in enumerate(units)]
+    root = [n for n, p in module.named_parameters() if id(p) not in owner or id(p) in shared]
+    per_group = build_flats(module, optimizer, axis, groups + [root], own_shard=True, offload=offload)
+    built = [Unit(name, m, flats) for (name, m), flats in zip(units, per_group[:-1]) if flats]
+    if per_group[-1]:
+        built.append(Unit("<root>", None, per_group[-1], pinned=True))
+    flats = [flat for unit in reversed(built[:-1] if built and built[-1].pinned else built) for flat in unit.flats]
+    flats += [flat for unit in built if unit.pinned for flat in unit.flats]
+    return flats, built
