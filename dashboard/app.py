@@ -89,56 +89,71 @@ def main() -> None:
     if page == "Planner":
         page_planner()
         return
+    runs = _loaded_runs()
+    if runs:
+        VIEWS[page](runs, data.summary_rows(runs))
+
+
+def _loaded_runs() -> list[dict]:
+    """The runs the filters select, saying what was skipped, what is incomplete, or that there is nothing."""
     runs, problems = data.load_runs(root)
     for problem in problems:
         st.warning(_plain(problem))
     if not runs:
         st.info(f"No runs in `{root}` yet. Run `stratpack compare` (it writes there), or point "
                 f"${data.runstore.RUNS_ENV} at a run store.")
-        return
+        return []
     runs = _select(runs)
     if not runs:
         st.info("No run matches the filters.")
-        return
+        return []
     incomplete = [r["id"] for r in runs if r["status"] != "complete"]
     if incomplete:
         st.warning("Incomplete (crashed or still running; shown up to their last step): "
                    + _plain(", ".join(incomplete)))
-    rows = data.summary_rows(runs)
-    if page == "Compare":
-        st.header("Side by side")
-        st.dataframe(rows, use_container_width=True)
-        st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
-        bench = data.bench_rows(runs)
-        if bench:
-            st.subheader("stratpack bench: ours against the peer, same model, data and ranks")
-            st.dataframe(bench, use_container_width=True)
-        _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
-    elif page == "Memory":
-        st.header("Memory per rank")
-        memory = data.memory_rows(runs)
-        _chart(charts.memory_figure(memory), "memory")
-        _chart(charts.heatmap_figure(memory), "memory-heatmap")
-    elif page == "Throughput":
-        st.header("Throughput")
-        _chart(charts.throughput_figure(rows), "throughput")
-        scaling = charts.scaling_figure(rows)
-        if scaling is not None:
-            _chart(scaling, "scaling")
-        else:
-            st.caption("Scaling curves appear when a strategy has runs at several world sizes.")
-    elif page == "Communication":
-        st.header("Communication by collective and axis")
-        _chart(charts.comm_figure(data.comm_rows(runs)), "communication")
-    elif page == "Loss":
-        st.header("Loss: runs of the same model and data should coincide")
-        x = st.radio("against", ("step", "seconds"), horizontal=True)
-        _chart(charts.loss_figure(data.loss_rows(runs), x), "loss-curves")
-    elif page == "Pipeline":
-        page_pipeline(runs)
+    return runs
 
 
-def page_pipeline(runs: list[dict]) -> None:
+def page_compare(runs: list[dict], rows: list[dict]) -> None:
+    st.header("Side by side")
+    st.dataframe(rows, use_container_width=True)
+    st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
+    bench = data.bench_rows(runs)
+    if bench:
+        st.subheader("stratpack bench: ours against the peer, same model, data and ranks")
+        st.dataframe(bench, use_container_width=True)
+    _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
+
+
+def page_memory(runs: list[dict], rows: list[dict]) -> None:
+    st.header("Memory per rank")
+    memory = data.memory_rows(runs)
+    _chart(charts.memory_figure(memory), "memory")
+    _chart(charts.heatmap_figure(memory), "memory-heatmap")
+
+
+def page_throughput(runs: list[dict], rows: list[dict]) -> None:
+    st.header("Throughput")
+    _chart(charts.throughput_figure(rows), "throughput")
+    scaling = charts.scaling_figure(rows)
+    if scaling is not None:
+        _chart(scaling, "scaling")
+    else:
+        st.caption("Scaling curves appear when a strategy has runs at several world sizes.")
+
+
+def page_communication(runs: list[dict], rows: list[dict]) -> None:
+    st.header("Communication by collective and axis")
+    _chart(charts.comm_figure(data.comm_rows(runs)), "communication")
+
+
+def page_loss(runs: list[dict], rows: list[dict]) -> None:
+    st.header("Loss: runs of the same model and data should coincide")
+    x = st.radio("against", ("step", "seconds"), horizontal=True)
+    _chart(charts.loss_figure(data.loss_rows(runs), x), "loss-curves")
+
+
+def page_pipeline(runs: list[dict], rows: list[dict]) -> None:
     st.header("Pipeline timeline")
     piped = [r for r in runs if (r["summary"] or {}).get("pipeline")]
     if not piped:
@@ -147,16 +162,21 @@ def page_pipeline(runs: list[dict]) -> None:
     labels = [data.label(r) for r in piped]  # unique: they end with the run id
     run = piped[labels.index(st.selectbox("Run", labels))]
     pipeline = run["summary"]["pipeline"]
+
     def fmt(value) -> str:
         return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
-    st.metric("bubble measured / ideal", f"{fmt(pipeline.get('bubble_measured'))} / {fmt(pipeline.get('bubble_ideal'))}")
+    st.metric("bubble measured / ideal",
+              f"{fmt(pipeline.get('bubble_measured'))} / {fmt(pipeline.get('bubble_ideal'))}")
     st.text("\n".join(pipeline.get("partition") or []))
     timelines = pipeline.get("timelines") or {"0": pipeline.get("timeline") or []}
     _chart(charts.timeline_figure(timelines, "Measured (last step)"), "timeline")
     if pipeline.get("ideal"):
-        _chart(charts.timeline_figure(charts.ideal_timelines(pipeline["ideal"]), "The schedule's table (unit-time stages)"),
+        ideal = charts.ideal_timelines(pipeline["ideal"])
+        _chart(charts.timeline_figure(ideal, "The schedule's table (unit-time stages)"),
                "timeline-ideal")
 
 
+VIEWS = {"Compare": page_compare, "Memory": page_memory, "Throughput": page_throughput,
+         "Communication": page_communication, "Loss": page_loss, "Pipeline": page_pipeline}
 main()

@@ -87,7 +87,8 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "peak MiB/rank (measured)": max(peaks) / 2**20 if peaks else None,
             "peak MiB/rank (predicted)": max(pred_peaks) / 2**20 if pred_peaks else None,
             "tokens/s": _num(summary.get("tokens_per_s")), "MFU": _num(summary.get("mfu")),
-            "comm KiB/step (rank 0)": sum(_num(c.get("bytes_sent")) or 0 for c in comm.values()) / 1024 if comm else None,
+            "comm KiB/step (rank 0)": sum(_num(c.get("bytes_sent")) or 0 for c in comm.values()) / 1024
+            if comm else None,
             "bubble": _num((summary.get("pipeline") or {}).get("bubble_measured")),
             "final loss": _num(losses[-1]) if losses else None, "loss match vs single": match,
             "comparison": meta.get("comparison"), "model params": meta.get("num_params"),
@@ -104,6 +105,11 @@ def _peak(memory: dict[str, Any]) -> float:
     return (_num(memory.get("total")) or 0) + (_num(memory.get("activations_peak")) or 0)
 
 
+def _mib(values: Any) -> str | None:
+    """A list of byte counts as MiB, "a / b"; None when it is not a list."""
+    return " / ".join(f"{x / 2**20:.1f}" for x in values if _num(x) is not None) if isinstance(values, list) else None
+
+
 def bench_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`stratpack bench` pairs among ``runs``: one row per pair (from the run of our side), ratio ours/peer."""
     rows = []
@@ -111,14 +117,14 @@ def bench_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         bench = run["meta"].get("bench")
         if not isinstance(bench, dict) or bench.get("role") != "ours":
             continue
-        mib = lambda xs: " / ".join(f"{x / 2**20:.1f}" for x in xs if _num(x) is not None) \
-            if isinstance(xs, list) else None
         rows.append({
             "comparison": run["meta"].get("comparison"), "ours": bench.get("ours"), "peer": bench.get("peer"),
             "pairs": bench.get("pairs"), "ours tokens/s": _num(bench.get("ours_tokens_per_s")),
-            "peer tokens/s": _num(bench.get("peer_tokens_per_s")), "median ratio ours/peer": _num(bench.get("median_ratio")),
-            "peak MiB/rank ours": mib(bench.get("ours_peak_bytes")), "peak MiB/rank peer": mib(bench.get("peer_peak_bytes")),
-            "estimate MiB/rank": mib(bench.get("predicted_peak_bytes")),
+            "peer tokens/s": _num(bench.get("peer_tokens_per_s")),
+            "median ratio ours/peer": _num(bench.get("median_ratio")),
+            "peak MiB/rank ours": _mib(bench.get("ours_peak_bytes")),
+            "peak MiB/rank peer": _mib(bench.get("peer_peak_bytes")),
+            "estimate MiB/rank": _mib(bench.get("predicted_peak_bytes")),
         })
     return rows
 

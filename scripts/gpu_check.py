@@ -20,14 +20,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # a checkout on a GPU machine need not have the pack installed
+MiB, GiB = 2**20, 2**30
 
 
 def train(plan: str, *args: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "strategies.cli", "train", plan, "--accelerator", "gpu", "--devices", "1",
-               "--wandb", "off", "--runs-dir", os.path.join(tmp, "runs"), "--out", out, *args]
+               "--wandb", "off", "--runs-dir", os.path.join(tmp, "runs"), "--out", out,
+               "--workload", "demos.workload:GPT_WORKLOAD", *args]  # named in full: the pack may not be installed
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "PYTHONPATH": ROOT})
         if proc.returncode != 0:
@@ -66,9 +68,8 @@ def _engine_rank(rank: int, world: int, mode: str, store: str, results: str) -> 
         torch.nn.functional.cross_entropy(logits.reshape(-1, 256), x.reshape(-1)).backward()
         sync.finish()
         opt.step()
-        if hasattr(sync, "after_step"):
-            sync.after_step()
-        states = model_state_bytes(model, [opt], sync)
+        sync.after_step()
+        states = model_state_bytes(model, [opt], sync.memory_tensors())
         opt.zero_grad(set_to_none=True)
     out = {"rank": rank, "mode": mode, "psi": psi, "states": states,
            "max_allocated": torch.cuda.max_memory_allocated() - base}
@@ -111,6 +112,50 @@ def _table(title: str, columns: list[str], rows: list[dict], key, cells) -> None
         print("| " + " | ".join(key(r) + rest) + " |", flush=True)
 
 
+def trainer_part(report: dict) -> None:
+    """1: Trainer runs on one GPU, allocator peak beside the estimator."""
+    from strategies.runs import MEMORY_CATEGORIES
+
+    mid = ["--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--seq-len", "256", "--batch-size", "8",
+           "--steps", "8", "--warmup-steps", "3", "--max-chars", "2000000"]
+    report["trainer"] = [train(plan, *mid) for plan in ("dp", "zero1", "zero2", "zero3", "zero3_offload")]
+
+    def trainer_row(r: dict) -> list[str]:
+        mem = r.get("memory_bytes") or {}
+        pred = (r.get("predicted") or {}).get("memory") or [{}]
+        est = sum(pred[0].get(k, 0) for k in MEMORY_CATEGORIES if k != "host")
+        return [f"{mem.get('max_allocated', 0) / MiB:.1f}", f"{mem.get('total', 0) / MiB:.1f}", f"{est / MiB:.1f}",
+                f"{r.get('tokens_per_s') or 0:,.0f}"]
+
+    _table("Trainer, one GPU (nccl): allocator peak vs the estimator",
+           ["plan", "max_allocated MiB", "model states MiB (measured)", "estimate: states + activations MiB",
+            "tokens/s"], report["trainer"], lambda r: [r["plan"]], trainer_row)
+
+
+def engines_part(report: dict) -> None:
+    """2: the ZeRO engines on two ranks sharing the GPU, against the formulas."""
+    from strategies.runs import MODEL_STATE
+
+    report["engines"] = engines_on_two_ranks()
+    _table("ZeRO engines, two ranks on the GPU (gloo): model states vs the formulas at N = 2",
+           ["plan", "rank", "params MiB meas/pred", "grads", "optimizer", "host", "max_allocated MiB"],
+           report["engines"], lambda r: [r["mode"], str(r.get("rank", "-"))],
+           lambda r: [f"{r['states'][k] / MiB:.2f} / {r['predicted'][k] / MiB:.2f}" for k in MODEL_STATE]
+           + [f"{r['max_allocated'] / MiB:.1f}"])
+
+
+def mfu_part(report: dict, quick: bool) -> None:
+    """3: bf16-mixed against 32-true, tokens/s and MFU."""
+    big = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--seq-len", "1024", "--batch-size",
+           "16" if quick else "32", "--steps", "12" if quick else "25", "--warmup-steps", "5", "--max-chars", "4000000"]
+    report["mfu"] = [{**train("dp", *big, "--precision", p), "precision": p} for p in ("32-true", "bf16-mixed")]
+    _table("Throughput and MFU, GPT 12 x 768, sequence 1024, one GPU",
+           ["precision", "tokens/s", "TFLOP/s", "MFU", "max_allocated GiB"], report["mfu"],
+           lambda r: [r["precision"]],
+           lambda r: [f"{r.get('tokens_per_s') or 0:,.0f}", f"{(r.get('flops_per_s') or 0) / 1e12:.1f}",
+                      f"{r.get('mfu') or 0:.3f}", f"{(r.get('memory_bytes') or {}).get('max_allocated', 0) / GiB:.2f}"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
@@ -122,41 +167,12 @@ def main() -> int:
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
     print(f"# {report['device']}, torch {report['torch']}, CUDA {report['cuda']}, NCCL {report['nccl']}\n", flush=True)
-
     parts = args.parts.split(",")
-    mid = ["--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--seq-len", "256", "--batch-size", "8",
-           "--steps", "8", "--warmup-steps", "3", "--max-chars", "2000000"]
-    report["trainer"] = [train(plan, *mid) for plan in ("dp", "zero1", "zero2", "zero3", "zero3_offload")
-                         if "trainer" in parts]
-
-    def trainer_row(r: dict) -> list[str]:
-        mem = r.get("memory_bytes") or {}
-        pred = (r.get("predicted") or {}).get("memory") or [{}]
-        est = sum(pred[0].get(k, 0) for k in ("params", "grads", "optimizer", "activations"))
-        return [f"{mem.get('max_allocated', 0) / 2**20:.1f}", f"{mem.get('total', 0) / 2**20:.1f}", f"{est / 2**20:.1f}",
-                f"{r.get('tokens_per_s') or 0:,.0f}"]
-
-    _table("Trainer, one GPU (nccl): allocator peak vs the estimator",
-           ["plan", "max_allocated MiB", "model states MiB (measured)", "estimate: states + activations MiB",
-            "tokens/s"], report["trainer"], lambda r: [r["plan"]], trainer_row)
-
-    report["engines"] = engines_on_two_ranks() if "engines" in parts else []
-    _table("ZeRO engines, two ranks on the GPU (gloo): model states vs the formulas at N = 2",
-           ["plan", "rank", "params MiB meas/pred", "grads", "optimizer", "host", "max_allocated MiB"],
-           report["engines"], lambda r: [r["mode"], str(r.get("rank", "-"))],
-           lambda r: [f"{r['states'][k] / 2**20:.2f} / {r['predicted'][k] / 2**20:.2f}"
-                      for k in ("params", "grads", "optimizer", "host")] + [f"{r['max_allocated'] / 2**20:.1f}"])
-
-    big = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--seq-len", "1024", "--batch-size",
-           "16" if args.quick else "32", "--steps", "12" if args.quick else "25", "--warmup-steps", "5",
-           "--max-chars", "4000000"]
-    report["mfu"] = [{**train("dp", *big, "--precision", p), "precision": p} for p in ("32-true", "bf16-mixed")
-                     if "mfu" in parts]
-    _table("Throughput and MFU, GPT 12 x 768, sequence 1024, one GPU",
-           ["precision", "tokens/s", "TFLOP/s", "MFU", "max_allocated GiB"], report["mfu"],
-           lambda r: [r["precision"]],
-           lambda r: [f"{r.get('tokens_per_s') or 0:,.0f}", f"{(r.get('flops_per_s') or 0) / 1e12:.1f}",
-                      f"{r.get('mfu') or 0:.3f}", f"{(r.get('memory_bytes') or {}).get('max_allocated', 0) / 2**30:.2f}"])
+    for name, part in (("trainer", trainer_part), ("engines", engines_part)):
+        if name in parts:
+            part(report)
+    if "mfu" in parts:
+        mfu_part(report, args.quick)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

@@ -93,7 +93,8 @@ class ParallelPlan:
             if value is not None and value > MAX_DEGREE:
                 raise ValueError(f"{name} must be at most {MAX_DEGREE}")
         if not isinstance(self.data, DataMode) or not isinstance(self.schedule, PipelineSchedule):
-            raise TypeError("data must be a DataMode and schedule a PipelineSchedule (use ParallelPlan.parse for strings)")
+            raise TypeError("data must be a DataMode and schedule a PipelineSchedule (use ParallelPlan.parse for "
+                            "strings)")
         if self.pp == 1 and (self.schedule is not PipelineSchedule.ONE_F_ONE_B or self.microbatches is not None):
             given = " and ".join(f"'{t}'" for t in (
                 self.schedule.value if self.schedule is not PipelineSchedule.ONE_F_ONE_B else "",
@@ -105,7 +106,8 @@ class ParallelPlan:
         if (self.schedule is PipelineSchedule.INTERLEAVED) != (self.virtual > 1):
             raise ValueError(f"'{self.schedule.value}' with 'v{self.virtual}': the interleaved schedule needs v<N> "
                              "with N >= 2 virtual stages, and v<N> needs interleaved")
-        if self.schedule is PipelineSchedule.INTERLEAVED and self.microbatches is not None and self.microbatches % self.pp:
+        interleaved = self.schedule is PipelineSchedule.INTERLEAVED
+        if interleaved and self.microbatches is not None and self.microbatches % self.pp:
             raise ValueError(
                 f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
             )

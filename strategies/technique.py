@@ -56,7 +56,7 @@ class OptimizerState:
 
     @classmethod
     def from_state_dict(cls, saved: dict[str, Any], names: list[str]) -> OptimizerState:
-        """``saved`` (``optimizer.state_dict()``'s format, e.g. from a checkpoint) read with ``names`` for its indices."""
+        """``saved`` (``optimizer.state_dict()``'s format, e.g. a checkpoint's) read with ``names`` for its indices."""
         states = {int(k): v for k, v in saved["state"].items()}
         if any(k >= len(names) for k in states):
             raise ValueError(f"the checkpoint's optimizer holds states for {max(states) + 1} parameters, this "

@@ -129,33 +129,42 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
         bad = [r for r, s in enumerate(signatures) if s != signature]
         raise CheckpointError(f"ranks {bad} hold a different checkpoint layout than rank {rank} (tensor shapes "
                               "or dtypes differ); every rank must save the same single-process state")
-    mine = {str(i): tensors[i].detach().reshape(-1)[start:stop].to("cpu", copy=True)
-            for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
     # A rank that fails to write (disk full, permissions) says so to the others instead of leaving them waiting
     # in the next collective: every rank then raises the same error.
-    written = _attempt(lambda: (os.makedirs(tmp, exist_ok=True), _write(mine, os.path.join(tmp, shard_name(
-        rank, world_size))))[1])
-    results = gather(written)
+    results = gather(_attempt(lambda: _write_part(tensors, entries, tmp, rank, world_size)))
     _raise_failures(results, "writing its part of")
+    status = None
     if rank == 0:
-        def finish() -> None:
-            files = {shard_name(r, world_size): size for r, (size, _) in enumerate(results)}
-            files[META] = _write(skeleton, os.path.join(tmp, META))
-            manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
-                        "files": files, "tensors": entries}
-            atomic_write(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f))  # complete from here on
-            # Two renames: between them the new checkpoint is complete at tmp and the old one at old, and
-            # `read_manifest` names both if a crash happens right there.
-            old = f"{path}.old-{token}"
-            if os.path.lexists(path):
-                os.replace(path, old)
-            os.replace(tmp, path)
-            if os.path.lexists(old):
-                shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
-
-        status = _attempt(finish)
-    _raise_failures([broadcast(status if rank == 0 else None)], "finishing (manifest, rename)")
+        manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
+                    "files": {shard_name(r, world_size): size for r, (size, _) in enumerate(results)},
+                    "tensors": entries}
+        status = _attempt(lambda: _finish(path, tmp, token, skeleton, manifest))
+    _raise_failures([broadcast(status)], "finishing (manifest, rename)")
     barrier()
+
+
+def _write_part(tensors: list[torch.Tensor], entries: list[dict[str, Any]], tmp: str, rank: int,
+                world_size: int) -> int:
+    """This rank's ranges of every tensor, as one file in the save's folder; its size."""
+    mine = {str(i): tensors[i].detach().reshape(-1)[start:stop].to("cpu", copy=True)
+            for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
+    os.makedirs(tmp, exist_ok=True)
+    return _write(mine, os.path.join(tmp, shard_name(rank, world_size)))
+
+
+def _finish(path: str, tmp: str, token: str, skeleton: Any, manifest: dict[str, Any]) -> None:
+    """Rank 0, once every part is written: the metadata, then the manifest (complete from there on), then the
+    folder in place of any previous checkpoint."""
+    manifest["files"][META] = _write(skeleton, os.path.join(tmp, META))
+    atomic_write(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f))  # complete from here on
+    # Two renames: between them the new checkpoint is complete at tmp and the old one at old, and `read_manifest`
+    # names both if a crash happens right there.
+    old = f"{path}.old-{token}"
+    if os.path.lexists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if os.path.lexists(old):
+        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
 
 
 def _attempt(fn) -> tuple[Any, str | None]:
@@ -177,22 +186,27 @@ def _raise_failures(results: list[tuple[Any, str | None]], what: str) -> None:
 # -- loading ----------------------------------------------------------------------------------------------
 
 
+def _missing(path: str) -> CheckpointError:
+    """No checkpoint at ``path``: the error, naming what an interrupted save left beside it."""
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    leftovers = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    old = [n for n in leftovers if n.startswith(name + ".old-")]
+    tmp = [n for n in leftovers if n.startswith(name + ".tmp-")]
+    hint = ""
+    if old:  # a crash between the two renames of a save: both checkpoints are whole
+        hint = f" (a save was interrupted while replacing it: the previous checkpoint is whole at {old[0]}"
+        hint += f", the new one at {tmp[0]}" if tmp and is_sharded(os.path.join(folder, tmp[0])) else ""
+        hint += "; rename one back)"
+    elif tmp:
+        hint = f" (an interrupted save left {tmp[0]}, which is incomplete)"
+    return CheckpointError(f"no checkpoint at {path}{hint}")
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``, after checking that every file it lists is complete."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-        leftovers = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        old = [n for n in leftovers if n.startswith(name + ".old-")]
-        tmp = [n for n in leftovers if n.startswith(name + ".tmp-")]
-        hint = ""
-        if old:  # a crash between the two renames of a save: both checkpoints are whole
-            hint = f" (a save was interrupted while replacing it: the previous checkpoint is whole at {old[0]}"
-            hint += f", the new one at {tmp[0]}" if tmp and is_sharded(os.path.join(folder, tmp[0])) else ""
-            hint += "; rename one back)"
-        elif tmp:
-            hint = f" (an interrupted save left {tmp[0]}, which is incomplete)"
-        raise CheckpointError(f"no checkpoint at {path}{hint}")
+        raise _missing(path)
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"{path} is not a complete sharded checkpoint: it has no {MANIFEST} (a save that "

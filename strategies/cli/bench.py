@@ -68,8 +68,8 @@ def replicas(impl: str, world: int) -> int:
 
 def _worker(rank: int, world: int, impl: str, cfg: BenchConfig, measure: str = "time") -> dict[str, Any]:
     """One rank of one run. ``measure="time"``: step times, nothing else running. ``measure="memory"``: a short run
-    while `memory.HeapSampler` reads the heap in use, from before the model is built: the peak above that is what
-    this rank's model, engine and steps held at most (a sampling thread would disturb a timed run, hence the
+    while `measure.memory.HeapSampler` reads the heap in use, from before the model is built: the peak above that is
+    what this rank's model, engine and steps held at most (a sampling thread would disturb a timed run, hence the
     separate run)."""
     if measure == "memory":
         from strategies.measure.memory import HeapSampler
@@ -156,7 +156,7 @@ def model_config(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def predict(impl: str, cfg: BenchConfig) -> dict | None:
-    """What `estimate.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
+    """What `measure.estimate.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
     from strategies.measure.estimate import predict_run
 
     return predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg),
@@ -169,9 +169,9 @@ def describe(cfg: BenchConfig) -> str:
     return (f"Workload {cfg.workload!r} {cfg.n_layer} layers x {cfg.n_embd} wide, sequence {cfg.seq_len}, "
             f"{cfg.batch_per_rank} samples per rank (tp/pp: one batch of {cfg.batch_per_rank} through all ranks, "
             f"{MICROBATCHES} microbatches), AdamW, {cfg.world_size} gloo ranks on CPU; {cfg.steps} steps per run, the "
-            f"first {cfg.warmup_steps} not timed; tokens/s is the median over pairs of runs in alternating order, the "
-            f"ratio the median of the per-pair ratios ours/peer; peak MiB is each rank's most heap in use above what it "
-            f"held before the model was built (glibc, sampled every 0.2 ms; median of {MEMORY_RUNS} runs of "
+            f"first {cfg.warmup_steps} not timed; tokens/s is the median over pairs of runs in alternating order, "
+            f"the ratio the median of the per-pair ratios ours/peer; peak MiB is each rank's most heap in use above "
+            f"what it held before the model was built (glibc, sampled every 0.2 ms; median of {MEMORY_RUNS} runs of "
             f"{MEMORY_STEPS} steps), beside the estimator's model states + activations.")
 
 

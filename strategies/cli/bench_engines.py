@@ -1,9 +1,9 @@
 """The implementations `stratpack bench` measures, as a table of small builders: ours and the peers'.
 
 Each builder takes the workload, its plain model, the bench config and the optimizer's arguments, applies one
-implementation to the model on the process group `run_ranks` started, and returns the step: ``step(batch)`` runs
-forward, backward and the optimizer on one ``(inputs, targets)`` batch. Every side uses the same model, data and
-AdamW, in the same plain loop (no Lightning), so only the engines differ.
+implementation to the model on the process group `strategies.testing.run_ranks` started, and returns the step:
+``step(batch)`` runs forward, backward and the optimizer on one ``(inputs, targets)`` batch. Every side uses the
+same model, data and AdamW, in the same plain loop (no Lightning), so only the engines differ.
 """
 
 from __future__ import annotations

@@ -23,7 +23,14 @@ from strategies.comm.ops import (
     ring_all_reduce,
     send,
 )
-from strategies.comm.recorder import DEBUG_ENV, RECORDER, CallRecord, CollectiveError, CollectiveMismatch, FlightRecorder
+from strategies.comm.recorder import (
+    DEBUG_ENV,
+    RECORDER,
+    CallRecord,
+    CollectiveError,
+    CollectiveMismatch,
+    FlightRecorder,
+)
 from strategies.comm.stats import Axis, CommRecord, CommStats, Op
 
 __all__ = [

@@ -87,8 +87,10 @@ class PipelineSteps(DirectSteps):
         self.in_schedule = True  # training_step runs on the last stage only: no world collective from it
         try:
             with _deferred_logs(self.module) as logged:
-                loss = self.pipeline.train_step(batch, batch_idx, lambda mb, i: self.hook("training_step", mb, i, *args),
-                                                self.device, self.no_sync, accumulate)
+                def step(microbatch: Any, index: int) -> Any:
+                    return self.hook("training_step", microbatch, index, *args)
+
+                loss = self.pipeline.train_step(batch, batch_idx, step, self.device, self.no_sync, accumulate)
         finally:
             self.in_schedule = False
         self._replay_logs(logged)

@@ -291,7 +291,8 @@ class PlanStrategy(ParallelStrategy):
     def held_grads(self) -> list[HeldGrad]:
         """The gradient this rank holds, as the techniques leave it: each parameter's ``.grad`` (this stage's,
         possibly tp-sliced), or under ZeRO its shard of each flat cut at parameter boundaries."""
-        grads = [HeldGrad(name, p, p.grad) for name, p in self.lightning_module.named_parameters() if p.grad is not None]
+        module = self.lightning_module
+        grads = [HeldGrad(name, p, p.grad) for name, p in module.named_parameters() if p.grad is not None]
         for technique in reversed(self.techniques):
             grads = technique.held_grads(grads)
         return grads
@@ -346,7 +347,8 @@ class PlanStrategy(ParallelStrategy):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             if len(saved["param_groups"]) != len(optimizer.param_groups):
                 raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this "
-                                 f"one {len(optimizer.param_groups)}: it was saved from a different configure_optimizers")
+                                 f"one {len(optimizer.param_groups)}: it was saved from a different "
+                                 "configure_optimizers")
             names = optimizer_names(self.lightning_module, optimizer)
             for technique in self.techniques:
                 names = technique.optimizer_names(names)

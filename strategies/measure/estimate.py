@@ -67,7 +67,9 @@ class ModelShape:
 
     def total(self) -> int:
         split, whole = self.block()
-        return self.params if self.params is not None else self.embeddings() + self.head() + self.layers * (split + whole)
+        if self.params is not None:
+            return self.params
+        return self.embeddings() + self.head() + self.layers * (split + whole)
 
     @classmethod
     def from_config(cls, config: dict, batch: int = 1) -> ModelShape:
@@ -114,7 +116,7 @@ class Estimate:
 
 def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Parameters each rank holds, per pipeline rank (tp-split blocks, embeddings on the first stage, norm
-    and head on the last), cut the way `PipelineEngine` cuts by parameter count."""
+    and head on the last), cut the way `pipeline.PipelineParallel` cuts by parameter count."""
     split, whole = shape.block()
     local_block = math.ceil(split / plan.tp) + whole
     stages = plan.pp * plan.virtual

@@ -15,7 +15,6 @@ from torch import nn
 from strategies.runs.schema import MODEL_STATE
 
 
-
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     storage = t.untyped_storage()
     return (str(t.device), storage.data_ptr())

@@ -43,7 +43,8 @@ class Ranked:
         """One line: what dominates the memory and the communication, and why the plan ranks where it does."""
         peak = max(self.estimate.memory, key=lambda m: sum(v for k, v in m.items() if k != "host"))
         memory_top = max((k for k in MEMORY_CATEGORIES if k != "host"), key=lambda k: peak[k])
-        comm = {axis: sum(v for k, v in self.estimate.comm.items() if k.endswith("/" + axis)) for axis in ("dp", "tp", "pp")}
+        comm = {axis: sum(v for k, v in self.estimate.comm.items() if k.endswith("/" + axis))
+                for axis in ("dp", "tp", "pp")}
         axis = max(comm, key=comm.get)
         comm_text = f"comm mostly {axis} ({comm[axis] / GiB:.1f} GiB/step/GPU)" if comm[axis] else "no communication"
         extra = {k: self.parts.get(k, 0) - best.parts.get(k, 0) for k in set(self.parts) | set(best.parts)} \
@@ -53,7 +54,8 @@ class Ranked:
             why = "fastest predicted"
         elif extra[slowest] <= 0.005 * best.seconds:
             mine, theirs = self.estimate.peak(), best.estimate.peak()
-            why = "ties with the best on time" + ("" if mine == theirs else f"; {'less' if mine < theirs else 'more'} memory")
+            why = "ties with the best on time"
+            why += "" if mine == theirs else f"; {'less' if mine < theirs else 'more'} memory"
         else:
             why = f"+{self.seconds / best.seconds - 1:.0%} vs best, mostly {slowest} (+{extra[slowest]:.2f}s)"
         if not self.fits:

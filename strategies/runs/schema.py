@@ -50,7 +50,7 @@ def kind_of(value: Any) -> str:
 
 
 def _fits(value: Any, shape: Any) -> bool:
-    """``value`` is of ``shape``'s kind, outside only (`_misfit` looks inside)."""
+    """``value`` is of ``shape``'s kind, outside only (`misfit` looks inside)."""
     if shape is None or shape == "str":
         return value is None if shape is None else isinstance(value, str)
     if isinstance(shape, (list, dict)):

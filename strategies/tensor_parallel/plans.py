@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+
 from torch import nn
 
 from strategies.comm import Axis
@@ -72,7 +73,7 @@ def detect_plan(module: nn.Module) -> dict[str, Style]:
         "no tensor-parallel plan fits this model: the shipped plans look for attention projections named "
         "qkv/proj (fused) or q_proj/k_proj/v_proj/o_proj, and MLPs named fc/proj or gate_proj/up_proj/"
         f"down_proj. Linear layers found: {', '.join(linears[:12]) or 'none'}. Pass a plan, e.g. "
-        f"PlanStrategy('tp2', tp_plan={_EXAMPLE}) (strategies.tp_plan.Colwise / Rowwise / VocabEmbedding)."
+        f"PlanStrategy('tp2', tp_plan={_EXAMPLE}) (strategies.Colwise / Rowwise / VocabEmbedding)."
     )
 
 

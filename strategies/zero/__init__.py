@@ -25,7 +25,7 @@ from torch import nn
 
 from strategies.comm import Axis
 from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB
-from strategies.zero.flat import FlatParam, build_flats, bucket_names, shard_optimizer
+from strategies.zero.flat import FlatParam, bucket_names, build_flats, shard_optimizer
 from strategies.zero.stage3 import Zero3GradSync, build_units
 from strategies.zero.sync import IN_FLIGHT, ZeroGradSync
 
@@ -42,7 +42,8 @@ def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     name_of = {id(p): n for n, p in module.named_parameters()}
-    original_groups = [[name_of[id(p)] for p in group["params"] if id(p) in name_of] for group in optimizer.param_groups]
+    original_groups = [[name_of[id(p)] for p in group["params"] if id(p) in name_of]
+                       for group in optimizer.param_groups]
     if stage == 3:
         chosen = units(module) if units is not None else None
         flats, built = build_units(module, optimizer, axis, offload, chosen)

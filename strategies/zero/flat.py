@@ -42,14 +42,14 @@ class FlatParam:
         view = self.full[start : start + self.shard_size]
         # ZeRO-3 frees `full` between uses, so its shard needs storage of its own.
         self.shard = view.clone() if own_shard else view
-        self.grad_shard: torch.Tensor | None = None  # the reduce-scatter's output, from launch to `finish`
+        self.grad_shard: torch.Tensor | None = None  # the reduce-scatter's output, from launch to `ZeroGradSync.finish`
         self.offload = offload
         master = self.shard.detach().to("cpu", copy=True) if offload else self.shard
         if offload and device.type == "cuda":
             master = master.pin_memory()  # async host<->device copies
         self.master = nn.Parameter(master)
         self.grad_full: torch.Tensor | None = None  # the bucket reduce-scatter reads
-        self.grad_host: torch.Tensor | None = None  # with offload: the reduced shard on the host, until `finish`
+        self.grad_host: torch.Tensor | None = None  # with offload: the reduced shard on the host, until its `finish`
         self.ready = 0
 
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:

@@ -157,7 +157,7 @@ class Zero3GradSync(ZeroGradSync):
         if unit is None:
             return
         unit.reduced.add(id(param))
-        if unit.reduced >= unit.params and not unit.pinned:  # all of its gradients are bucketed: its full params are done
+        if unit.reduced >= unit.params and not unit.pinned:  # all its gradients are bucketed: its full params are done
             unit.release()
 
     def _prefetch(self, unit: Unit, direction: int) -> None:

@@ -30,7 +30,8 @@ def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *
         for step, loss in enumerate(losses, start=1):
             writer.append({"step": step, "time": 100.0 + step, "step_time_s": 1.0, "loss": loss, "lr": 0.1,
                            "tokens_per_s": 1000.0 * world, "memory": _memory(400 + 100 * rank, 60),
-                           "comm": {"all_reduce/dp": {"calls": 1, "bytes_sent": 10.0, "bytes_recv": 10.0, "wait_s": 0.1}},
+                           "comm": {"all_reduce/dp": {"calls": 1, "bytes_sent": 10.0, "bytes_recv": 10.0,
+                                                      "wait_s": 0.1}},
                            "bubble": None})
         summary = None
         if complete and rank == 0:

@@ -46,7 +46,8 @@ def server(store, tmp_path):
 
 
 def test_pages_render_charts_in_chromium(server, tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    playwright = pytest.importorskip("playwright.sync_api",
+                                     reason="playwright is not installed (pip install playwright)")
     if not os.path.exists(CHROMIUM):
         pytest.skip("no Chromium here (apt-get install chromium, as scripts/setup.sh --dev does where it can)")
     with playwright.sync_playwright() as p:
@@ -60,7 +61,8 @@ def test_pages_render_charts_in_chromium(server, tmp_path):
         first_render = time.monotonic() - start
         page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=60_000)
         # The loss chart plots what the store holds: the three runs' losses.
-        ys = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(e => e._fullData.map(t => [...t.y]))")
+        ys = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')]"
+                           ".map(e => e._fullData.map(t => [...t.y]))")
         assert [2.0, 1.5, 1.2] in ys[0]
         page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)
         for name in ("Memory", "Pipeline"):

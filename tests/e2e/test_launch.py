@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import strategies
-from strategies.checkpoint import ShardedCheckpointIO
 from demos.gpt import make_demo
+from strategies.checkpoint import ShardedCheckpointIO
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from strategies import runs as runstore
 from tests.helpers import train_demo
 
+
 def test_a_two_rank_run_writes_meta_records_and_summary_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     result, _ = train_demo(tmp_path, "zero2", 2, "--wandb", "offline")

@@ -46,7 +46,8 @@ def test_trainer_matches_single_device(tmp_path, reference, strategy: str, devic
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"]), rtol=RTOL, atol=ATOL)
     assert params.keys() == ref_params.keys()
     for name in params:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=RTOL, atol=PARAM_ATOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(params[name], ref_params[name], rtol=RTOL, atol=PARAM_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     # The gradient traffic the counters saw: one all-reduce (dp) or one server round trip (naive) per step.
     comm = result["comm_per_step"]
     psi_bytes = result["num_params"] * 4

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from strategies.checkpoint import sharded as ckpt
 from strategies import comm
+from strategies.checkpoint import sharded as ckpt
 from strategies.comm import Axis, CommStats
 from strategies.testing import run_ranks
 

@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 from strategies.comm import Axis, CommStats
 from strategies.data_parallel import BucketedDataParallel
-from strategies.measure.memory import model_state_bytes
 from strategies.measure.estimate import data_parallel_bytes, model_states
+from strategies.measure.memory import model_state_bytes
 from strategies.plan import ParallelPlan
-from strategies.testing import run_ranks
-from tests.helpers import TinyNet, global_batches, train
-from strategies.zero import shard_model
 from strategies.technique import OptimizerState
+from strategies.testing import run_ranks
+from strategies.zero import shard_model
+from tests.helpers import TinyNet, global_batches, train
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, BATCH, ACCUM, CLIP = 4, 16, 2, 0.05
@@ -110,7 +110,8 @@ def _resume_rank(rank: int, world: int, stage: int, saved_state, saved_params):
     model.load_state_dict(saved_params)
     axis = Axis.of_group("dp", dist.group.WORLD, CommStats())
     sync = shard_model(model, opt, axis, stage)
-    assert sync.local_optimizer_state(opt, OptimizerState.from_state_dict(saved_state, sync.optimizer_names([]))) is None
+    saved = OptimizerState.from_state_dict(saved_state, sync.optimizer_names([]))
+    assert sync.local_optimizer_state(opt, saved) is None  # loaded into the shards
     batches = global_batches(STEPS + 1, BATCH)[STEPS:]
     losses = train(model, opt, batches, shard=(rank, world), sync=sync)
     if stage == 3:
@@ -165,7 +166,8 @@ def _memory_rank(rank: int, world: int, mode: str):
     torch.nn.functional.mse_loss(model(x), y).backward()
     sync.finish()
     units = [u.gathered_bytes for u in getattr(sync, "units", [])]
-    return (model_state_bytes(model, [opt], sync.memory_tensors()), len(flats), units, getattr(sync, "peak_gathered_bytes", 0),
+    return (model_state_bytes(model, [opt], sync.memory_tensors()), len(flats), units,
+            getattr(sync, "peak_gathered_bytes", 0),
             sum(p.numel() for p in model.parameters()), between_steps["grads"])
 
 

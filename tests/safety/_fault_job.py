@@ -24,7 +24,8 @@ import strategies  # noqa: F401  (registers the plan names)
 from demos.gpt import GPTModule, make_demo
 from strategies.measure.monitor import StrategyMonitor
 
-plan, devices, fault, fault_rank, fault_step = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+plan, devices, fault = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+fault_rank, fault_step = int(sys.argv[4]), int(sys.argv[5])
 
 
 class Faulty(GPTModule):

@@ -1,7 +1,7 @@
 """A save interrupted at any point leaves the previous checkpoint loadable; a checkpoint from another format or
 pack version fails naming both; loading never unpickles objects unless asked.
 
-(The damaged-file, disk-full and another-model cases are in tests/dist/test_sharded_checkpoint.py and
+(The damaged-file, disk-full and another-model cases are in tests/multirank/test_sharded_checkpoint.py and
 tests/e2e/test_reshard.py.)"""
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def test_a_checkpoint_of_another_format_version_names_both(tmp_path):
 def test_a_full_pickle_is_refused_with_what_to_do_and_loads_when_trusted(tmp_path):
     path = tmp_path / "old.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "hparams": Namespace(lr=0.1)}, path)
-    with pytest.raises(ckpt.CheckpointError, match=r"pass weights_only=False \(trainer.fit\(..., weights_only=False\)\)"):
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"pass weights_only=False \(trainer.fit\(..., weights_only=False\)\)"):
         ckpt.load_any(str(path))
     assert ckpt.load_any(str(path), weights_only=False)["hparams"].lr == 0.1
 

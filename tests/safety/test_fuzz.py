@@ -33,9 +33,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import strategies
 from strategies.lightning import PlanStrategy
+from strategies.lightning.names import looks_like_plan
 from strategies.lightning.options import TIMEOUT_ENV, collective_timeout
 from strategies.plan import MAX_DEGREE, VALID_TOKENS, DataMode, ParallelPlan, PipelineSchedule
-from strategies.lightning.names import looks_like_plan
 from strategies.tensor_parallel.plans import FUSED_QKV_PLAN, Colwise, Rowwise
 from strategies.zero.stage3 import default_units
 
@@ -74,8 +74,9 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
     virtual = draw(st.integers(2, 8)) if schedule is PipelineSchedule.INTERLEAVED else 1
     microbatches = None
     if pp > 1 and draw(st.booleans()):
-        microbatches = {PipelineSchedule.INTERLEAVED: pp * draw(st.integers(1, 8)),
-                        PipelineSchedule.ONE_F_ONE_B: draw(st.integers(pp, pp + 64))}.get(schedule, draw(st.integers(1, 64)))
+        by_schedule = {PipelineSchedule.INTERLEAVED: pp * draw(st.integers(1, 8)),
+                       PipelineSchedule.ONE_F_ONE_B: draw(st.integers(pp, pp + 64))}
+        microbatches = by_schedule.get(schedule, draw(st.integers(1, 64)))
     fields = dict(data=data, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual=virtual, microbatches=microbatches,
                   sp=tp > 1 and draw(st.booleans()), ac=draw(st.booleans()),
                   offload=data.is_zero and draw(st.booleans()))

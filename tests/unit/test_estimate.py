@@ -1,7 +1,7 @@
 """The estimator's formulas, its model of the demo GPT (exact), and the plan ranking.
 
 Measured figures are compared with it elsewhere: per-rank model states and dp bytes of the ZeRO engines in
-tests/dist/test_zero.py, and every 3D plan's rank-0 states and bytes per collective in tests/e2e/test_3d.py.
+tests/multirank/test_zero.py, and every 3D plan's rank-0 states and bytes per collective in tests/e2e/test_3d.py.
 """
 
 from __future__ import annotations

@@ -186,7 +186,8 @@ def test_degree_zero():
 
 @pytest.mark.parametrize(
     "text, token, field",
-    [("dp_ac_ac", "ac", "ac"), ("zero1_zero2", "zero2", "data"), ("tp2_tp4", "tp4", "tp"), ("pp2_gpipe_1f1b", "1f1b", "schedule")],
+    [("dp_ac_ac", "ac", "ac"), ("zero1_zero2", "zero2", "data"), ("tp2_tp4", "tp4", "tp"),
+     ("pp2_gpipe_1f1b", "1f1b", "schedule")],
 )
 def test_repeated_token(text, token, field):
     message = parse_error(text)
@@ -233,7 +234,8 @@ def test_offload_needs_zero(text):
     assert "'zero3_offload'" in message
 
 
-@pytest.mark.parametrize("text, suggestion", [("zero34", "zero3_dp4"), ("naive2", "naive_dp2"), ("tp2_zero18", "zero1_dp8")])
+@pytest.mark.parametrize("text, suggestion",
+                         [("zero34", "zero3_dp4"), ("naive2", "naive_dp2"), ("tp2_zero18", "zero1_dp8")])
 def test_mode_with_glued_degree_suggests_dp_token(text, suggestion):
     message = parse_error(text)
     assert f"'{suggestion}'" in message
@@ -356,7 +358,8 @@ def test_coordinates_need_a_resolved_plan():
 
 @pytest.mark.parametrize(
     "text,suggested",
-    [("tp2_ddp", "tp2_dp"), ("ddp_notebook_tp2", None), ("ddp_tp0", None), ("deepspeed_stage_3_offload_nvme_tp2", None)],
+    [("tp2_ddp", "tp2_dp"), ("ddp_notebook_tp2", None), ("ddp_tp0", None),
+     ("deepspeed_stage_3_offload_nvme_tp2", None)],
 )
 def test_lightning_name_suggestion_is_a_valid_plan_or_absent(text, suggested):
     with pytest.raises(ValueError) as info:

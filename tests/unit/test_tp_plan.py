@@ -8,7 +8,14 @@ from torch import nn
 from demos.gpt import GPT, GPTConfig
 from strategies.comm import Axis
 from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from strategies.tensor_parallel.plans import FUSED_QKV_PLAN, SEPARATE_QKV_PLAN, Colwise, Rowwise, apply_plan, detect_plan
+from strategies.tensor_parallel.plans import (
+    FUSED_QKV_PLAN,
+    SEPARATE_QKV_PLAN,
+    Colwise,
+    Rowwise,
+    apply_plan,
+    detect_plan,
+)
 
 
 def _axis(size: int, index: int = 0) -> Axis:

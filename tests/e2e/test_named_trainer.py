@@ -1,0 +1,29 @@
+"""`Trainer(strategy=strategies.ZeroStrategy(stage=3))` trains exactly as `Trainer(strategy="zero3")`, and likewise
+for every named class: the same losses and final parameters, bit for bit, in the same processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+JOB = os.path.join(os.path.dirname(__file__), "_named_job.py")
+
+
+def test_named_classes_train_exactly_as_their_plan_strings(tmp_path):
+    out = tmp_path / "results.pt"
+    env = {**os.environ, "STRATPACK_TIMEOUT": "60", "STRATPACK_RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run([sys.executable, JOB, str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(out)
+    assert len(results) == 6
+    for plan, got in results.items():
+        (named_losses, named_params), (losses, params) = got["named"], got["string"]
+        assert len(losses) == 3 and named_losses == losses, (got["class"], plan, named_losses, losses)
+        assert named_params.keys() == params.keys()
+        for name, value in params.items():
+            assert torch.equal(named_params[name], value), (got["class"], plan, name)
+        assert losses[-1] < losses[0], (plan, losses)  # it trained
