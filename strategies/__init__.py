@@ -16,6 +16,7 @@ registry as soon as Lightning is imported (`lightning.registry`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from strategies.lightning.registry import register_with_lightning
@@ -47,11 +48,29 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
+# Where the modules of the flat layout went (0.1's names; reached as attributes, with a DeprecationWarning).
+_MOVED = {
+    "estimate": "strategies.measure.estimate", "memory": "strategies.measure.memory",
+    "monitor": "strategies.measure.monitor", "runstore": "strategies.runs", "registry": "strategies.lightning.registry",
+    "options": "strategies.lightning.options", "sharded_checkpoint": "strategies.checkpoint.sharded",
+    "checkpointing": "strategies.activation_checkpoint", "tp_plan": "strategies.tensor_parallel.plans",
+    "sequence_parallel": "strategies.tensor_parallel.sequence_parallel", "zero3": "strategies.zero.stage3",
+    "zero_state": "strategies.zero.state", "compare": "strategies.cli.compare", "bench": "strategies.cli.bench",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a sub-package, as `strategies.pipeline`
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _MOVED or name == "Schedule":
+        import warnings
+
+        new = _MOVED.get(name, "strategies.PipelineSchedule")
+        warnings.warn(f"strategies.{name} is now {new}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new) if name in _MOVED else __getattr__("PipelineSchedule")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -133,8 +133,9 @@ class Technique:
         """Backwards inside accumulate locally: nothing is communicated until a backward outside."""
         yield
 
-    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]]) -> None:
-        """After the backward of a step that synchronises: leave this technique's gradients complete."""
+    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]], sync: bool) -> None:
+        """After every backward; ``sync``: outside `no_sync`, so the technique leaves its gradients complete (an
+        accumulation micro-step's backward has ``sync`` False)."""
 
     def after_step(self) -> None:
         """After the optimizer step."""

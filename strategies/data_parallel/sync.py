@@ -54,8 +54,8 @@ class GradSync(Technique):
     def remove(self) -> None:
         """Undo any hooks."""
 
-    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]]) -> None:
-        self.finish()
+    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]], sync: bool) -> None:
+        self.finish()  # inside no_sync it has nothing to reduce (ZeRO-3 still frees what it gathered)
 
     def teardown(self, healthy: bool) -> None:
         self.remove()

@@ -49,25 +49,39 @@ def install() -> None:
 
 
 class _InstallWhenImported(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when Lightning's registry module is about to load, it lets the other finders find it
-    and runs `install` right after the module has run."""
+    """Finds nothing itself: when Lightning's registry module is about to load, it lets the other finders find it,
+    and has its loader run `install` right after that module has run (then it steps out of the import system)."""
+
+    def __init__(self) -> None:
+        self._searching = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _REGISTRY_MODULE:
+        if name != _REGISTRY_MODULE or self._searching:
             return None
-        sys.meta_path.remove(self)  # once is enough; and the search below must not find this finder again
-        for finder in sys.meta_path:
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                run = spec.loader.exec_module
+        self._searching = True  # the search below asks every finder, this one too
+        try:
+            spec = next((found for finder in sys.meta_path if hasattr(finder, "find_spec")
+                         and (found := finder.find_spec(name, path, target)) is not None), None)
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None:
+            return None
+        loader, before = spec.loader, getattr(spec.loader, "__dict__", {}).get("exec_module")
+        run = loader.exec_module
 
-                def exec_module(module: Any) -> None:
-                    run(module)
-                    install()
+        def exec_module(module: Any) -> None:
+            run(module)
+            if module.__name__ == _REGISTRY_MODULE:  # a loader may serve other modules too (a zip archive)
+                if before is None:
+                    del loader.exec_module
+                else:
+                    loader.exec_module = before
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                install()
 
-                spec.loader.exec_module = exec_module
-                return spec
-        return None
+        loader.exec_module = exec_module
+        return spec
 
 
 def register_with_lightning() -> None:

@@ -265,9 +265,8 @@ class PlanStrategy(ParallelStrategy):
         # Lightning calls this after every backward. Outside an accumulation window's micro-steps the techniques
         # complete the gradients here (the dp average, sequence parallel's partial sums), before clipping and the
         # optimizer step see them.
-        if not self._accumulating:
-            for technique in reversed(self.techniques):
-                technique.finish_backward(self.held_grads)
+        for technique in reversed(self.techniques):
+            technique.finish_backward(self.held_grads, sync=not self._accumulating)
 
     @contextlib.contextmanager
     def _no_sync(self) -> Generator[None, None, None]:

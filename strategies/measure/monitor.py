@@ -206,14 +206,17 @@ class StrategyMonitor(L.Callback):
 
         device = trainer.strategy.root_device
         config = getattr(pl_module, "config", None)
-        num_params = getattr(self, "_num_params", None)  # counted before the strategy split the model (`setup`)
-        return runs.run_meta(
+        meta = runs.run_meta(
             run_id=self.run_id, label=label, comparison=self.comparison, world_size=trainer.world_size,
             devices=[torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"],
             plan=getattr(trainer.strategy, "resolved_plan", None),
             model=vars(config) if config is not None and hasattr(config, "__dict__") else None,
-            num_params=num_params if num_params is not None else sum(p.numel() for p in pl_module.parameters()),
-            accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision), **self.extra_meta)
+            num_params=sum(p.numel() for p in pl_module.parameters()),
+            accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision))
+        meta.update(self.extra_meta)  # the caller's fields win, but for the count made before the split and the id
+        if hasattr(self, "_num_params"):  # counted in `setup`, before the strategy split the model
+            meta["num_params"] = self._num_params
+        return {**meta, "run_id": self.run_id}
 
     def _pipeline_summary(self, trainer: L.Trainer, pipeline: Any) -> dict[str, Any]:
         """The measured bubble (mean over the ranks of each rank's median over the timed steps) beside the

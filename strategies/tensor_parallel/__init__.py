@@ -6,6 +6,12 @@ sequence; `state`: weights and optimizer state back in the single-process layout
 one technique of a plan.
 """
 
+from strategies.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from strategies.tensor_parallel.plans import (
     FUSED_QKV_PLAN,
     SEPARATE_QKV_PLAN,
@@ -19,5 +25,6 @@ from strategies.tensor_parallel.plans import (
 )
 from strategies.tensor_parallel.technique import TensorParallel
 
-__all__ = ["FUSED_QKV_PLAN", "SEPARATE_QKV_PLAN", "SHIPPED_PLANS", "Colwise", "Rowwise", "Style", "TensorParallel",
-           "VocabEmbedding", "apply_plan", "detect_plan"]
+__all__ = ["FUSED_QKV_PLAN", "SEPARATE_QKV_PLAN", "SHIPPED_PLANS", "Colwise", "ColumnParallelLinear",
+           "RowParallelLinear", "Rowwise", "Style", "TensorParallel", "VocabEmbedding", "VocabParallelEmbedding",
+           "apply_plan", "detect_plan", "vocab_parallel_cross_entropy"]

@@ -47,8 +47,8 @@ class TensorParallel(Technique):
     def split_axes(self) -> list[Axis]:
         return [self.axis]
 
-    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]]) -> None:
-        if self.sequence_parallel is not None:  # the norms saw 1/tp of the sequence: sum their partial gradients
+    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]], sync: bool) -> None:
+        if sync and self.sequence_parallel is not None:  # the norms saw 1/tp of the sequence: sum their partials
             partial = {id(p) for p in self.sequence_parallel.partial}
             self.sequence_parallel.reduce_partial_grads([g.grad for g in held_grads() if id(g.param) in partial])
 

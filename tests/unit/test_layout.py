@@ -135,3 +135,15 @@ def test_import_strategies_costs_no_torch_and_registers_once_lightning_loads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["PlanStrategy", "zero3_dp2_tp2"]
+
+
+def test_the_flat_layouts_module_names_still_resolve_with_a_warning():
+    import strategies
+
+    with pytest.warns(DeprecationWarning, match="strategies.monitor is now strategies.measure.monitor"):
+        assert strategies.monitor.StrategyMonitor is strategies.StrategyMonitor
+    with pytest.warns(DeprecationWarning, match="strategies.Schedule is now strategies.PipelineSchedule"):
+        assert strategies.Schedule is strategies.PipelineSchedule
+    assert strategies.pipeline.schedules.gpipe(2, 2)  # sub-packages as attributes, as before
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        strategies.nothing
