@@ -83,13 +83,13 @@ class PipelineSteps(DirectSteps):
             for p in params:
                 p.grad = None
             self._new_window = False
+        def step(microbatch: Any, index: int) -> Any:  # the user's training_step on one microbatch
+            return self.hook("training_step", microbatch, index, *args)
+
         accumulate = self.module.trainer.accumulate_grad_batches
         self.in_schedule = True  # training_step runs on the last stage only: no world collective from it
         try:
             with _deferred_logs(self.module) as logged:
-                def step(microbatch: Any, index: int) -> Any:
-                    return self.hook("training_step", microbatch, index, *args)
-
                 loss = self.pipeline.train_step(batch, batch_idx, step, self.device, self.no_sync, accumulate)
         finally:
             self.in_schedule = False
