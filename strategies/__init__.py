@@ -53,7 +53,7 @@ _MOVED = {
     "estimate": "strategies.measure.estimate", "memory": "strategies.measure.memory",
     "monitor": "strategies.measure.monitor", "runstore": "strategies.runs", "registry": "strategies.lightning.registry",
     "options": "strategies.lightning.options", "sharded_checkpoint": "strategies.checkpoint.sharded",
-    "checkpointing": "strategies.activation_checkpoint", "tp_plan": "strategies.tensor_parallel.plans",
+    "checkpointing": "strategies.activation_checkpoint", "tp_plan": "strategies.tensor_parallel",
     "sequence_parallel": "strategies.tensor_parallel.sequence_parallel", "zero3": "strategies.zero.stage3",
     "zero_state": "strategies.zero.state", "compare": "strategies.cli.compare", "bench": "strategies.cli.bench",
 }

@@ -41,10 +41,25 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
     return techniques
 
 
-def check_pipeline_precision(precision_plugin: Any) -> None:
-    if getattr(precision_plugin, "scaler", None) is not None:
-        raise ValueError("pipeline parallel does not support fp16 loss scaling (16-mixed) yet; use "
-                         "precision='bf16-mixed' or '32-true'")
+def check_precision(precision_plugin: Any, plan: ParallelPlan) -> None:
+    """fp16 loss scaling decides per rank whether a step overflowed; under tp or pp each rank holds only part of the
+    gradients, so one rank could skip a step the others take. Refused until that decision is shared."""
+    if getattr(precision_plugin, "scaler", None) is not None and (plan.tp > 1 or plan.pp > 1):
+        raise ValueError(
+            f"precision='16-mixed' is not supported with {'tensor' if plan.tp > 1 else 'pipeline'} parallel: each "
+            "rank's loss scaler sees only its own part of the gradients, so one rank could skip a step that the "
+            "others take and the copies would drift apart. Use precision='bf16-mixed' (no loss scaling) or "
+            "'32-true', or a plan without tp and pp (dp and ZeRO share the overflow decision).")
+
+
+def check_optimization(module: Any, plan: ParallelPlan) -> None:
+    """Pipeline parallel runs forward and backward inside its schedule, so a training_step that calls
+    manual_backward / optimizer.step itself cannot run under it."""
+    if plan.pp > 1 and not getattr(module, "automatic_optimization", True):
+        raise ValueError(
+            "pipeline parallel runs each microbatch's forward and backward inside its schedule, so manual "
+            "optimization (automatic_optimization = False) cannot run under it: use automatic optimization, or a "
+            "plan without pp")
 
 
 def timed_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,

@@ -154,6 +154,8 @@ class PlanStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+        assemble.check_precision(self.precision_plugin, self.resolved_plan)
+        assemble.check_optimization(self.lightning_module, self.resolved_plan)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options)
@@ -169,7 +171,6 @@ class PlanStrategy(ParallelStrategy):
     def _make_steps(self, fitting: bool) -> DirectSteps:
         if self.resolved_plan.pp == 1:
             return DirectSteps(self._lightning_hook)
-        assemble.check_pipeline_precision(self.precision_plugin)
         pipeline = None
         if not (self.options.pipeline_balance == "time" and fitting):  # balanced by time: on the first batch
             pipeline = PipelineParallel(self.model, self.resolved_plan, self.mesh, self.options.pipeline_blocks)

@@ -124,6 +124,10 @@ def _check_sequence(x: torch.Tensor, axis: Axis, dim: int) -> None:
 
 
 def gather_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    if x.dim() < 3 and axis.size > 1:
+        raise ValueError(f"sequence parallel gathers hidden states shaped (batch, sequence, features), but a split "
+                         f"layer got shape {tuple(x.shape)}: this model reshapes its hidden states before its split "
+                         "layers. Drop 'sp' for this model.")
     return x if axis.size == 1 else _Conjugate.apply(x, axis, dim, _gather_dim, _reduce_scatter_dim)
 
 
@@ -160,36 +164,70 @@ def _check_divides(what: str, size: int, axis: Axis) -> None:
         raise ValueError(f"{what} = {size} does not divide by tp = {axis.size}; choose a tp that divides it")
 
 
+def linear_parts(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """``(weight, bias, transposed)`` of a layer computing ``x A + b``: an ``nn.Linear`` (weight ``(out, in)``) or a
+    GPT-2 style ``Conv1D`` (Hugging Face ``transformers``: the same map with the weight stored ``(in, out)``)."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight, layer.bias, False
+    if is_conv1d(layer):
+        return layer.weight, layer.bias, True
+    raise TypeError(f"a tensor-parallel split needs an nn.Linear or a transformers Conv1D, found "
+                    f"{type(layer).__name__}")
+
+
+def is_conv1d(layer: nn.Module) -> bool:
+    """A ``transformers`` ``Conv1D`` (or a copy of it, as nanoGPT ports have): a linear map with weight ``(nx, nf)``."""
+    weight = getattr(layer, "weight", None)
+    return (type(layer).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and tuple(weight.shape) == (getattr(layer, "nx", None), getattr(layer, "nf", None)))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    return F.linear(x, weight.t() if transposed else weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split along its columns, A = [A_1, ..., A_p]: rank i computes Y_i = X A_i + b_i.
 
     Identity forward / all-reduce backward on X (f). ``gather_output`` all-gathers the Y_i into Y. With
-    ``sequence_parallel`` X arrives split along the sequence (dim 1) and f is `gather_sequence`.
-    ``chunks`` > 1 splits each of ``chunks`` equal column blocks separately (a fused [q | k | v]
-    projection keeps a [q_i | k_i | v_i] layout on each rank, so every rank holds whole heads).
+    ``sequence_parallel`` X arrives split along the sequence (dim 1) and f is `gather_sequence`; with
+    ``sequence_parallel = "gathered"`` the module above did that for all its layers, and X is used as it comes.
+    ``chunks`` > 1 (or a tuple of block sizes) splits each column block separately: a fused [q | k | v]
+    projection keeps a [q_i | k_i | v_i] layout on each rank, so every rank holds whole heads.
+    ``transposed``: the weight is kept as the user's layer stored it, ``(in, out)`` for a ``Conv1D``, so that its
+    state keeps the single-process layout.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, gather_output: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, gather_output: bool = False,
+                 transposed: bool = False):
         super().__init__()
-        self.axis, self.gather_output = axis, gather_output
+        self.axis, self.gather_output, self.transposed = axis, gather_output, transposed
         self.sequence_parallel = False
+        self.blocks = (weight.shape[1 if transposed else 0] * axis.size,)  # full sizes of the column blocks
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, axis: Axis, gather_output: bool = False, chunks: int = 1):
-        out = linear.out_features
-        if out % chunks:
-            raise ValueError(f"output features = {out} do not split into {chunks} equal blocks")
-        _check_divides("output features per block", out // chunks, axis)
-        rows = column_rows(out, chunks, axis)
-        weight = linear.weight.detach()[rows].clone()
-        bias = linear.bias.detach()[rows].clone() if linear.bias is not None else None
-        return cls(weight, bias, axis, gather_output)
+    def from_linear(cls, linear: nn.Module, axis: Axis, gather_output: bool = False,
+                    chunks: int | tuple[int, ...] = 1):
+        weight, bias, transposed = linear_parts(linear)
+        out_dim = 1 if transposed else 0
+        blocks = column_blocks(weight.shape[out_dim], chunks, axis)
+        rows = block_rows(blocks, axis)
+        weight = weight.detach().index_select(out_dim, rows).clone()
+        bias = bias.detach()[rows].clone() if bias is not None else None
+        layer = cls(weight, bias, axis, gather_output, transposed)
+        layer.blocks = blocks
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_sequence(x, self.axis) if self.sequence_parallel else copy_to_tp(x, self.axis)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel == "gathered":  # the module above gathered the sequence (`SequenceParallel`)
+            pass
+        elif self.sequence_parallel:
+            x = gather_sequence(x, self.axis)
+        else:
+            x = copy_to_tp(x, self.axis)
+        y = _linear(x, self.weight, self.bias, self.transposed)
         return gather_from_tp(y, self.axis) if self.gather_output else y
 
 
@@ -197,24 +235,26 @@ class RowParallelLinear(nn.Module):
     """Y = X A + b with A split along its rows, A = [A_1; ...; A_p] and X = [X_1, ..., X_p] split along its
     columns: rank i computes X_i A_i; the partial sums are all-reduced forward (g), identity backward; the
     bias is added once, after the sum. With ``sequence_parallel`` g is `scatter_sequence`: each rank gets
-    the summed output for its 1/p of the sequence (and the bias's gradient is then a partial sum)."""
+    the summed output for its 1/p of the sequence (and the bias's gradient is then a partial sum).
+    ``transposed`` as for `ColumnParallelLinear`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, transposed: bool = False):
         super().__init__()
-        self.axis = axis
+        self.axis, self.transposed = axis, transposed
         self.sequence_parallel = False
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, axis: Axis):
-        _check_divides("input features", linear.in_features, axis)
-        cols = linear.weight.detach().chunk(axis.size, dim=1)[axis.index].clone()
-        bias = linear.bias.detach().clone() if linear.bias is not None else None
-        return cls(cols, bias, axis)
+    def from_linear(cls, linear: nn.Module, axis: Axis):
+        weight, bias, transposed = linear_parts(linear)
+        in_dim = 0 if transposed else 1
+        _check_divides("input features", weight.shape[in_dim], axis)
+        cols = weight.detach().chunk(axis.size, dim=in_dim)[axis.index].clone()
+        return cls(cols, bias.detach().clone() if bias is not None else None, axis, transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, None, self.transposed)
         y = scatter_sequence(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
         return y + self.bias if self.bias is not None else y
 
@@ -243,12 +283,30 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.axis)
 
 
-def column_rows(out: int, chunks: int, axis: Axis) -> torch.Tensor:
+def column_blocks(out: int, chunks: int | tuple[int, ...], axis: Axis) -> tuple[int, ...]:
+    """The sizes of the column blocks a fused projection of ``out`` features is made of (``chunks`` equal ones, or
+    the sizes given), each checked to split over ``axis``."""
+    blocks = (out // chunks,) * chunks if isinstance(chunks, int) else tuple(chunks)
+    if sum(blocks) != out or (isinstance(chunks, int) and out % chunks):
+        raise ValueError(f"output features = {out} do not split into the blocks {chunks}")
+    for size in blocks:
+        _check_divides("output features per block", size, axis)
+    return blocks
+
+
+def block_rows(blocks: tuple[int, ...], axis: Axis) -> torch.Tensor:
+    """Indices, along the split dimension, that rank ``axis.index`` keeps: its 1/p slice of each block."""
+    out, start = [], 0
+    for size in blocks:
+        part = size // axis.size
+        out.append(torch.arange(start + axis.index * part, start + (axis.index + 1) * part))
+        start += size
+    return torch.cat(out)
+
+
+def column_rows(out: int, chunks: int | tuple[int, ...], axis: Axis) -> torch.Tensor:
     """Rows of the full weight that rank ``axis.index`` keeps: its slice of each of ``chunks`` blocks."""
-    block = out // chunks
-    part = block // axis.size
-    return torch.cat([torch.arange(c * block + axis.index * part, c * block + (axis.index + 1) * part)
-                      for c in range(chunks)])
+    return block_rows(column_blocks(out, chunks, axis), axis)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -4,7 +4,7 @@ A plan maps module-name patterns (``fnmatch``, ``*`` matches one or more name pa
 ``torch.distributed.tensor.parallel.parallelize_module`` does. Modules no pattern names stay replicated:
 every tensor-parallel rank holds them whole and, since their inputs are identical on those ranks, computes
 identical gradients for them. Shipped plans cover the usual decoder layouts and are chosen by
-`detect_plan`; a user may pass their own.
+`families.detect_plan`; a user may pass their own.
 """
 
 from __future__ import annotations
@@ -15,14 +15,21 @@ from dataclasses import dataclass
 from torch import nn
 
 from strategies.comm import Axis
-from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from strategies.tensor_parallel import heads
+from strategies.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    is_conv1d,
+)
 
 
 @dataclass(frozen=True)
 class Colwise:
-    """Split the output features (``chunks``: a fused projection of that many equal blocks, e.g. 3 for qkv)."""
+    """Split the output features. ``chunks``: a fused projection of that many equal blocks (3 for [q | k | v]), or
+    the blocks' sizes when they differ (grouped-query [q | k | v]: ``(heads * d, kv_heads * d, kv_heads * d)``)."""
 
-    chunks: int = 1
+    chunks: int | tuple[int, ...] = 1
 
 
 @dataclass(frozen=True)
@@ -37,18 +44,15 @@ class VocabEmbedding:
 
 Style = Colwise | Rowwise | VocabEmbedding
 
-# Fused q|k|v and fc/proj MLP: nanoGPT, GPT-2 style and this pack's demo GPT.
+# Fused q|k|v and fc/proj MLP: this pack's demo GPT. More layouts, and their detection: `families`.
 FUSED_QKV_PLAN: dict[str, Style] = {
     "*.attn.qkv": Colwise(chunks=3), "*.attn.proj": Rowwise(), "*.mlp.fc": Colwise(), "*.mlp.proj": Rowwise(),
 }
-# Separate projections: Llama, Mistral, Qwen and most Hugging Face decoders.
+# Separate projections: Llama, Mistral, Qwen2, Gemma.
 SEPARATE_QKV_PLAN: dict[str, Style] = {
     "*.q_proj": Colwise(), "*.k_proj": Colwise(), "*.v_proj": Colwise(), "*.o_proj": Rowwise(),
     "*.gate_proj": Colwise(), "*.up_proj": Colwise(), "*.down_proj": Rowwise(),
 }
-SHIPPED_PLANS = {"fused_qkv": FUSED_QKV_PLAN, "separate_qkv": SEPARATE_QKV_PLAN}
-
-_EXAMPLE = "{'*.attn.qkv': Colwise(chunks=3), '*.attn.proj': Rowwise(), '*.mlp.fc': Colwise(), '*.mlp.proj': Rowwise()}"
 
 
 def matches(plan: dict[str, Style], module: nn.Module) -> dict[str, Style]:
@@ -62,32 +66,32 @@ def matches(plan: dict[str, Style], module: nn.Module) -> dict[str, Style]:
     return out
 
 
-def detect_plan(module: nn.Module) -> dict[str, Style]:
-    """The shipped plan that fits ``module``; a clear error listing its linear layers when none does."""
-    for plan in SHIPPED_PLANS.values():
-        found = matches(plan, module)
-        if found and all(isinstance(module.get_submodule(n), (nn.Linear, nn.Embedding)) for n in found):
-            return plan
-    linears = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    raise ValueError(
-        "no tensor-parallel plan fits this model: the shipped plans look for attention projections named "
-        "qkv/proj (fused) or q_proj/k_proj/v_proj/o_proj, and MLPs named fc/proj or gate_proj/up_proj/"
-        f"down_proj. Linear layers found: {', '.join(linears[:12]) or 'none'}. Pass a plan, e.g. "
-        f"PlanStrategy('tp2', tp_plan={_EXAMPLE}) (strategies.Colwise / Rowwise / VocabEmbedding)."
-    )
+class SplitLayers(dict):
+    """``{module name: style}`` of the layers `apply_plan` split; ``localised``: the attention attributes it made
+    count this rank's heads (`heads.localise`), for `heads.restore`."""
+
+    localised: list
 
 
-def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> dict[str, Style]:
-    """Replace the planned submodules with their tensor-parallel versions over ``axis``, in place."""
-    found = matches(plan, module)
+def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLayers:
+    """Replace the planned submodules with their tensor-parallel versions over ``axis``, in place, and make the
+    attention above them count this rank's heads. Each parallel layer keeps the user's layer (its parameters
+    emptied) to put back at the end (`state.restore_full_layers`)."""
+    found = SplitLayers(matches(plan, module))
     if not found:
         raise ValueError(f"the tensor-parallel plan names no module of this model: patterns {list(plan)}")
-    _check_heads(module, found, axis)
+    heads.check_heads(module, found, axis)
+    heads.check_attention_parameters(module, found)
     for name, style in found.items():
         child = module.get_submodule(name)
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, _parallel(child, style, axis, name))
+        layer = _parallel(child, style, axis, name)
+        layer.user_layer = (child,)  # a tuple: kept, but neither a submodule nor in the state dict
+        for pname, param in list(child.named_parameters(recurse=False)):
+            setattr(child, pname, nn.Parameter(param.detach().new_empty(0), requires_grad=param.requires_grad))
+        setattr(parent, attr, layer)
+    found.localised = heads.localise(module, found, axis)
     return found
 
 
@@ -96,42 +100,46 @@ def _parallel(child: nn.Module, style: Style, axis: Axis, name: str) -> nn.Modul
         if not isinstance(child, nn.Embedding):
             raise TypeError(f"{name}: VocabEmbedding needs an nn.Embedding, found {type(child).__name__}")
         return VocabParallelEmbedding.from_embedding(child, axis)
-    if not isinstance(child, nn.Linear):
-        raise TypeError(f"{name}: {type(style).__name__} needs an nn.Linear, found {type(child).__name__}")
+    if not isinstance(child, nn.Linear) and not is_conv1d(child):
+        raise TypeError(f"{name}: {type(style).__name__} needs an nn.Linear (or a transformers Conv1D), found "
+                        f"{type(child).__name__}")
     if isinstance(style, Colwise):
         return ColumnParallelLinear.from_linear(child, axis, chunks=style.chunks)
     return RowParallelLinear.from_linear(child, axis)
 
 
-# How attention modules (and their configs) name their head counts: nanoGPT, Hugging Face, Llama's reference.
-HEAD_ATTRIBUTES = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
+@dataclass(frozen=True)
+class ParamSplit:
+    """How one parameter of a split layer is cut: along ``dim``, each block of ``blocks`` (full sizes along that
+    dim, in order) into ``tp`` equal slices, rank i keeping the i-th slice of every block."""
+
+    dim: int
+    blocks: tuple[int, ...]
 
 
-def _check_heads(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:
-    # Attention splits by whole heads: every head count a module above a split layer declares must divide by tp.
-    for name, m in module.named_modules():
-        if not any(n.startswith(f"{name}." if name else "") for n in found):
-            continue
-        for attr in HEAD_ATTRIBUTES:
-            heads = getattr(m, attr, None)
-            if isinstance(heads, int) and not isinstance(heads, bool) and heads % axis.size:
-                where = name or type(m).__name__
-                raise ValueError(f"{where}: {heads} attention heads ({attr}) do not divide by tp = {axis.size}; "
-                                 f"choose a tp that divides {heads}")
+def layer_splits(layer: nn.Module) -> dict[str, ParamSplit]:
+    """``{parameter name: split}`` for one parallel layer (a row-parallel bias is whole on every rank)."""
+    if isinstance(layer, ColumnParallelLinear):
+        out = {"weight": ParamSplit(1 if layer.transposed else 0, layer.blocks)}
+        return out | ({"bias": ParamSplit(0, layer.blocks)} if layer.bias is not None else {})
+    if isinstance(layer, RowParallelLinear):
+        dim = 0 if layer.transposed else 1
+        return {"weight": ParamSplit(dim, (layer.weight.shape[dim] * layer.axis.size,))}
+    if isinstance(layer, VocabParallelEmbedding):
+        return {"weight": ParamSplit(0, (layer.weight.shape[0] * layer.axis.size,))}
+    raise TypeError(f"not a tensor-parallel layer: {type(layer).__name__}")
 
 
-
-def split_params(module: nn.Module, found: dict[str, Style]) -> dict[int, tuple[str, Style]]:
-    """``{id(param): (name, style)}`` for the parameters the plan split (a Rowwise bias is not split)."""
+def split_params(module: nn.Module, found: dict[str, Style]) -> dict[int, tuple[str, ParamSplit]]:
+    """``{id(param): (name, split)}`` for the parameters the plan split (a Rowwise bias is not split)."""
     out = {}
-    for name, style in found.items():
+    for name in found:
         layer = module.get_submodule(name)
-        for pname, p in layer.named_parameters(recurse=False):
-            if not (isinstance(style, Rowwise) and pname == "bias"):
-                out[id(p)] = (f"{name}.{pname}", style)
+        for pname, split in layer_splits(layer).items():
+            out[id(getattr(layer, pname))] = (f"{name}.{pname}", split)
     return out
 
 
-def split_styles(module: nn.Module, found: dict[str, Style]) -> dict[str, Style]:
-    """``{parameter name: style}`` for the parameters the plan split."""
-    return {name: style for name, style in split_params(module, found).values()}
+def param_splits(module: nn.Module, found: dict[str, Style]) -> dict[str, ParamSplit]:
+    """``{parameter name: split}`` for the parameters the plan split."""
+    return dict(split_params(module, found).values())

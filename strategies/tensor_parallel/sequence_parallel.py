@@ -23,6 +23,7 @@ from strategies.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     enter_sequence_parallel,
+    gather_sequence,
     leave_sequence_parallel,
 )
 
@@ -49,6 +50,20 @@ def find_region(module: nn.Module, layer_names: list[str]) -> tuple[str, nn.Modu
     return next(iter(found.items()))
 
 
+def _gathering_modules(module: nn.Module, found: dict, region_name: str) -> set[str]:
+    """The modules that gather the sequence for the column layers they hold: each module that holds a split layer
+    and sits inside a block (an attention or MLP module). A split layer held by the block itself gathers its own
+    input."""
+    out = set()
+    for name in found:
+        parent = name.rpartition(".")[0]
+        inside = parent.removeprefix(f"{region_name}.") if region_name else parent
+        if "." in inside and any(isinstance(module.get_submodule(n), ColumnParallelLinear)
+                                 for n in found if n.rpartition(".")[0] == parent):
+            out.add(parent)
+    return out
+
+
 class SequenceParallel:
     """Turns sequence parallel on for the tensor-parallel layers ``found`` (name -> style) of ``module``."""
 
@@ -56,22 +71,38 @@ class SequenceParallel:
         self.axis, self.dim = axis, dim
         self.region_name, region = find_region(module, list(found))
         self.layers = [module.get_submodule(n) for n in found]
-        for layer in self.layers:
+        blocks = list(region)
+        gathering = _gathering_modules(module, found, self.region_name)
+        for name in found:
+            layer = module.get_submodule(name)
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 layer.sequence_parallel = True
-        blocks = list(region)
+            if isinstance(layer, ColumnParallelLinear) and name.rpartition(".")[0] in gathering:
+                layer.sequence_parallel = "gathered"
         # Replicated parameters inside the region: their gradients are partial sums over the sequence.
         self.partial = [p for block in blocks for p in block.parameters()
                         if p.requires_grad and id(p) not in split_param_ids]
         self._hooks = [
             blocks[0].register_forward_pre_hook(self._enter),
             blocks[-1].register_forward_hook(self._leave),
+            *(module.get_submodule(name).register_forward_pre_hook(self._gather, with_kwargs=True)
+              for name in gathering),
         ]
 
     def _enter(self, block: nn.Module, args: tuple) -> tuple:
         if not args or not isinstance(args[0], torch.Tensor):
             raise TypeError("sequence parallel needs the first block's hidden states as its first positional argument")
         return (enter_sequence_parallel(args[0], self.axis, self.dim), *args[1:])
+
+    def _gather(self, m: nn.Module, args: tuple, kwargs: dict):
+        # The attention (or MLP) module gets the whole sequence, as without sequence parallel: its forward may read
+        # the sequence length from its input (Llama's does), and its column layers share one all-gather.
+        if args and isinstance(args[0], torch.Tensor):
+            return (gather_sequence(args[0], self.axis, self.dim), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"], self.axis, self.dim)}
+        raise TypeError(f"sequence parallel needs the hidden states as the first argument (or hidden_states=) of "
+                        f"{type(m).__name__}, which holds split layers")
 
     def _leave(self, block: nn.Module, args: tuple, output):
         if isinstance(output, torch.Tensor):

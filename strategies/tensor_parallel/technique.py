@@ -23,26 +23,26 @@ class TensorParallel(Technique):
         self.module, self.axis = module, axis
         self.layers = apply_plan(module, plan, axis)  # split the full, initialised layers: name -> style
         split = split_params(module, self.layers)
-        self.styles = {name: style for name, style in split.values()}  # split parameter name -> style
+        self.splits = dict(split.values())  # split parameter name -> how it is cut
         self.sequence_parallel = SequenceParallel(module, self.layers, set(split), axis) if sequence_parallel \
             else None
 
     def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        return tp_state.unsplit_state(state, self.styles, self.axis)
+        return tp_state.unsplit_state(state, self.splits, self.axis)
 
     def local_model_state(self, state: dict[str, Tensor], strict: bool) -> dict[str, Tensor]:
-        return tp_state.split_state(state, self.styles, self.axis)
+        return tp_state.split_state(state, self.splits, self.axis)
 
     def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
         shapes = {n: p.shape for n, p in self.module.named_parameters()}
         return state.with_entries(
-            tp_state.unsplit_optimizer_state(state.per_param, state.names, self.styles, shapes, self.axis))
+            tp_state.unsplit_optimizer_state(state.per_param, state.names, self.splits, shapes, self.axis))
 
     def local_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
-        return state.with_entries(tp_state.split_optimizer_state(state.per_param, self.styles, self.axis))
+        return state.with_entries(tp_state.split_optimizer_state(state.per_param, self.splits, self.axis))
 
     def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
-        return [g._replace(split=self.axis) if g.name in self.styles else g for g in grads]
+        return [g._replace(split=self.axis) if g.name in self.splits else g for g in grads]
 
     def split_axes(self) -> list[Axis]:
         return [self.axis]

@@ -25,6 +25,7 @@ from strategies.comm import Axis, CommStats
 from strategies.data_parallel import BucketedDataParallel
 from strategies.mesh import ParallelMesh
 from strategies.plan import ParallelPlan
+from strategies.tensor_parallel.families import detect_plan
 from strategies.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,7 +33,7 @@ from strategies.tensor_parallel.layers import (
     column_rows,
     vocab_parallel_cross_entropy,
 )
-from strategies.tensor_parallel.plans import apply_plan, detect_plan, split_params
+from strategies.tensor_parallel.plans import apply_plan, split_params
 from strategies.tensor_parallel.sequence_parallel import SequenceParallel, find_region
 from strategies.tensor_parallel.state import full_state_dict
 from strategies.testing import run_ranks

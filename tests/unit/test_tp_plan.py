@@ -7,6 +7,7 @@ from torch import nn
 
 from demos.gpt import GPT, GPTConfig
 from strategies.comm import Axis
+from strategies.tensor_parallel.families import detect_plan
 from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from strategies.tensor_parallel.plans import (
     FUSED_QKV_PLAN,
@@ -14,7 +15,6 @@ from strategies.tensor_parallel.plans import (
     Colwise,
     Rowwise,
     apply_plan,
-    detect_plan,
 )
 
 

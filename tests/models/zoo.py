@@ -1,0 +1,161 @@
+"""Tiny models people bring, built from random configs (nothing downloaded): Hugging Face classes, a nanoGPT
+written as in nanoGPT's model.py, and layouts the pack must refuse or handle (a head registered before the
+blocks). Each builder takes a seed and returns a module whose ``loss(ids)`` is the causal-LM loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM behind one ``loss(ids)`` (the labels are the ids, shifted inside the model)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def _hf(config_cls: str, model_cls: str, **kwargs):
+    import transformers
+
+    config = getattr(transformers, config_cls)(**kwargs)
+    return CausalLM(getattr(transformers, model_cls)(config))
+
+
+def _llama_like(config_cls: str, model_cls: str, kv: int = HEADS, tied: bool = False, **extra):
+    return _hf(config_cls, model_cls, vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+               num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=kv,
+               max_position_embeddings=SEQ * 2, tie_word_embeddings=tied, **extra)
+
+
+def llama():
+    return _llama_like("LlamaConfig", "LlamaForCausalLM")
+
+
+def llama_tied():
+    return _llama_like("LlamaConfig", "LlamaForCausalLM", tied=True)
+
+
+def llama_gqa():
+    return _llama_like("LlamaConfig", "LlamaForCausalLM", kv=2)
+
+
+def qwen2():
+    return _llama_like("Qwen2Config", "Qwen2ForCausalLM", kv=2)
+
+
+def mistral():
+    return _llama_like("MistralConfig", "MistralForCausalLM", kv=2)
+
+
+def phi3():
+    return _llama_like("Phi3Config", "Phi3ForCausalLM", kv=2, pad_token_id=0)
+
+
+def gpt2():
+    return _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
+               n_positions=SEQ * 2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def opt():
+    return _hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=WIDTH, ffn_dim=2 * WIDTH,
+               num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=SEQ * 2,
+               word_embed_proj_dim=WIDTH, dropout=0.0, pad_token_id=1)
+
+
+def gpt_neox():
+    return _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=VOCAB, hidden_size=WIDTH,
+               intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+               max_position_embeddings=SEQ * 2)
+
+
+def gptj():
+    return _hf("GPTJConfig", "GPTJForCausalLM", vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
+               n_positions=SEQ * 2, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+# nanoGPT (github.com/karpathy/nanoGPT, model.py), its layout and forward as written there, small.
+class NanoAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(WIDTH, 3 * WIDTH)
+        self.c_proj = nn.Linear(WIDTH, WIDTH)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(0.0), nn.Dropout(0.0)
+        self.n_head, self.n_embd, self.dropout = HEADS, WIDTH, 0.0
+        self.flash = True
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(WIDTH), NanoAttention(), nn.LayerNorm(WIDTH), NanoMLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, WIDTH), wpe=nn.Embedding(SEQ * 2, WIDTH), drop=nn.Dropout(0.0),
+            h=nn.ModuleList([NanoBlock() for _ in range(LAYERS)]), ln_f=nn.LayerNorm(WIDTH)))
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    def loss(self, ids):
+        return self(ids, torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -1)], 1))[1]
+
+
+def nanogpt():
+    return NanoGPT()
+
+
+MODELS = {f.__name__: f for f in (llama, llama_tied, llama_gqa, qwen2, mistral, phi3, gpt2, opt, gpt_neox, gptj,
+                                  nanogpt)}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def batches(steps: int, batch: int = 4, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
