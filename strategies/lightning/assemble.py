@@ -21,6 +21,7 @@ from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import find_blocks, measure_times
+from strategies.pipeline.trace import trace_forward
 from strategies.plan import DataMode, ParallelPlan
 from strategies.technique import Technique
 from strategies.tensor_parallel import TensorParallel, detect_plan
@@ -62,18 +63,21 @@ def check_optimization(module: Any, plan: ParallelPlan) -> None:
             "plan without pp")
 
 
-def timed_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
-                   run_forward: Callable[[], None]) -> PipelineParallel:
-    """The pipeline cut by measured time: the whole model is still on every rank, so time its blocks in
-    ``run_forward()`` (a warm-up run, then a measured one), take the slowest rank's figures so that every rank cuts
-    the same way, then cut."""
-    blocks = find_blocks(model, options.pipeline_blocks)
-    run_forward()
-    times, first, last = measure_times(model, blocks, run_forward)
-    agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)
-    comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
-    weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
-    return PipelineParallel(model, plan, mesh, blocks, weights)
+def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
+                    run_forward: Callable[[], None]) -> PipelineParallel:
+    """The pipeline cut after watching one forward: the whole model is still on every rank, so ``run_forward()``
+    (the user's step on the first microbatch) shows which list of blocks runs and which parameters each side of it
+    uses (`trace.trace_forward`); rank 0's trace decides for every rank. Balanced by time: the blocks are timed in
+    two more runs, and the slowest rank's figures taken, so that every rank cuts the same way."""
+    trace = comm.broadcast_object(trace_forward(model, run_forward, options.pipeline_blocks), mesh.world, src=0)
+    weights = None
+    if options.pipeline_balance == "time":
+        run_forward()
+        times, first, last = measure_times(model, trace.blocks, run_forward)
+        agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)
+        comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
+        weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
+    return PipelineParallel(model, plan, mesh, trace.blocks, weights, trace)
 
 
 def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,

@@ -73,6 +73,7 @@ class PlanStrategy(ParallelStrategy):
         self.techniques: list[Technique] = []  # in the order applied (`strategies.technique`)
         self._steps = DirectSteps(self._lightning_hook)
         self._accumulating = False  # inside an accumulation window's micro-step: gradients stay local
+        self._pending_optimizer: dict[str, Any] | None = None  # a resumed optimizer state, until the pipeline is cut
         self.activation_bytes = self.peak_activation_bytes = 0
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
 
@@ -162,7 +163,7 @@ class PlanStrategy(ParallelStrategy):
         self._steps = self._make_steps(fitting)
         if fitting:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
-            if self.resolved_plan.pp == 1 or self.pipeline is not None:  # else the first batch builds both
+            if self.resolved_plan.pp == 1:  # else the first batch builds the pipeline, then the sync
                 self._add_grad_sync()
         self.setup_precision_plugin()
         if fitting:
@@ -171,23 +172,25 @@ class PlanStrategy(ParallelStrategy):
     def _make_steps(self, fitting: bool) -> DirectSteps:
         if self.resolved_plan.pp == 1:
             return DirectSteps(self._lightning_hook)
-        pipeline = None
-        if not (self.options.pipeline_balance == "time" and fitting):  # balanced by time: on the first batch
-            pipeline = PipelineParallel(self.model, self.resolved_plan, self.mesh, self.options.pipeline_blocks)
-            self.techniques.append(pipeline)
-        return PipelineSteps(self._lightning_hook, self.lightning_module, self.root_device, self._no_sync, pipeline,
-                             self._build_timed_pipeline, self.options.stop_on_nonfinite_loss)
+        # Cut on the first training batch, after tracing it (`assemble.traced_pipeline`). Until then, and in a run
+        # that only evaluates, every rank holds and runs the whole model.
+        return PipelineSteps(self._lightning_hook, self.lightning_module, self.root_device, self._no_sync, None,
+                             self._build_pipeline, self.options.stop_on_nonfinite_loss)
 
-    def _build_timed_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
+    def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
         micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
 
         def run_forward() -> None:
             with torch.no_grad():
                 self._lightning_hook("training_step", micro, batch_idx, *args)
 
-        pipeline = assemble.timed_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)
+        pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)
         self.techniques.append(pipeline)
         self._add_grad_sync()
+        if self._pending_optimizer is not None:  # each stage (and ZeRO shard) now takes its part of it
+            self._steps.pipeline = pipeline
+            self.load_optimizer_state_dict(self._pending_optimizer)
+            self._pending_optimizer = None
         return pipeline
 
     def _add_grad_sync(self) -> None:
@@ -343,6 +346,9 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.resolved_plan is not None and self.resolved_plan.pp > 1 and self.pipeline is None:
+            self._pending_optimizer = checkpoint  # resumed before the first batch cuts the pipeline: load then
+            return
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             if len(saved["param_groups"]) != len(optimizer.param_groups):

@@ -29,6 +29,7 @@ from strategies.mesh import ParallelMesh
 from strategies.pipeline import schedules
 from strategies.pipeline.runner import PipelineRunner, StepResult
 from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
+from strategies.pipeline.trace import ForwardTrace
 from strategies.plan import ParallelPlan
 from strategies.technique import OptimizerState, Technique
 
@@ -43,11 +44,11 @@ class PipelineParallel(Technique):
     """``module`` cut into ``plan.pp * plan.virtual`` stages over the mesh's pp axis; this rank runs its own."""
 
     def __init__(self, module: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, blocks: str | None = None,
-                 weights: tuple[list[float], float, float] | None = None):
+                 weights: tuple[list[float], float, float] | None = None, trace: ForwardTrace | None = None):
         self.module, self.axis = module, mesh.pp
         pp, self.virtual, self.microbatches = plan.pp, plan.virtual, plan.microbatches
         self.stages = pp * self.virtual
-        self.layout = plan_stages(module, self.stages, blocks, weights)
+        self.layout = plan_stages(module, self.stages, blocks, weights, trace)
         self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
         self.runner_stages = StageRunner(module, self.layout, self.my_stages)
         tables = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)
@@ -159,12 +160,14 @@ class PipelineParallel(Technique):
     # -- state ---------------------------------------------------------------------------------------------
 
     def full_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Every parameter from the rank that owns it (every rank must call this), buffers as they are.
+        """Every parameter and buffer from the rank whose copy is in use (every rank must call this).
         ``state``: this rank's view to take the owned values from (default: the module's own; tensor
         parallel passes its gathered, full-shaped one: placeholders then have the full shape too)."""
         state = dict(state) if state is not None else {k: v.detach() for k, v in self.module.state_dict().items()}
-        for name, _ in self.module.named_parameters():
-            src = schedules.owner(self.layout.stage_of(name), self.axis.size)
+        owners = {name: self.layout.stage_of(name) for name, _ in self.module.named_parameters()}
+        owners |= {name: self.layout.buffer_stage(name) for name, _ in self.module.named_buffers() if name in state}
+        for name, stage in owners.items():
+            src = schedules.owner(stage, self.axis.size)
             mine = state[name]
             value = mine.clone() if src == self.axis.index else torch.empty(mine.shape, dtype=mine.dtype,
                                                                             device=mine.device)
@@ -174,7 +177,12 @@ class PipelineParallel(Technique):
 
     def restore_full_model(self) -> None:
         self.finish()
-        self.runner_stages.restore(self.full_state_dict())
+        full = self.full_state_dict()
+        self.runner_stages.restore(full)
+        with torch.no_grad():  # the buffers as the stage that uses them has them
+            for name, buffer in self.module.named_buffers():
+                if name in full:
+                    buffer.copy_(full[name])
 
     def owns(self, name: str) -> bool:
         """Whether this rank's stages hold parameter ``name``."""

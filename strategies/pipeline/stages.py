@@ -2,8 +2,9 @@
 
 The model is cut at its list of blocks (the ``nn.ModuleList`` / ``nn.Sequential`` its forward runs in
 order, hidden states as the first argument): stage s gets a contiguous range of blocks, stage 0 also
-the modules registered before the list (embeddings), the last stage those registered after it (final norm,
-head). Ranges are balanced by parameter count (`partition`).
+the parameters the forward uses before the list (embeddings), the last stage those it uses after it (final norm,
+head), as one traced forward shows (`trace`; without a trace, by registration order). Ranges are balanced by
+parameter count (`partition`) or measured time.
 
 The user's code is left as written. To run stage s, the list is swapped for one that holds only stage s's
 blocks; for s > 0 the first of them gets the activation received from stage s-1 in place of its input,
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from strategies.pipeline.trace import BETWEEN, BLOCKS, POST, PRE, ForwardTrace
 
 
 class StageDone(Exception):
@@ -92,8 +95,9 @@ class StageLayout:
 
     blocks_name: str
     ranges: list[range]  # blocks of each global stage
-    pre: list[str]  # parameter names registered before the blocks: stage 0's
-    post: list[str]  # after the blocks: the last stage's
+    pre: list[str]  # parameters outside the blocks that stage 0 holds (used before the blocks)
+    post: list[str]  # those the last stage holds (used after the blocks)
+    post_buffers: tuple[str, ...] = ()  # buffers outside the blocks that only the last stage uses (and updates)
 
     @property
     def stages(self) -> int:
@@ -108,6 +112,13 @@ class StageLayout:
         index = int(name[len(self.blocks_name) + 1 :].split(".")[0])
         return next(s for s, r in enumerate(self.ranges) if index in r)
 
+    def buffer_stage(self, name: str) -> int:
+        """The stage whose copy of buffer ``name`` is the one in use: its block's, the last stage's for a buffer
+        only the code after the blocks uses, else stage 0's."""
+        if name.startswith(self.blocks_name + "."):
+            return self.stage_of(name)
+        return self.stages - 1 if name in self.post_buffers else 0
+
     def describe(self) -> str:
         """The partition, one stage a line, for logs and errors."""
         last = self.stages - 1
@@ -117,12 +128,32 @@ class StageLayout:
 
 
 def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None,
-                weights: tuple[list[float], float, float] | None = None) -> StageLayout:
+                weights: tuple[list[float], float, float] | None = None,
+                trace: ForwardTrace | None = None) -> StageLayout:
     """Where to cut ``module`` into ``stages``: by parameter count, or by ``weights`` (per block, and for
-    the code before and after the blocks), e.g. measured times (`measure_times`)."""
-    name = find_blocks(module, blocks_name)
+    the code before and after the blocks), e.g. measured times (`measure_times`). With a ``trace`` of one forward
+    (`trace.trace_forward`), the list of blocks is the one the forward ran, and every other parameter goes to the
+    stage that uses it; without one, to stage 0 if registered before the list, else to the last."""
+    if trace is not None:
+        check_trace(trace)
+    name = trace.blocks if trace is not None else find_blocks(module, blocks_name)
     blocks = module.get_submodule(name)
     params = list(module.named_parameters(remove_duplicate=False))
+    if trace is None:
+        _refuse_ties(params)
+    pre, post = _sides(module, name, trace)
+    if weights is None:
+        size = dict(params)
+        weights = ([sum(p.numel() for p in block.parameters()) for block in blocks],
+                   sum(size[n].numel() for n in pre), sum(size[n].numel() for n in post))
+    per_block, first, last = weights
+    if len(per_block) != len(blocks):
+        raise ValueError(f"{len(per_block)} block weights for {len(blocks)} blocks")
+    post_buffers = tuple(n for n, _ in module.named_buffers() if trace is not None and trace.phases(n) == {POST})
+    return StageLayout(name, partition(list(per_block), stages, first, last), pre, post, post_buffers)
+
+
+def _refuse_ties(params: list[tuple[str, nn.Parameter]]) -> None:
     seen: dict[int, str] = {}
     for pname, p in params:
         if id(p) in seen and seen[id(p)] != pname:
@@ -131,19 +162,53 @@ def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None,
                 "tensor (weight tying); untie them (e.g. a separate head) to use pp"
             )
         seen[id(p)] = pname
-    inside = [i for i, (pname, _) in enumerate(params) if pname.startswith(name + ".")]
+
+
+def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[list[str], list[str]]:
+    """The parameters outside the blocks that stage 0 holds (``pre``) and the last stage holds (``post``)."""
+    names = [n for n, _ in module.named_parameters()]
+    inside = [i for i, n in enumerate(names) if n.startswith(blocks + ".")]
     if not inside:
-        raise ValueError(f"the blocks' list {name!r} holds no parameters")
-    pre = [pname for pname, _ in params[: inside[0]]]
-    post = [pname for pname, _ in params[inside[-1] + 1 :]]
-    if weights is None:
-        size = dict(params)
-        weights = ([sum(p.numel() for p in block.parameters()) for block in blocks],
-                   sum(size[n].numel() for n in pre), sum(size[n].numel() for n in post))
-    per_block, first, last = weights
-    if len(per_block) != len(blocks):
-        raise ValueError(f"{len(per_block)} block weights for {len(blocks)} blocks")
-    return StageLayout(name, partition(list(per_block), stages, first, last), pre, post)
+        raise ValueError(f"the blocks' list {blocks!r} holds no parameters")
+    aliases: dict[int, list[str]] = {}
+    for alias, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(alias)
+    pre, post = [], []
+    for i, name in enumerate(names):
+        phases = set().union(*(trace.phases(a) for a in aliases[id(module.get_parameter(name))])) if trace else set()
+        if i in inside:
+            if phases - {BLOCKS}:
+                raise ValueError(f"{name} belongs to a block but the forward also uses it {sorted(phases - {BLOCKS})}"
+                                 "; pipeline parallel gives it to its block's stage only")
+            continue
+        if {PRE, POST} <= phases:
+            raise ValueError(f"{name} is used both before the blocks (stage 0) and after them (the last stage): "
+                             "weights tied across stages are not supported yet; untie them to use pp")
+        if PRE in phases or (not phases and i < inside[0]):
+            pre.append(name)
+        else:
+            post.append(name)
+    return pre, post
+
+
+def check_trace(trace: ForwardTrace) -> None:
+    """Refuse what the stages could not reproduce: block arguments computed from parameters (each stage would
+    compute them from its placeholders), block outputs beyond the hidden states (only those cross stages), and
+    parameters used between two blocks (no stage owns that code)."""
+    between = sorted(n for n, phases in trace.uses.items() if BETWEEN in phases)
+    problems = [
+        (trace.computed_args, "block arguments besides the hidden states (the first positional argument) are "
+         "computed from parameters; each stage would compute them from zeros on stages that do not hold those "
+         "parameters. Compute them inside the blocks, or pass the hidden states first"),
+        (trace.extra_outputs, "blocks return more than their hidden states; only the hidden states cross from one "
+         "stage to the next. Return the hidden states alone (an aux loss: add it inside the block's last stage)"),
+        (between, "parameters are used between two blocks, by code in the loop over the blocks that no stage owns. "
+         "Move that code into the blocks"),
+    ]
+    for found, why in problems:
+        if found:
+            raise ValueError(f"pipeline parallel cannot cut this model at {trace.blocks!r}: {', '.join(found[:4])}: "
+                             f"{why}; or use a plan without pp.")
 
 
 def measure_times(module: nn.Module, blocks_name: str, run) -> tuple[list[float], float, float]:

@@ -147,8 +147,34 @@ def nanogpt():
     return NanoGPT()
 
 
+class HeadFirst(nn.Module):
+    """Registered out of order: the head before the blocks, the embedding after them (pipeline parallel must give
+    each to the stage that uses it, not by registration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.blocks = nn.ModuleList(NanoBlock() for _ in range(LAYERS))
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, ids):
+        return F.cross_entropy(self(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def head_first():
+    return HeadFirst()
+
+
 MODELS = {f.__name__: f for f in (llama, llama_tied, llama_gqa, qwen2, mistral, phi3, gpt2, opt, gpt_neox, gptj,
-                                  nanogpt)}
+                                  nanogpt, head_first)}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

@@ -1,0 +1,137 @@
+"""Pipeline stages by use: one forward, watched, decides the list of blocks and which stage holds each parameter;
+what the stages could not reproduce is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from demos.gpt import GPT, GPTConfig
+from strategies.pipeline.stages import plan_stages
+from strategies.pipeline.trace import BLOCKS, POST, PRE, trace_forward
+from tests.models import zoo
+
+
+def _layout(model: nn.Module, ids: torch.Tensor, stages: int = 2):
+    trace = trace_forward(model, lambda: model.loss(ids) if hasattr(model, "loss") else model(ids))
+    return trace, plan_stages(model, stages, trace=trace)
+
+
+def test_a_head_registered_before_the_blocks_goes_to_the_stage_that_uses_it():
+    model = zoo.build("head_first")
+    trace, layout = _layout(model, zoo.batches(1)[0])
+    assert trace.blocks == "blocks"
+    assert trace.phases("head.weight") == {POST} and trace.phases("embed.weight") == {PRE}
+    assert trace.phases("pos") == {PRE} and trace.phases("blocks.0.attn.c_attn.weight") == {BLOCKS}
+    assert sorted(layout.pre) == ["embed.weight", "pos"]  # registered after the blocks, used before them
+    assert sorted(layout.post) == ["head.bias", "head.weight", "norm.bias", "norm.weight"]  # registered before
+    registration = plan_stages(zoo.build("head_first"), 2)  # without a trace: the old, wrong guess
+    assert "head.weight" in registration.pre
+
+
+def test_the_demo_gpt_is_cut_as_before():
+    model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    _, layout = _layout(model, torch.randint(0, 32, (2, 8)))
+    assert layout.pre == ["tok_emb.weight", "pos_emb.weight"]
+    assert layout.post == ["ln_f.weight", "ln_f.bias", "head.weight", "head.bias"]
+
+
+class _Experts(nn.Module):
+    """A mixture of experts inside each block: its list of experts has more elements than the list of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        return x + sum(expert(x) for expert in self.experts)
+
+
+class _MoE(nn.Module):
+    def __init__(self, tie_by_use: bool = False, extra: str = "") -> None:
+        super().__init__()
+        self.embed, self.time = nn.Embedding(16, 8), nn.Linear(1, 8)
+        self.blocks = nn.ModuleList(_Experts() for _ in range(2))
+        self.out = nn.Linear(8, 16)
+        self.tie_by_use, self.extra = tie_by_use, extra
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+            if self.extra == "between":
+                x = self.out(x)[..., :8]
+        return x @ self.embed.weight.T if self.tie_by_use else self.out(x)
+
+
+def test_the_blocks_are_the_list_the_forward_runs_in_order_not_the_longest():
+    trace = trace_forward(model := _MoE(), lambda: model(torch.randint(0, 16, (2, 4))))
+    assert trace.blocks == "blocks"  # not blocks.0.experts (4 elements, run inside each block)
+
+
+def test_parameters_used_between_blocks_are_refused():
+    with pytest.raises(ValueError, match=r"out.bias, out.weight: parameters are used between two blocks"):
+        _layout(_MoE(extra="between"), torch.randint(0, 16, (2, 4)))
+
+
+def test_a_block_argument_computed_from_parameters_is_refused():
+    class Conditioned(_MoE):
+        def forward(self, ids):
+            x, cond = self.embed(ids), self.time(torch.ones(ids.shape[0], 1, 1))
+            for block in self.blocks:
+                x = block(x, scale=cond)
+            return self.out(x)
+
+    class Block(_Experts):
+        def forward(self, x, scale=None):
+            return super().forward(x) * scale
+
+    model = Conditioned()
+    model.blocks = nn.ModuleList(Block() for _ in range(2))
+    with pytest.raises(ValueError, match=r"blocks\[0\] scale.*computed from parameters.*from zeros"):
+        _layout(model, torch.randint(0, 16, (2, 4)))
+
+
+def test_a_block_returning_more_than_its_hidden_states_is_refused():
+    class Pair(_Experts):
+        def forward(self, x):
+            return super().forward(x), x.sum()  # (hidden, aux loss)
+
+    class Model(_MoE):
+        def forward(self, ids):
+            x, aux = self.embed(ids), 0
+            for block in self.blocks:
+                x, extra = block(x)
+                aux = aux + extra
+            return self.out(x) + aux
+
+    model = Model()
+    model.blocks = nn.ModuleList(Pair() for _ in range(2))
+    with pytest.raises(ValueError, match=r"blocks\[0\].*return more than their hidden states"):
+        _layout(model, torch.randint(0, 16, (2, 4)))
+
+
+def test_a_weight_tied_by_use_is_refused():
+    with pytest.raises(ValueError, match=r"embed.weight is used both before the blocks.*and after them"):
+        _layout(_MoE(tie_by_use=True), torch.randint(0, 16, (2, 4)))
+
+
+def test_a_direct_weight_use_counts():
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(4, 4))
+    model.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    model.loss = lambda x: F.linear(model.blocks[1](model.blocks[0](x)), model.w.T).sum()
+    trace = trace_forward(model, lambda: model.loss(torch.randn(2, 4)))
+    assert trace.phases("w") == {POST}
+
+
+@pytest.mark.parametrize("name,weight", [
+    ("gpt2", "model.transformer.wte.weight"), ("opt", "model.model.decoder.embed_tokens.weight"),
+    ("llama_tied", "model.model.embed_tokens.weight"), ("nanogpt", "transformer.wte.weight"),
+])
+def test_models_that_tie_their_head_to_the_embedding_are_refused_under_pp(name: str, weight: str):
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=rf"{weight} is used both before the blocks.*untie them to use pp"):
+        _layout(zoo.build(name), zoo.batches(1)[0])
