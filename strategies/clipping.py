@@ -49,11 +49,13 @@ def total_norm(pieces: Sequence[tuple[Tensor, Axis | None]], *, split: Sequence[
 
 
 def clip_pieces(pieces: Sequence[tuple[Tensor, Axis | None]], max_norm: float, *, split: Sequence[Axis] = (),
-                disjoint: Sequence[Axis] = (), norm_type: float = 2.0, device: torch.device | None = None) -> Tensor:
+                disjoint: Sequence[Axis] = (), norm_type: float = 2.0, device: torch.device | None = None,
+                copies: Sequence[Tensor] = ()) -> Tensor:
     """Scale every piece in place so that the whole gradient's norm is at most ``max_norm``; returns the norm
-    before clipping (torch's ``clip_grad_norm_`` formula: scale = max_norm / (norm + 1e-6), capped at 1)."""
+    before clipping (torch's ``clip_grad_norm_`` formula: scale = max_norm / (norm + 1e-6), capped at 1).
+    ``copies``: gradients another rank holds and counts too (a tied weight's second stage): scaled, not counted."""
     norm = total_norm(pieces, split=split, disjoint=disjoint, norm_type=norm_type, device=device)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g, _ in pieces:
+    for g in [g for g, _ in pieces] + list(copies):
         g.mul_(scale.to(device=g.device, dtype=g.dtype))
     return norm.float()

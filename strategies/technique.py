@@ -28,13 +28,17 @@ from strategies.comm import Axis
 
 
 class HeldGrad(NamedTuple):
-    """A gradient this rank holds: all of parameter ``name``'s, or a piece of it (a ZeRO shard's slice).
-    ``split``: the axis whose ranks hold the other slices of it (tensor parallel), else None."""
+    """A gradient this rank holds: all of parameter ``name``'s, or a piece of it (a ZeRO shard's slice, beginning at
+    element ``start`` of the flattened parameter). ``split``: the axis whose ranks hold the other slices of it (tensor
+    parallel), else None. ``counted``: False for a copy another rank holds too (a weight tied across pipeline
+    stages): clipping scales it but counts it in the norm once, where it is True."""
 
     name: str
     param: nn.Parameter
     grad: Tensor
     split: Axis | None = None
+    start: int = 0
+    counted: bool = True
 
 
 @dataclass

@@ -7,9 +7,11 @@ over N ranks moves 2(N-1)/N * B per rank each way, a reduce-scatter or all-gathe
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -62,6 +64,16 @@ class CommStats:
 
     def reset(self) -> None:
         self.records.clear()
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Leave out the traffic of what runs inside: set-up work done during a step (the pipeline's traced
+        forward on the first batch), which is not a training step's."""
+        saved = {key: replace(record) for key, record in self.records.items()}
+        try:
+            yield
+        finally:
+            self.records = defaultdict(CommRecord, saved)
 
 
 @dataclass(frozen=True)

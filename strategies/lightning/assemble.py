@@ -69,14 +69,15 @@ def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, op
     (the user's step on the first microbatch) shows which list of blocks runs and which parameters each side of it
     uses (`trace.trace_forward`); rank 0's trace decides for every rank. Balanced by time: the blocks are timed in
     two more runs, and the slowest rank's figures taken, so that every rank cuts the same way."""
-    trace = comm.broadcast_object(trace_forward(model, run_forward, options.pipeline_blocks), mesh.world, src=0)
-    weights = None
-    if options.pipeline_balance == "time":
-        run_forward()
-        times, first, last = measure_times(model, trace.blocks, run_forward)
-        agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)
-        comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
-        weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
+    with mesh.stats.uncounted():  # set-up work inside the first step: not a training step's traffic
+        trace = comm.broadcast_object(trace_forward(model, run_forward, options.pipeline_blocks), mesh.world, src=0)
+        weights = None
+        if options.pipeline_balance == "time":
+            run_forward()
+            times, first, last = measure_times(model, trace.blocks, run_forward)
+            agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)
+            comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
+            weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
     return PipelineParallel(model, plan, mesh, trace.blocks, weights, trace)
 
 

@@ -305,8 +305,9 @@ class PlanStrategy(ParallelStrategy):
         stages); returns that norm. Every rank must call it."""
         split = [axis for technique in self.techniques for axis in technique.split_axes()]
         disjoint = [axis for technique in self.techniques for axis in technique.disjoint_axes()]
-        return clip_pieces([(g.grad, g.split) for g in self.held_grads()], max_norm, split=split, disjoint=disjoint,
-                           norm_type=norm_type, device=self.root_device)
+        held = self.held_grads()
+        return clip_pieces([(g.grad, g.split) for g in held if g.counted], max_norm, split=split, disjoint=disjoint,
+                           norm_type=norm_type, device=self.root_device, copies=[g.grad for g in held if not g.counted])
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -29,9 +29,10 @@ from strategies.mesh import ParallelMesh
 from strategies.pipeline import schedules
 from strategies.pipeline.runner import PipelineRunner, StepResult
 from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
+from strategies.pipeline.tied import TiedWeights
 from strategies.pipeline.trace import ForwardTrace
 from strategies.plan import ParallelPlan
-from strategies.technique import OptimizerState, Technique
+from strategies.technique import HeldGrad, OptimizerState, Technique
 
 
 class _TopDone(Exception):
@@ -51,6 +52,8 @@ class PipelineParallel(Technique):
         self.layout = plan_stages(module, self.stages, blocks, weights, trace)
         self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
         self.runner_stages = StageRunner(module, self.layout, self.my_stages)
+        self.tied = TiedWeights(module, list(self.layout.shared), self.axis, mesh.dp, 0,
+                                schedules.owner(self.stages - 1, pp))
         tables = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
@@ -173,6 +176,10 @@ class PipelineParallel(Technique):
                                                                             device=mine.device)
             comm.broadcast(value, self.axis, src=src)
             state[name] = value
+        primary = {id(p): name for name, p in self.module.named_parameters()}
+        for alias, p in self.module.named_parameters(remove_duplicate=False):  # a tied weight's other names
+            if alias in state and alias != primary[id(p)]:
+                state[alias] = state[primary[id(p)]]
         return state
 
     def restore_full_model(self) -> None:
@@ -218,7 +225,15 @@ class PipelineParallel(Technique):
     def disjoint_axes(self) -> list[Axis]:
         return [self.axis]
 
+    def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
+        return [g._replace(counted=False) if self.tied.is_copy(g.param) else g for g in grads]
+
+    def finish_backward(self, held_grads: Callable[[], list[HeldGrad]], sync: bool) -> None:
+        if sync and self.layout.shared:  # after data parallel's: the tied weights' two shares, summed
+            self.tied.reduce(held_grads())
+
     def teardown(self, healthy: bool) -> None:
+        self.tied.remove()
         if healthy:
             self.restore_full_model()  # every parameter back from its stage: a whole module again
 

@@ -98,6 +98,7 @@ class StageLayout:
     pre: list[str]  # parameters outside the blocks that stage 0 holds (used before the blocks)
     post: list[str]  # those the last stage holds (used after the blocks)
     post_buffers: tuple[str, ...] = ()  # buffers outside the blocks that only the last stage uses (and updates)
+    shared: tuple[str, ...] = ()  # parameters used before and after the blocks (a tied head): stage 0's and the last's
 
     @property
     def stages(self) -> int:
@@ -105,12 +106,16 @@ class StageLayout:
 
     def stage_of(self, name: str) -> int:
         """The stage that owns parameter ``name``: 0 before the blocks, the last after, else its block's."""
-        if name in self.pre:
+        if name in self.pre or name in self.shared:
             return 0
         if name in self.post:
             return self.stages - 1
         index = int(name[len(self.blocks_name) + 1 :].split(".")[0])
         return next(s for s, r in enumerate(self.ranges) if index in r)
+
+    def held_by(self, name: str, stages: list[int]) -> bool:
+        """Whether a rank running ``stages`` holds parameter ``name`` (a shared one: the first and last stage)."""
+        return self.stage_of(name) in stages or (name in self.shared and self.stages - 1 in stages)
 
     def buffer_stage(self, name: str) -> int:
         """The stage whose copy of buffer ``name`` is the one in use: its block's, the last stage's for a buffer
@@ -141,16 +146,16 @@ def plan_stages(module: nn.Module, stages: int, blocks_name: str | None = None,
     params = list(module.named_parameters(remove_duplicate=False))
     if trace is None:
         _refuse_ties(params)
-    pre, post = _sides(module, name, trace)
+    pre, post, shared = _sides(module, name, trace)
     if weights is None:
         size = dict(params)
         weights = ([sum(p.numel() for p in block.parameters()) for block in blocks],
-                   sum(size[n].numel() for n in pre), sum(size[n].numel() for n in post))
+                   sum(size[n].numel() for n in pre + shared), sum(size[n].numel() for n in post + shared))
     per_block, first, last = weights
     if len(per_block) != len(blocks):
         raise ValueError(f"{len(per_block)} block weights for {len(blocks)} blocks")
     post_buffers = tuple(n for n, _ in module.named_buffers() if trace is not None and trace.phases(n) == {POST})
-    return StageLayout(name, partition(list(per_block), stages, first, last), pre, post, post_buffers)
+    return StageLayout(name, partition(list(per_block), stages, first, last), pre, post, post_buffers, tuple(shared))
 
 
 def _refuse_ties(params: list[tuple[str, nn.Parameter]]) -> None:
@@ -164,8 +169,9 @@ def _refuse_ties(params: list[tuple[str, nn.Parameter]]) -> None:
         seen[id(p)] = pname
 
 
-def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[list[str], list[str]]:
-    """The parameters outside the blocks that stage 0 holds (``pre``) and the last stage holds (``post``)."""
+def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[list[str], list[str], list[str]]:
+    """The parameters outside the blocks that stage 0 holds (``pre``), the last stage holds (``post``), and both
+    hold (``shared``: used before and after the blocks, as a head tied to the embedding)."""
     names = [n for n, _ in module.named_parameters()]
     inside = [i for i, n in enumerate(names) if n.startswith(blocks + ".")]
     if not inside:
@@ -173,7 +179,7 @@ def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[
     aliases: dict[int, list[str]] = {}
     for alias, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(alias)
-    pre, post = [], []
+    pre, post, shared = [], [], []
     for i, name in enumerate(names):
         phases = set().union(*(trace.phases(a) for a in aliases[id(module.get_parameter(name))])) if trace else set()
         if i in inside:
@@ -182,13 +188,12 @@ def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[
                                  "; pipeline parallel gives it to its block's stage only")
             continue
         if {PRE, POST} <= phases:
-            raise ValueError(f"{name} is used both before the blocks (stage 0) and after them (the last stage): "
-                             "weights tied across stages are not supported yet; untie them to use pp")
-        if PRE in phases or (not phases and i < inside[0]):
+            shared.append(name)
+        elif PRE in phases or (not phases and i < inside[0]):
             pre.append(name)
         else:
             post.append(name)
-    return pre, post
+    return pre, post, shared
 
 
 def check_trace(trace: ForwardTrace) -> None:
@@ -245,7 +250,7 @@ class StageRunner:
         parent_name, _, self._attr = layout.blocks_name.rpartition(".")
         self._parent = module.get_submodule(parent_name) if parent_name else module
         self.blocks = module.get_submodule(layout.blocks_name)
-        self.owned = {name for name, _ in module.named_parameters() if layout.stage_of(name) in stages}
+        self.owned = {name for name, _ in module.named_parameters() if layout.held_by(name, stages)}
         self.shapes: dict[str, tuple[torch.Size, bool]] = {}
         for name, p in module.named_parameters():
             if name not in self.owned:  # a placeholder: the right shape, one element of storage, no gradient

@@ -200,7 +200,10 @@ class ZeroGradSync(GradSync):
 
     def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
         """This rank's shard of each flat's gradient, cut at parameter boundaries (a piece of each parameter's)."""
-        return [HeldGrad(flat.names[i], flat.params[i], piece) for flat in self.flats if flat.master.grad is not None
+        start = self.axis.index  # where this rank's shard begins in each flat, in shards
+        return [HeldGrad(flat.names[i], flat.params[i], piece,
+                         start=max(flat.offsets[i], start * flat.shard_size) - flat.offsets[i])
+                for flat in self.flats if flat.master.grad is not None
                 for i, piece in shard_slices(flat, flat.master.grad)]
 
     def disjoint_axes(self) -> list[Axis]:

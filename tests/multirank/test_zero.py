@@ -253,3 +253,33 @@ def test_zero2_and_3_hold_few_full_gradient_buckets_during_backward(stage: int):
     for flats, most, in_flight in run_ranks(_full_grads_in_backward, 2, stage):
         assert flats > in_flight + 2, flats
         assert most <= in_flight + 1, (most, flats)
+
+
+def _overflow_rank(rank: int, world: int, stage: int):
+    # fp16 loss scaling as Lightning's 16-mixed does it (a GradScaler around the step), on CPU; rank 1's gradient
+    # overflows (an inf in its input), rank 0's does not. The shared decision must make both skip the step.
+    model, opt = _build("adamw")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}  # ZeRO-3 frees them once sharded
+    sync = shard_model(model, opt, Axis.of_group("dp", dist.group.WORLD, CommStats()), stage)
+    sync.sync_nonfinite = True
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x, y = global_batches(1, BATCH)[0]
+    x = x.chunk(world)[rank].clone()
+    if rank == 1:
+        x[0, 0] = float("inf")
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y.chunk(world)[rank])).backward()
+    sync.finish()
+    scaler.step(opt)
+    scaler.update()
+    sync.after_step()
+    if stage == 3:
+        sync.gather_all()
+    unchanged = all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    return unchanged, scaler.get_scale()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_on_one_rank_makes_every_rank_skip_the_step(stage: int):
+    results = run_ranks(_overflow_rank, 2, stage)
+    assert [unchanged for unchanged, _ in results] == [True, True]  # no rank stepped
+    assert [scale for _, scale in results] == [2.0**7, 2.0**7]  # and every scaler backed off alike

@@ -113,9 +113,12 @@ def test_a_block_returning_more_than_its_hidden_states_is_refused():
         _layout(model, torch.randint(0, 16, (2, 4)))
 
 
-def test_a_weight_tied_by_use_is_refused():
-    with pytest.raises(ValueError, match=r"embed.weight is used both before the blocks.*and after them"):
-        _layout(_MoE(tie_by_use=True), torch.randint(0, 16, (2, 4)))
+def test_a_weight_tied_by_use_is_held_by_the_first_and_last_stage():
+    trace, layout = _layout(_MoE(tie_by_use=True), torch.randint(0, 16, (2, 4)))
+    assert trace.phases("embed.weight") == {PRE, POST}
+    assert layout.shared == ("embed.weight",) and "embed.weight" not in layout.pre + layout.post
+    assert layout.held_by("embed.weight", [0]) and layout.held_by("embed.weight", [1])
+    assert layout.stage_of("embed.weight") == 0  # its checkpointed value is the first stage's
 
 
 def test_a_direct_weight_use_counts():
@@ -131,7 +134,7 @@ def test_a_direct_weight_use_counts():
     ("gpt2", "model.transformer.wte.weight"), ("opt", "model.model.decoder.embed_tokens.weight"),
     ("llama_tied", "model.model.embed_tokens.weight"), ("nanogpt", "transformer.wte.weight"),
 ])
-def test_models_that_tie_their_head_to_the_embedding_are_refused_under_pp(name: str, weight: str):
+def test_models_that_tie_their_head_to_the_embedding_share_it_across_stages(name: str, weight: str):
     pytest.importorskip("transformers")
-    with pytest.raises(ValueError, match=rf"{weight} is used both before the blocks.*untie them to use pp"):
-        _layout(zoo.build(name), zoo.batches(1)[0])
+    _, layout = _layout(zoo.build(name), zoo.batches(1)[0])
+    assert layout.shared == (weight,)
