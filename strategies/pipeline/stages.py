@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from strategies.pipeline.trace import BETWEEN, BLOCKS, POST, PRE, ForwardTrace
+from strategies.pipeline.trace import BETWEEN, BLOCKS, POST, PRE, ForwardTrace, tensors_of
 
 
 class StageDone(Exception):
@@ -293,7 +293,7 @@ def _finish(module: nn.Module, args: tuple, output):
 def split_microbatches(batch, microbatches: int) -> list:
     """Cut every tensor of ``batch`` (a tensor, or a tuple/list/dict of them) into ``microbatches`` equal
     parts along dim 0; a clear error when the batch does not divide."""
-    tensors = _tensors(batch)
+    tensors = tensors_of(batch)
     if not tensors:
         raise TypeError("pipeline parallel splits the batch into microbatches, but the batch holds no tensor")
     size = tensors[0].shape[0]
@@ -303,16 +303,6 @@ def split_microbatches(batch, microbatches: int) -> list:
             f"size a multiple of {microbatches} (and drop_last=True in the DataLoader), or change mb<N>"
         )
     return [_take(batch, k, size // microbatches) for k in range(microbatches)]
-
-
-def _tensors(batch) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (list, tuple)):
-        return [t for item in batch for t in _tensors(item)]
-    if isinstance(batch, dict):
-        return [t for item in batch.values() for t in _tensors(item)]
-    return []
 
 
 def _take(batch, k: int, size: int):

@@ -40,13 +40,14 @@ class ForwardTrace:
         return self.uses.get(name, set())
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or lists, tuples and dicts of them), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
+        return [t for item in value for t in tensors_of(item)]
     if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
+        return [t for item in value.values() for t in tensors_of(item)]
     return []
 
 
@@ -60,19 +61,19 @@ class _Recorder(TorchFunctionMode):
         self.extras: dict[int, tuple[torch.Tensor, str, str]] = {}  # block outputs beyond the first: (t, list, index)
 
     def is_derived(self, value: Any) -> bool:
-        return any(id(t) in self.params or id(t) in self.derived for t in _tensors(value))
+        return any(id(t) in self.params or id(t) in self.derived for t in tensors_of(value))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = _tensors(args) + _tensors(kwargs)
+        inputs = tensors_of(args) + tensors_of(kwargs)
         for t in inputs:
             for name in self.names.get(id(t), ()):
                 self.log.append(("use", name))
             if id(t) in self.extras and self.extras[id(t)][0] is t:  # a block's extra output, read later
                 self.log.append(("extra", *self.extras[id(t)][1:]))
         if any(id(t) in self.params or id(t) in self.derived for t in inputs):
-            for t in _tensors(out):
+            for t in tensors_of(out):
                 self.derived[id(t)] = t
         return out
 
@@ -114,7 +115,7 @@ def _log_hooks(name: str, container: nn.Module, recorder: _Recorder, log: list) 
     def leave(index: int):
         def hook(m, args, kwargs, output):
             if isinstance(output, (tuple, list)):  # what else a block returns matters only if something reads it
-                for t in _tensors(list(output[1:])):
+                for t in tensors_of(list(output[1:])):
                     recorder.extras[id(t)] = (t, name, index)
             log.append(("leave", name, index))
         return hook
