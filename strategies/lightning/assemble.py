@@ -7,7 +7,8 @@ placeholders; last, once Lightning has built the optimizer, data parallel or ZeR
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -69,7 +70,9 @@ def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, op
     (the user's step on the first microbatch) shows which list of blocks runs and which parameters each side of it
     uses (`trace.trace_forward`); rank 0's trace decides for every rank. Balanced by time: the blocks are timed in
     two more runs, and the slowest rank's figures taken, so that every rank cuts the same way."""
-    with mesh.stats.uncounted():  # set-up work inside the first step: not a training step's traffic
+    # Set-up work inside the first step: not a training step's traffic, and the extra forwards leave no trace in the
+    # random state or the buffers (a BatchNorm's statistics), so that the steps run as without pp.
+    with mesh.stats.uncounted(), _unchanged(model):
         trace = comm.broadcast_object(trace_forward(model, run_forward, options.pipeline_blocks), mesh.world, src=0)
         weights = None
         if options.pipeline_balance == "time":
@@ -78,7 +81,19 @@ def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, op
             agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)
             comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
             weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
-    return PipelineParallel(model, plan, mesh, trace.blocks, weights, trace)
+        return PipelineParallel(model, plan, mesh, trace.blocks, weights, trace)
+
+
+@contextlib.contextmanager
+def _unchanged(model: nn.Module) -> Iterator[None]:
+    """Restore torch's random state and the module's buffers on exit."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        yield
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
 
 
 def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,

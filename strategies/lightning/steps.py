@@ -89,7 +89,7 @@ class PipelineSteps(DirectSteps):
         accumulate = self.module.trainer.accumulate_grad_batches
         self.in_schedule = True  # training_step runs on the last stage only: no world collective from it
         try:
-            with _deferred_logs(self.module) as logged:
+            with deferred_logs(self.module) as logged:
                 loss = self.pipeline.train_step(batch, batch_idx, step, self.device, self.no_sync, accumulate)
         finally:
             self.in_schedule = False
@@ -147,7 +147,7 @@ def _average_logs(logged: list[tuple[str, Any, tuple, dict]]) -> list[tuple] | s
 
 
 @contextlib.contextmanager
-def _deferred_logs(module: Any) -> Iterator[list[tuple[str, Any, tuple, dict]]]:
+def deferred_logs(module: Any) -> Iterator[list[tuple[str, Any, tuple, dict]]]:
     """``module.log(...)`` calls are collected instead of reaching Lightning (self.log_dict goes through log)."""
     calls: list[tuple[str, Any, tuple, dict]] = []
 

@@ -37,7 +37,7 @@ from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.launcher import ExitingMultiProcessingLauncher
 from strategies.lightning.options import PlanOptions
-from strategies.lightning.steps import DirectSteps, PipelineSteps, check_finite
+from strategies.lightning.steps import DirectSteps, PipelineSteps, check_finite, deferred_logs
 from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
@@ -180,8 +180,8 @@ class PlanStrategy(ParallelStrategy):
     def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
         micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
 
-        def run_forward() -> None:
-            with torch.no_grad():
+        def run_forward() -> None:  # set-up, not a step: what it logs is dropped
+            with torch.no_grad(), deferred_logs(self.lightning_module):
                 self._lightning_hook("training_step", micro, batch_idx, *args)
 
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)

@@ -210,11 +210,12 @@ class PipelineParallel(Technique):
         return self.full_state_dict(state)
 
     def local_model_state(self, state: dict[str, torch.Tensor], strict: bool) -> dict[str, torch.Tensor]:
-        params = {name for name, _ in self.module.named_parameters()}
-        missing = sorted(params - set(state))
+        primary = {id(p): name for name, p in self.module.named_parameters()}
+        names = {alias: primary[id(p)] for alias, p in self.module.named_parameters(remove_duplicate=False)}
+        missing = sorted(set(primary.values()) - set(state))
         if strict and missing:
             raise KeyError(f"the checkpoint has no values for {', '.join(missing[:8])}")
-        return {k: v for k, v in state.items() if k not in params or self.owns(k)}
+        return {k: v for k, v in state.items() if k not in names or self.owns(names[k])}  # a tied alias: its owner's
 
     def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
         return state.with_entries(self.merge_states(state.per_param))

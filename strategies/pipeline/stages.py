@@ -181,11 +181,10 @@ def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[
         aliases.setdefault(id(p), []).append(alias)
     pre, post, shared = [], [], []
     for i, name in enumerate(names):
-        phases = set().union(*(trace.phases(a) for a in aliases[id(module.get_parameter(name))])) if trace else set()
+        names_of = aliases[id(module.get_parameter(name))]
+        phases = set().union(*(trace.phases(a) for a in names_of)) if trace else set()
+        _check_placement(name, names_of, blocks, phases, i in inside)
         if i in inside:
-            if phases - {BLOCKS}:
-                raise ValueError(f"{name} belongs to a block but the forward also uses it {sorted(phases - {BLOCKS})}"
-                                 "; pipeline parallel gives it to its block's stage only")
             continue
         if {PRE, POST} <= phases:
             shared.append(name)
@@ -194,6 +193,23 @@ def _sides(module: nn.Module, blocks: str, trace: ForwardTrace | None) -> tuple[
         else:
             post.append(name)
     return pre, post, shared
+
+
+def _check_placement(name: str, names: list[str], blocks: str, phases: set[str], in_blocks: bool) -> None:
+    """Refuse a parameter whose users would sit on different stages: one block's parameter also used outside the
+    blocks, one registered in two blocks, or one registered outside the blocks but used in them (the other stages
+    would hold a zero placeholder of it)."""
+    indices = {a[len(blocks) + 1 :].split(".")[0] for a in names if a.startswith(blocks + ".")}
+    if in_blocks and phases - {BLOCKS}:
+        where = f"the forward also uses it {sorted(phases - {BLOCKS})}"
+    elif len(indices) > 1:
+        where = f"it is the same tensor in blocks {sorted(indices, key=int)}"
+    elif not in_blocks and BLOCKS in phases:
+        where = "it is registered outside the blocks but the blocks use it"
+    else:
+        return
+    raise ValueError(f"{name}: {where}; pipeline parallel gives each block's parameters to that block's stage only. "
+                     "Keep such a weight inside one block (or untie it), or use a plan without pp.")
 
 
 def check_trace(trace: ForwardTrace) -> None:

@@ -8,7 +8,9 @@ takes it, and the parameter's own gradient sees zeros, which data parallel reduc
 the two stages exchange their shares, average the sum over the data-parallel axis, and write it into the
 gradient each technique holds (`HeldGrad`, a ZeRO piece at its offset). The exchange runs after the schedule, the
 first stage sending before it receives and the last stage receiving before it sends, so each pair's messages
-match in the order issued, as NCCL requires (no tags, no grouping needed).
+match in the order issued, as NCCL requires (no tags, no grouping needed). The average over dp is taken on the first
+stage's dp group and sent to the last stage, so the two copies get the same bits (two groups' all-reduces need not
+sum in the same order); likewise the last stage starts from the first stage's copy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ class TiedWeights:
         self.shares: dict[int, torch.Tensor] = {}
         self._hooks = [p.register_hook(self._keep(k)) for k, p in enumerate(self.params)] if self.peer is not None \
             else []
+        with torch.no_grad():  # the two copies start equal: the first stage's (as Megatron's embedding group does)
+            for param in self.params if self.peer is not None else []:
+                self._from_first(param.data)
+
+    def _from_first(self, tensor: torch.Tensor) -> None:
+        if self.is_first:
+            comm.send(tensor.contiguous(), self.axis, self.peer, _TAG)
+        else:
+            received = torch.empty_like(tensor)
+            comm.recv(received, self.axis, self.peer, _TAG)
+            tensor.copy_(received)
 
     def _keep(self, k: int):
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -55,17 +68,18 @@ class TiedWeights:
         for k, param in enumerate(self.params):
             mine = self.shares.pop(k, None)
             mine = torch.zeros_like(param) if mine is None else mine
-            theirs = torch.empty_like(mine)
-            if self.is_first:
-                comm.send(mine, self.axis, self.peer, _TAG)
+            if self.is_first:  # receives the last stage's share, sums, averages over its dp group, sends the result
+                theirs = torch.empty_like(mine)
                 comm.recv(theirs, self.axis, self.peer, _TAG)
+                total = mine + theirs
+                if self.dp.size > 1:
+                    comm.all_reduce(total, self.dp)
+                    total /= self.dp.size
+                comm.send(total, self.axis, self.peer, _TAG)
             else:
-                comm.recv(theirs, self.axis, self.peer, _TAG)
                 comm.send(mine, self.axis, self.peer, _TAG)
-            total = mine + theirs if self.is_first else theirs + mine  # the first stage's share first: equal bits
-            if self.dp.size > 1:
-                comm.all_reduce(total, self.dp)
-                total /= self.dp.size
+                total = torch.empty_like(mine)
+                comm.recv(total, self.axis, self.peer, _TAG)
             flat = total.reshape(-1)
             for h in held:
                 if h.param is param:

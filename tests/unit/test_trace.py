@@ -138,3 +138,25 @@ def test_models_that_tie_their_head_to_the_embedding_share_it_across_stages(name
     pytest.importorskip("transformers")
     _, layout = _layout(zoo.build(name), zoo.batches(1)[0])
     assert layout.shared == (weight,)
+
+
+def test_a_weight_registered_outside_the_blocks_but_used_in_them_is_refused():
+    class Borrowing(_Experts):
+        def __init__(self, weight: nn.Parameter) -> None:
+            super().__init__()
+            self.borrowed = (weight,)  # a tuple: used in forward, registered only on the model
+
+        def forward(self, x):
+            return super().forward(x) * self.borrowed[0].sum()
+
+    model = _MoE()
+    model.blocks = nn.ModuleList(Borrowing(model.time.weight) for _ in range(2))
+    with pytest.raises(ValueError, match=r"time.weight: it is registered outside the blocks but the blocks use it"):
+        _layout(model, torch.randint(0, 16, (2, 4)))
+
+
+def test_one_tensor_in_two_blocks_is_refused():
+    model = _MoE()
+    model.blocks[1].experts[0].weight = model.blocks[0].experts[0].weight
+    with pytest.raises(ValueError, match=r"blocks.0.experts.0.weight: it is the same tensor in blocks \['0', '1'\]"):
+        _layout(model, torch.randint(0, 16, (2, 4)))
