@@ -176,11 +176,15 @@ class PipelineParallel(Technique):
                                                                             device=mine.device)
             comm.broadcast(value, self.axis, src=src)
             state[name] = value
-        primary = {id(p): name for name, p in self.module.named_parameters()}
-        for alias, p in self.module.named_parameters(remove_duplicate=False):  # a tied weight's other names
-            if alias in state and alias != primary[id(p)]:
-                state[alias] = state[primary[id(p)]]
+        for alias, name in self._primary_names().items():  # a tied weight's other names
+            if alias in state and alias != name:
+                state[alias] = state[name]
         return state
+
+    def _primary_names(self) -> dict[str, str]:
+        """Every name of a parameter (tied ones have several) -> the name `named_parameters` gives it."""
+        primary = {id(p): name for name, p in self.module.named_parameters()}
+        return {alias: primary[id(p)] for alias, p in self.module.named_parameters(remove_duplicate=False)}
 
     def restore_full_model(self) -> None:
         self.finish()
@@ -210,9 +214,8 @@ class PipelineParallel(Technique):
         return self.full_state_dict(state)
 
     def local_model_state(self, state: dict[str, torch.Tensor], strict: bool) -> dict[str, torch.Tensor]:
-        primary = {id(p): name for name, p in self.module.named_parameters()}
-        names = {alias: primary[id(p)] for alias, p in self.module.named_parameters(remove_duplicate=False)}
-        missing = sorted(set(primary.values()) - set(state))
+        names = self._primary_names()
+        missing = sorted(set(names.values()) - set(state))
         if strict and missing:
             raise KeyError(f"the checkpoint has no values for {', '.join(missing[:8])}")
         return {k: v for k, v in state.items() if k not in names or self.owns(names[k])}  # a tied alias: its owner's

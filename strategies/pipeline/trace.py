@@ -72,7 +72,7 @@ class _Recorder(TorchFunctionMode):
                 self.log.append(("use", name))
             if id(t) in self.extras and self.extras[id(t)][0] is t:  # a block's extra output, read later
                 self.log.append(("extra", *self.extras[id(t)][1:]))
-        if any(id(t) in self.params or id(t) in self.derived for t in inputs):
+        if self.is_derived(inputs):
             for t in tensors_of(out):
                 self.derived[id(t)] = t
         return out
