@@ -45,6 +45,7 @@ _EXPORTS = {
     "Colwise": "strategies.tensor_parallel",
     "Rowwise": "strategies.tensor_parallel",
     "VocabEmbedding": "strategies.tensor_parallel",
+    "VocabHead": "strategies.tensor_parallel",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -7,6 +7,7 @@ A plan is a set of ``_``-separated tokens, in any order, each at most once::
     tp<N>  pp<N>            tensor- and pipeline-parallel degrees
     gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
     sp                      sequence parallel (with tp): norms see 1/tp of the sequence
+    vp                      vocab parallel (with tp): the output layer and the loss split over the vocabulary
     ac                      activation checkpointing
     offload                 CPU offload of ZeRO's master weights and optimizer states
 
@@ -55,7 +56,7 @@ _DEGREE = re.compile(r"^(dp|tp|pp|v|mb)([0-9]+)$")  # ASCII digits only: \d woul
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
-    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, sp, ac, offload"
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, sp, vp, ac, offload"
 )
 
 
@@ -80,18 +81,16 @@ class ParallelPlan:
     sp: bool = False
     """Sequence parallel (needs tp): norms and dropout see 1/tp of the sequence; each tensor-parallel
     all-reduce becomes an all-gather before and a reduce-scatter after the split layers."""
+    vp: bool = False
+    """Vocab parallel (needs tp): the output layer (and its embedding) split over the vocabulary, the loss computed
+    from the pieces, so that no rank holds the (batch, sequence, vocab) logits."""
     ac: bool = False
     """Activation checkpointing: recompute each block's activations in backward instead of storing them."""
     offload: bool = False
     """CPU offload: ZeRO's fp32 master shards and optimizer states live in host memory."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual", "microbatches"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-            if value is not None and value > MAX_DEGREE:
-                raise ValueError(f"{name} must be at most {MAX_DEGREE}")
+        self._check_degrees()
         if not isinstance(self.data, DataMode) or not isinstance(self.schedule, PipelineSchedule):
             raise TypeError("data must be a DataMode and schedule a PipelineSchedule (use ParallelPlan.parse for "
                             "strings)")
@@ -111,9 +110,11 @@ class ParallelPlan:
             raise ValueError(
                 f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
             )
-        if self.sp and self.tp == 1:
-            raise ValueError("sp (sequence parallel) splits the sequence over the tensor-parallel ranks, so it "
-                             "needs tp<N> with N > 1 (e.g. 'tp2_sp')")
+        for token, what in (("sp", "sequence parallel) splits the sequence"),
+                            ("vp", "vocab parallel) splits the output layer")):
+            if getattr(self, token) and self.tp == 1:
+                raise ValueError(f"{token} ({what} over the tensor-parallel ranks, so it needs tp<N> with N > 1 "
+                                 f"(e.g. 'tp2_{token}')")
         if (self.pp > 1 and self.schedule is PipelineSchedule.ONE_F_ONE_B and self.microbatches is not None
                 and self.microbatches < self.pp):
             raise ValueError(
@@ -125,6 +126,14 @@ class ParallelPlan:
                 f"offload moves ZeRO's sharded optimizer state to the CPU, so it needs zero1, zero2 or zero3, "
                 f"not {self.data.value} (e.g. 'zero3_offload')"
             )
+
+    def _check_degrees(self) -> None:
+        for name in ("dp", "tp", "pp", "virtual", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value is not None and value > MAX_DEGREE:
+                raise ValueError(f"{name} must be at most {MAX_DEGREE}")
 
     # -- text --------------------------------------------------------------------------------------------
 
@@ -168,6 +177,8 @@ class ParallelPlan:
             parts.append(f"tp{self.tp}")
         if self.sp:
             parts.append("sp")
+        if self.vp:
+            parts.append("vp")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         if self.schedule is not PipelineSchedule.ONE_F_ONE_B:
@@ -227,7 +238,7 @@ def _parse_token(text: str, token: str, put) -> None:
         put("data", DataMode(token), token)
     elif token in ("gpipe", "1f1b", "interleaved"):
         put("schedule", PipelineSchedule(token), token)
-    elif token in ("sp", "ac", "offload"):
+    elif token in ("sp", "vp", "ac", "offload"):
         put(token, True, token)
     elif match := _DEGREE.match(token):
         name = match.group(1)

@@ -25,7 +25,8 @@ from strategies.pipeline.stages import find_blocks, measure_times
 from strategies.pipeline.trace import trace_forward
 from strategies.plan import DataMode, ParallelPlan
 from strategies.technique import Technique
-from strategies.tensor_parallel import TensorParallel, detect_plan
+from strategies.tensor_parallel import TensorParallel, VocabHead, detect_plan
+from strategies.tensor_parallel.families import vocab_plan
 from strategies.zero import shard_model
 
 
@@ -36,6 +37,8 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
     techniques: list[Technique] = []
     if plan.tp > 1:
         rules = options.tp_plan if options.tp_plan is not None else detect_plan(model)
+        if plan.vp and not any(isinstance(style, VocabHead) for style in rules.values()):
+            rules = {**vocab_plan(model, plan.tp), **rules}
         techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB
-from strategies.tensor_parallel import Colwise, Rowwise, VocabEmbedding
+from strategies.tensor_parallel import Colwise, Rowwise, VocabEmbedding, VocabHead
 
 TIMEOUT_ENV = "STRATPACK_TIMEOUT"
 
@@ -29,7 +29,7 @@ def _is_bool(value: Any) -> bool:
 
 
 def _is_tp_rule(item: tuple) -> bool:
-    return isinstance(item[0], str) and isinstance(item[1], (Colwise, Rowwise, VocabEmbedding))
+    return isinstance(item[0], str) and isinstance(item[1], (Colwise, Rowwise, VocabEmbedding, VocabHead))
 
 
 def _rule(check: Callable[[Any], bool], expected: str) -> dict[str, Any]:
@@ -91,7 +91,7 @@ _RULES = {
                          "the server's index on the data-parallel axis, an int >= 0"),
     "zero3_units": _rule(lambda v: v is None or callable(v), "None or a function module -> [(name, submodule), ...]"),
     "tp_plan": _rule(lambda v: v is None or isinstance(v, dict) and all(map(_is_tp_rule, v.items())),
-                     "None or a dict {module-name pattern: Colwise() / Rowwise() / VocabEmbedding()}"),
+                     "None or a dict {module-name pattern: Colwise() / Rowwise() / VocabEmbedding() / VocabHead()}"),
     "pipeline_blocks": _rule(lambda v: v is None or isinstance(v, str) and v != "",
                              "None or the dotted name of the list of blocks, e.g. 'model.layers'"),
     "pipeline_balance": _rule(lambda v: isinstance(v, str) and v in ("params", "time"), "'params' or 'time'"),

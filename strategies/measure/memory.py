@@ -57,6 +57,26 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     return result
 
 
+class LogitsMeter:
+    """Bytes of the logits this rank holds: the largest output of the model's output layer (its vocabulary slice
+    under vocab parallel), plus the full logits when a loss had to gather them (``gathered_bytes`` of the layer)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.output_bytes = layer, 0
+        self._hook = layer.register_forward_hook(self._seen)
+
+    def _seen(self, module: nn.Module, args, output) -> None:
+        if isinstance(output, torch.Tensor):
+            self.output_bytes = max(self.output_bytes, output.numel() * output.element_size())
+
+    @property
+    def bytes(self) -> int:
+        return self.output_bytes + getattr(self.layer, "gathered_bytes", 0)
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
 class SavedTensorsMeter:
     """Bytes autograd saves for backward while a forward runs (activations), parameters left out.
 

@@ -29,7 +29,9 @@ import torch
 from typing_extensions import override
 
 from strategies import comm, runs
+from strategies.measure.memory import LogitsMeter
 from strategies.pipeline import schedules
+from strategies.tensor_parallel.families import vocab_layers
 
 
 class StrategyMonitor(L.Callback):
@@ -66,6 +68,8 @@ class StrategyMonitor(L.Callback):
         self._unrecorded: tuple | None = None  # the last step, while no record holds it
         self.samples_per_step = 0
         self._pending_loss = 0.0
+        self._head_name: str | None = None  # the model's output layer (`vocab_layers`), found before any split
+        self._logits: LogitsMeter | None = None  # on that layer, from the start of training
         self._last_comm: dict[str, dict[str, float]] = {}
         self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
         self.summary: dict[str, Any] = {}
@@ -76,6 +80,8 @@ class StrategyMonitor(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before the strategy splits the model (tp slices, pipeline placeholders): the model's own size.
         self._num_params = sum(p.numel() for p in pl_module.parameters())
+        found = vocab_layers(pl_module)  # by name: a tensor-parallel split replaces the layer, under the same name
+        self._head_name = found[0] if found is not None else None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -85,6 +91,7 @@ class StrategyMonitor(L.Callback):
         self._t_last = self._t_warm = time.perf_counter()
         self.steps, self._since_record, self._unrecorded = 0, 0, None
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
+        self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
         if self.store:
             label = self.label or _strategy_label(trainer)
             run_id = self._given_run_id or (runs.new_run_id(label) if trainer.global_rank == 0 else None)
@@ -142,7 +149,8 @@ class StrategyMonitor(L.Callback):
             "loss": self.local_losses[-1], "lr": optimizer.param_groups[0].get("lr") if optimizer else None,
             "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
             **_flops(trainer, pl_module, tokens_per_s),
-            "memory": _memory(trainer, pl_module, current=True), "comm": self._comm_delta(trainer, covered),
+            "memory": _memory(trainer, pl_module, current=True, logits=self._logits),
+            "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
         }
 
@@ -173,7 +181,9 @@ class StrategyMonitor(L.Callback):
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
-        memory = _memory(trainer, pl_module)
+        memory = _memory(trainer, pl_module, logits=self._logits)
+        if self._logits is not None:
+            self._logits.remove()
         self.summary = {
             "steps": steps,
             "world_size": trainer.world_size,
@@ -289,9 +299,11 @@ def _strategy_label(trainer: L.Trainer) -> str:
     return str(plan) if plan is not None else type(trainer.strategy).__name__
 
 
-def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = False) -> dict[str, float]:
+def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = False,
+            logits: LogitsMeter | None = None) -> dict[str, float]:
     """This rank's bytes by category: model states, activations saved for backward (this step's when
-    ``current``, else the run's peak), the process's peak RSS, and on CUDA the allocator's peaks."""
+    ``current``, else the run's peak), the logits (the largest the output layer made, when the model has one),
+    the process's peak RSS, and on CUDA the allocator's peaks."""
     strategy = trainer.strategy
     if hasattr(strategy, "model_state_bytes"):
         memory: dict[str, float] = dict(strategy.model_state_bytes())
@@ -300,6 +312,8 @@ def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = Fa
         from strategies.measure.memory import model_state_bytes
 
         memory = dict(model_state_bytes(pl_module, trainer.optimizers))
+    if logits is not None:
+        memory["logits"] = logits.bytes
     memory["peak_rss"] = _peak_rss_bytes()
     device = strategy.root_device
     if device.type == "cuda":

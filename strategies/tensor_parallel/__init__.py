@@ -12,7 +12,6 @@ from strategies.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
 )
 from strategies.tensor_parallel.plans import (
     FUSED_QKV_PLAN,
@@ -21,10 +20,13 @@ from strategies.tensor_parallel.plans import (
     Rowwise,
     Style,
     VocabEmbedding,
+    VocabHead,
     apply_plan,
 )
 from strategies.tensor_parallel.technique import TensorParallel
+from strategies.tensor_parallel.vocab import VocabParallelHead, VocabParallelLogits, vocab_parallel_cross_entropy
 
 __all__ = ["FAMILIES", "FUSED_QKV_PLAN", "SEPARATE_QKV_PLAN", "Colwise", "ColumnParallelLinear",
-           "RowParallelLinear", "Rowwise", "Style", "TensorParallel", "VocabEmbedding", "VocabParallelEmbedding",
-           "apply_plan", "detect_plan", "vocab_parallel_cross_entropy"]
+           "RowParallelLinear", "Rowwise", "Style", "TensorParallel", "VocabEmbedding", "VocabHead",
+           "VocabParallelEmbedding", "VocabParallelHead", "VocabParallelLogits", "apply_plan", "detect_plan",
+           "vocab_parallel_cross_entropy"]

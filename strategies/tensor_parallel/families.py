@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from torch import nn
 
 from strategies.tensor_parallel.layers import is_conv1d
-from strategies.tensor_parallel.plans import FUSED_QKV_PLAN, SEPARATE_QKV_PLAN, Colwise, Rowwise, Style, matches
+from strategies.tensor_parallel.plans import (
+    FUSED_QKV_PLAN,
+    SEPARATE_QKV_PLAN,
+    Colwise,
+    Rowwise,
+    Style,
+    VocabEmbedding,
+    VocabHead,
+    matches,
+)
 
 
 @dataclass(frozen=True)
@@ -118,3 +127,45 @@ def detect_plan(model: nn.Module) -> dict[str, Style]:
         f"{'; '.join(f.name for f in FAMILIES)}. Linear layers found: {', '.join(linears(model)[:12]) or 'none'}"
         f"{f' (model_type {config.model_type!r})' if config is not None else ''}. Pass a plan, e.g. "
         f"PlanStrategy('tp2', tp_plan={_EXAMPLE}) (strategies.Colwise / Rowwise / VocabEmbedding).")
+
+
+def vocab_layers(model: nn.Module) -> tuple[str, str | None] | None:
+    """``(output layer, input embedding or None)`` of a language model: what a Hugging Face model's
+    ``get_output_embeddings`` / ``get_input_embeddings`` return, else the one ``nn.Linear`` outside the blocks whose
+    outputs are as many as the rows of an ``nn.Embedding`` outside them (the embedding: the one tied to it, else the
+    one such embedding). None when there is no such layer or more than one."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in model.modules():
+        if callable(getattr(m, "get_output_embeddings", None)) and callable(getattr(m, "get_input_embeddings", None)):
+            head, embedding = m.get_output_embeddings(), m.get_input_embeddings()
+            if isinstance(head, nn.Linear) and id(head) in names:
+                return names[id(head)], names.get(id(embedding)) if isinstance(embedding, nn.Embedding) else None
+    outside = [(n, m) for n, m in model.named_modules() if not any(part.isdigit() for part in n.split("."))]
+    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
+    heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear)
+             and any(e.num_embeddings == m.out_features for _, e in embeddings)]
+    if len(heads) != 1:
+        return None
+    head_name, head = heads[0]
+    tied = [n for n, e in embeddings if e.weight is head.weight]
+    same = [n for n, e in embeddings if e.num_embeddings == head.out_features]
+    candidates = tied or same
+    return head_name, candidates[0] if len(candidates) == 1 else None
+
+
+def vocab_plan(model: nn.Module, tp: int) -> dict[str, Style]:
+    """The rules of 'vp': the output layer split over the vocabulary (`VocabHead`), and its input embedding
+    (`VocabEmbedding`) when there is one; a clear error when the model has no such layer or its vocabulary does not
+    divide by tp."""
+    found = vocab_layers(model)
+    if found is None:
+        raise ValueError("vp (vocab parallel) splits the output layer over the vocabulary, but this model has no "
+                         "single output layer to split: an nn.Linear outside the blocks with as many outputs as an "
+                         "nn.Embedding has rows (or a Hugging Face get_output_embeddings()). Name it in tp_plan "
+                         "with VocabHead(), e.g. {'lm_head': VocabHead(), 'embed': VocabEmbedding(), ...}, or drop vp.")
+    head, embedding = found
+    vocab = model.get_submodule(head).out_features
+    if vocab % tp:
+        raise ValueError(f"vp (vocab parallel): the vocabulary of {head} ({vocab}) does not divide by tp = {tp}; "
+                         f"pad it to a multiple of tp (e.g. {-(-vocab // (tp * 64)) * tp * 64}), or drop vp")
+    return {head: VocabHead()} | ({embedding: VocabEmbedding()} if embedding is not None else {})

@@ -22,6 +22,7 @@ from strategies.tensor_parallel.layers import (
     VocabParallelEmbedding,
     is_conv1d,
 )
+from strategies.tensor_parallel.vocab import VocabParallelHead
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,13 @@ class VocabEmbedding:
     """Split an embedding's vocabulary."""
 
 
-Style = Colwise | Rowwise | VocabEmbedding
+@dataclass(frozen=True)
+class VocabHead:
+    """Split the output layer over the vocabulary; the logits stay split and ``F.cross_entropy`` on them is computed
+    vocab-parallel (`vocab`)."""
+
+
+Style = Colwise | Rowwise | VocabEmbedding | VocabHead
 
 # Fused q|k|v and fc/proj MLP: this pack's demo GPT. More layouts, and their detection: `families`.
 FUSED_QKV_PLAN: dict[str, Style] = {
@@ -68,9 +75,11 @@ def matches(plan: dict[str, Style], module: nn.Module) -> dict[str, Style]:
 
 class SplitLayers(dict):
     """``{module name: style}`` of the layers `apply_plan` split; ``localised``: the attention attributes it made
-    count this rank's heads (`heads.localise`), for `heads.restore`."""
+    count this rank's heads (`heads.localise`), for `heads.restore`; ``tied``: groups of ``(layer, parameter)`` that
+    were one parameter (an output layer tied to the embedding) and still are, split."""
 
     localised: list
+    tied: list
 
 
 def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLayers:
@@ -82,6 +91,7 @@ def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLa
         raise ValueError(f"the tensor-parallel plan names no module of this model: patterns {list(plan)}")
     heads.check_heads(module, found, axis)
     heads.check_attention_parameters(module, found)
+    found.tied = tied_groups(module, found)
     for name, style in found.items():
         child = module.get_submodule(name)
         parent_name, _, attr = name.rpartition(".")
@@ -91,8 +101,44 @@ def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLa
         for pname, param in list(child.named_parameters(recurse=False)):
             setattr(child, pname, nn.Parameter(param.detach().new_empty(0), requires_grad=param.requires_grad))
         setattr(parent, attr, layer)
+    _retie(module, found)
     found.localised = heads.localise(module, found, axis)
     return found
+
+
+def tied_groups(module: nn.Module, found: dict[str, Style]) -> list[list[tuple[str, str]]]:
+    """The parameters of the planned layers that are one tensor under several names (a head tied to the
+    embedding), as ``[(layer, parameter), ...]`` groups. Refused when a tied partner is not split the same way:
+    the split would silently untie them."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((name, pname))
+    groups = []
+    for group in owners.values():
+        planned = [(n, p) for n, p in group if n in found]
+        if len(group) == 1 or not planned:
+            continue
+        styles = {type(found.get(n)).__name__ for n, _ in group}
+        if len(planned) != len(group) or styles != {"VocabEmbedding", "VocabHead"} and len(styles) > 1:
+            names = ", ".join(f"{n}.{p} ({type(found[n]).__name__ if n in found else 'not split'})" for n, p in group)
+            raise ValueError(f"tensor parallel: {names} are one tied parameter, and a plan must split every name of it "
+                             "the same way (an embedding tied to the output layer: VocabEmbedding() with VocabHead(), "
+                             "as 'vp' does) or none of them")
+        groups.append(group)
+    return groups
+
+
+def _retie(module: nn.Module, found: SplitLayers) -> None:
+    """Make each tied group one split parameter again (VocabEmbedding and VocabHead keep the same rows)."""
+    for (first, fname), *others in found.tied:
+        shared = getattr(module.get_submodule(first), fname)
+        for name, pname in others:
+            mine = getattr(module.get_submodule(name), pname)
+            if mine.shape != shared.shape or layer_splits(module.get_submodule(name))[pname] != \
+                    layer_splits(module.get_submodule(first))[fname]:
+                raise ValueError(f"tensor parallel: {first}.{fname} and {name}.{pname} are tied but split differently")
+            setattr(module.get_submodule(name), pname, shared)
 
 
 def _parallel(child: nn.Module, style: Style, axis: Axis, name: str) -> nn.Module:
@@ -103,6 +149,8 @@ def _parallel(child: nn.Module, style: Style, axis: Axis, name: str) -> nn.Modul
     if not isinstance(child, nn.Linear) and not is_conv1d(child):
         raise TypeError(f"{name}: {type(style).__name__} needs an nn.Linear (or a transformers Conv1D), found "
                         f"{type(child).__name__}")
+    if isinstance(style, VocabHead):
+        return VocabParallelHead.from_linear(child, axis)
     if isinstance(style, Colwise):
         return ColumnParallelLinear.from_linear(child, axis, chunks=style.chunks)
     return RowParallelLinear.from_linear(child, axis)
@@ -141,5 +189,6 @@ def split_params(module: nn.Module, found: dict[str, Style]) -> dict[int, tuple[
 
 
 def param_splits(module: nn.Module, found: dict[str, Style]) -> dict[str, ParamSplit]:
-    """``{parameter name: split}`` for the parameters the plan split."""
-    return dict(split_params(module, found).values())
+    """``{parameter name: split}`` for the parameters the plan split, under every name (a tied one has two)."""
+    return {f"{name}.{pname}": split for name in found
+            for pname, split in layer_splits(module.get_submodule(name)).items()}

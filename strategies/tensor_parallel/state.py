@@ -93,4 +93,7 @@ def restore_full_layers(module: nn.Module, found: dict[str, Style], axis: Axis) 
             setattr(layer, pname, nn.Parameter(full.clone(), requires_grad=param.requires_grad))
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
+    for (first, fname), *others in getattr(found, "tied", []):  # tied before: one parameter again
+        for name, pname in others:
+            setattr(module.get_submodule(name), pname, getattr(module.get_submodule(first), fname))
     heads.restore(getattr(found, "localised", []))

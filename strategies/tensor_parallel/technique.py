@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from strategies.comm import Axis
 from strategies.technique import HeldGrad, OptimizerState, Technique
 from strategies.tensor_parallel import state as tp_state
-from strategies.tensor_parallel.plans import Style, apply_plan, split_params
+from strategies.tensor_parallel.plans import Colwise, Rowwise, Style, apply_plan, param_splits, split_params
 from strategies.tensor_parallel.sequence_parallel import SequenceParallel
 
 
@@ -22,10 +22,11 @@ class TensorParallel(Technique):
     def __init__(self, module: nn.Module, plan: dict[str, Style], axis: Axis, sequence_parallel: bool = False):
         self.module, self.axis = module, axis
         self.layers = apply_plan(module, plan, axis)  # split the full, initialised layers: name -> style
-        split = split_params(module, self.layers)
-        self.splits = dict(split.values())  # split parameter name -> how it is cut
-        self.sequence_parallel = SequenceParallel(module, self.layers, set(split), axis) if sequence_parallel \
-            else None
+        self.splits = param_splits(module, self.layers)  # split parameter name (every name of a tied one) -> cut
+        # The vocabulary layers sit outside the blocks, where the sequence is whole again: not sequence parallel.
+        in_blocks = {n: s for n, s in self.layers.items() if isinstance(s, (Colwise, Rowwise))}
+        self.sequence_parallel = SequenceParallel(module, in_blocks, set(split_params(module, self.layers)), axis) \
+            if sequence_parallel else None
 
     def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return tp_state.unsplit_state(state, self.splits, self.axis)

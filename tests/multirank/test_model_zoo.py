@@ -23,8 +23,10 @@ ALL = list(zoo.MODELS)
 SP = [m for m in ALL if m != "opt"]  # OPT flattens (batch, seq) before fc1: refused (tests/unit/test_model_refusals)
 CASES = {
     2: [(m, "tp2", o) for m in ALL for o in ("sgd", "adamw")] + [(m, "tp2_sp", "sgd") for m in SP]
+    + [(m, "tp2_vp", "sgd") for m in ALL] + [(m, "tp2_sp_vp", "adamw") for m in ("llama_tied", "gpt2")]
     + [(m, "pp2_gpipe_mb2", o) for m in ALL for o in ("sgd", "adamw")],
-    4: [(m, "tp2_pp2_1f1b_mb2", "sgd") for m in ALL],
+    4: [(m, "tp2_pp2_1f1b_mb2", "sgd") for m in ALL]
+    + [(m, "tp2_vp_pp2_1f1b_mb2", "sgd") for m in ("llama_tied", "gpt2")],
 }
 PARAMS = [(*case, world) for world, cases in CASES.items() for case in cases]
 
@@ -62,13 +64,18 @@ def _run(name: str, plan_text: str, optimizer: str, world: int):
     from strategies.plan import ParallelPlan
     from strategies.technique import HeldGrad
     from strategies.tensor_parallel import TensorParallel, detect_plan
+    from strategies.tensor_parallel.families import vocab_layers, vocab_plan
 
     plan = ParallelPlan.parse(plan_text).resolve(world)
     mesh, model, batches = ParallelMesh(plan, "cpu"), zoo.build(name), zoo.batches(STEPS)
     before, techniques, pipe, sp = _attention_attributes(model), [], None, None
+    head_name, widths = vocab_layers(model)[0], []  # found before the split replaces it (under the same name)
     if plan.tp > 1:
-        techniques.append(TensorParallel(model, detect_plan(model), mesh.tp, sequence_parallel=plan.sp))
+        rules = {**vocab_plan(model, plan.tp), **detect_plan(model)} if plan.vp else detect_plan(model)
+        techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
         sp = techniques[-1].sequence_parallel
+    hook = model.get_submodule(head_name).register_forward_hook(  # the logits a rank holds
+        lambda m, args, out: widths.append(out.shape[-1]))
     if plan.pp > 1:
         micro = split_microbatches(batches[0], plan.microbatches)[0]
         trace = trace_forward(model, lambda: model.loss(micro))  # which stage uses what: one forward, watched
@@ -88,6 +95,7 @@ def _run(name: str, plan_text: str, optimizer: str, world: int):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    hook.remove()
     full = {k: v.detach() for k, v in model.state_dict().items()}
     for technique in reversed(techniques):
         full = technique.full_model_state(full)
@@ -96,7 +104,7 @@ def _run(name: str, plan_text: str, optimizer: str, world: int):
     layer_types = sorted({type(m).__name__ for m in model.modules()})
     restored = _attention_attributes(model) == before and all(
         torch.equal(full[k], v) for k, v in model.state_dict().items())
-    return losses, full, layer_types, restored
+    return losses, full, layer_types, restored, sorted(set(widths)), len(list(model.parameters()))
 
 
 def _attention_attributes(model) -> list:
@@ -119,8 +127,11 @@ def test_model_trains_as_one_process(results, name: str, plan: str, optimizer: s
     ref_losses = _train(model, optimizer)
     for result in (r[name, plan, optimizer] for r in results[world]):
         assert not isinstance(result, str), result
-        losses, state, layer_types, restored = result
+        losses, state, layer_types, restored, widths, n_params = result
         assert restored and layer_types == sorted({type(m).__name__ for m in model.modules()})
+        assert n_params == len(list(model.parameters()))  # a tied head is tied again
+        # The logits a rank holds (on the ranks that run the head): the whole vocabulary, or 1/tp of it under vp.
+        assert widths in ([], [zoo.VOCAB // (2 if "vp" in plan else 1)]), widths
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
         assert state.keys() == model.state_dict().keys()
         for key, value in model.state_dict().items():

@@ -31,11 +31,11 @@ from strategies.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_rows,
-    vocab_parallel_cross_entropy,
 )
 from strategies.tensor_parallel.plans import apply_plan, split_params
 from strategies.tensor_parallel.sequence_parallel import SequenceParallel, find_region
 from strategies.tensor_parallel.state import full_state_dict
+from strategies.tensor_parallel.vocab import vocab_parallel_cross_entropy
 from strategies.testing import run_ranks
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -163,6 +163,42 @@ def test_vocab_parallel_loss_never_allocates_full_logits():
     for ours, unsplit, full_logits in run_ranks(_allocation_rank, 2):
         assert unsplit >= full_logits
         assert ours <= full_logits // 2  # at most this rank's (batch, seq, vocab / tp) slice
+
+
+def _vocab_head_rank(rank: int, world: int):
+    """A Hugging Face Llama whose vocabulary (1024) dwarfs its width (8), under tp with 'vp': its own loss code
+    (``logits.float().view(-1, V)``, ``F.cross_entropy(..., ignore_index=-100)``) on split logits."""
+    import transformers
+
+    from strategies.tensor_parallel.families import vocab_plan
+
+    axis = Axis.of_group("tp", dist.group.WORLD, CommStats())
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    ref, ids = transformers.LlamaForCausalLM(config), torch.randint(0, 1024, (B, S))
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(ref.state_dict())
+    ref_out = ref(input_ids=ids, labels=ids)
+    ref_out.loss.backward()
+    apply_plan(model, {**vocab_plan(model, world), **detect_plan(model)}, axis)
+    with _LargestTensor() as largest:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    part = 1024 // world
+    grad = model.model.embed_tokens.weight.grad  # the tied weight: both uses' gradients, this rank's rows
+    grad_ok = torch.allclose(grad, ref.model.embed_tokens.weight.grad[rank * part:(rank + 1) * part], atol=1e-6)
+    with pytest.warns(UserWarning, match="gathered over tp"):  # needs the whole vocabulary: gathered, and right
+        top = out.logits.argmax(-1)
+    return (abs(out.loss.item() - ref_out.loss.item()), grad_ok, largest.largest, B * S * 1024,
+            torch.equal(top, ref_out.logits.argmax(-1)), model.lm_head.weight is model.model.embed_tokens.weight)
+
+
+def test_vocab_parallel_head_on_a_hugging_face_model():
+    pytest.importorskip("transformers")
+    for loss_diff, grad_ok, largest, full_logits, argmax_ok, tied in run_ranks(_vocab_head_rank, 2):
+        assert loss_diff < 1e-5 and grad_ok and argmax_ok and tied
+        assert largest <= full_logits // 2  # no rank made a (batch, seq, vocab) tensor: at most its 1/tp slice
 
 
 # -- the demo GPT ------------------------------------------------------------------------------------------

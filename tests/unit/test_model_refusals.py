@@ -79,3 +79,21 @@ def test_manual_optimization_is_refused_under_pipeline_parallel():
     with pytest.raises(ValueError, match=r"manual optimization.*cannot run under it"):
         check_optimization(manual, ParallelPlan.parse("pp2"))
     check_optimization(manual, ParallelPlan.parse("tp2"))
+
+
+def test_vocab_parallel_is_refused_where_it_cannot_split_the_vocabulary():
+    from strategies.tensor_parallel import VocabHead
+    from strategies.tensor_parallel.families import vocab_plan
+
+    with pytest.raises(ValueError, match=r"vp \(vocab parallel\).*needs tp<N> with N > 1"):
+        ParallelPlan.parse("zero3_vp")
+    odd = _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=66)
+    with pytest.raises(ValueError, match=r"vocabulary of lm_head \(66\) does not divide by tp = 4; pad it.*256"):
+        vocab_plan(odd, 4)
+    headless = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64), nn.Linear(8, 64))  # two candidate heads
+    with pytest.raises(ValueError, match=r"no single output layer.*VocabHead\(\)"):
+        vocab_plan(headless, 2)
+    tied = _hf("LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight \(not split\), lm_head.weight \(VocabHead\) are "
+                                         r"one tied parameter"):
+        apply_plan(tied, {"lm_head": VocabHead(), **detect_plan(tied)}, _axis(2))
