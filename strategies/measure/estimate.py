@@ -10,7 +10,8 @@ the embeddings and head leave.
   precision 2 + 2 + 12 (K = 12). ZeRO-1 divides the optimizer by dp, ZeRO-2 also the gradients, ZeRO-3
   also the weights; ``offload`` moves ZeRO's optimizer state and master shards to the host.
 - Tensor parallel splits each block's four matrices and the biases of the column-split ones over tp; the
-  norms, the row-split biases, the embeddings and the head stay whole (the shipped plans).
+  norms, the row-split biases, the embeddings and the head stay whole (the shipped plans), unless ``vp``
+  splits the token embedding and the head (weight and bias) over the vocabulary.
 - Pipeline parallel: stages cut as the pack cuts them (`pipeline.stages.partition` by parameter count).
 - Activations (Korthikanti et al. 2022), per block and microbatch with 2-byte activations,
   s·b·h·(34 + 5·a·s/h); with tp s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallel s·b·h/t·(34 +
@@ -21,7 +22,8 @@ the embeddings and head leave.
   (``"all_reduce/dp"``): DDP 2(N-1)/N·Ψ, ZeRO-1/2 (N-1)/N·Ψ reduce-scatter + all-gather, ZeRO-3 (N-1)/N·Ψ
   all-gathers twice + reduce-scatter (an upper bound: the last unit stays gathered into backward), the
   naive server (N-1)·Ψ; tp 4 all-reduces of b·s·h per block and microbatch (5 with recompute), or with
-  sp all-gathers and reduce-scatters of 1/tp of it.
+  sp all-gathers and reduce-scatters of 1/tp of it; ``vp`` one more b·s·h all-reduce for the embedding,
+  and where the head is, one for its input's gradient and three values per token for the loss.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ class ModelShape:
             return per_block - 6 * h, 6 * h
         return 12 * h * h + 7 * h, 6 * h  # qkv 3h²+3h, proj h², fc 4h²+4h, proj 4h² | 2 norms 4h, 2 row biases 2h
 
-    def embeddings(self) -> int:
-        return (self.vocab + self.seq) * self.hidden
+    def embeddings(self, vocab_split: int = 1) -> int:
+        """Token and position embeddings; ``vocab_split``: the ranks the vocabulary is split over ('vp')."""
+        return (self.vocab // vocab_split + self.seq) * self.hidden
 
-    def head(self) -> int:
-        return 2 * self.hidden + self.vocab * self.hidden + self.vocab
+    def head(self, vocab_split: int = 1) -> int:
+        """The final norm and the output layer (weight and bias), its vocabulary split over ``vocab_split``."""
+        return 2 * self.hidden + (self.vocab * self.hidden + self.vocab) // vocab_split
 
     def total(self) -> int:
         split, whole = self.block()
@@ -119,12 +123,12 @@ def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     and head on the last), cut the way `pipeline.PipelineParallel` cuts by parameter count."""
     split, whole = shape.block()
     local_block = math.ceil(split / plan.tp) + whole
-    stages = plan.pp * plan.virtual
-    ranges = partition([local_block] * shape.layers, stages, shape.embeddings(), shape.head()) if stages > 1 \
+    stages, v = plan.pp * plan.virtual, plan.tp if plan.vp else 1
+    ranges = partition([local_block] * shape.layers, stages, shape.embeddings(v), shape.head(v)) if stages > 1 \
         else [range(shape.layers)]
     per_stage = [len(r) * local_block for r in ranges]
-    per_stage[0] += shape.embeddings()
-    per_stage[-1] += shape.head()
+    per_stage[0] += shape.embeddings(v)
+    per_stage[-1] += shape.head(v)
     return [sum(per_stage[c * plan.pp + rank] for c in range(plan.virtual)) for rank in range(plan.pp)]
 
 
@@ -190,6 +194,11 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
             out["reduce_scatter/tp"] = (t - 1) / t * activation * 4 * blocks
         else:
             out["all_reduce/tp"] = 2 * (t - 1) / t * activation * (5 if plan.ac else 4) * blocks
+        if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
+            # max and (sum of exp, target logit): one value per token each
+            tokens = shape.batch * shape.seq * 4
+            vocab = activation + (activation + 3 * tokens if plan.pp == 1 else 0)
+            out["all_reduce/tp"] = out.get("all_reduce/tp", 0.0) + 2 * (t - 1) / t * vocab
     if plan.pp > 1:  # rank 0 sends activations on from each of its v chunks, gradients back from v-1 of them
         out["send/pp"] = (2 * plan.virtual - 1) * shape.batch * shape.seq * shape.hidden * 4 / (t if plan.sp else 1)
     return out
@@ -219,7 +228,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     first_blocks = sum(len(ranges[c * plan.pp]) for c in range(plan.virtual))
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
-    kept = shape.head() - 2 * shape.hidden if plan.pp == 1 else math.ceil(split / plan.tp) + whole
+    kept = shape.head(plan.tp if plan.vp else 1) - 2 * shape.hidden if plan.pp == 1 \
+        else math.ceil(split / plan.tp) + whole
     comm = communication(shape, plan, per_rank[0], first_blocks, kept)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else 0.0
     return Estimate(str(plan), memory, comm, bubble, per_rank)

@@ -1,6 +1,7 @@
 """Tensor parallel (Megatron): weight matrices split over the tp axis, by a plan that names the layers.
 
-`layers`: the parallel layers and the conjugate communication operators; `plans`: which layers a plan splits
+`layers`: the parallel layers and the conjugate communication operators; `vocab`: the output layer split over the
+vocabulary and the loss computed from its pieces ('vp'); `plans`: which layers a plan splits
 and how; `families`: the model layouts split without a plan (detection); `heads`: attention counting this rank's
 heads; `sequence_parallel`: the blocks between split layers on 1/tp of the
 sequence; `state`: weights and optimizer state back in the single-process layout; `technique`: all of it as

@@ -2,8 +2,9 @@
 
 Tolerance: fp32, the same as test_trainer.py (losses rel 1e-5 / abs 1e-6, parameters rel 1e-5 / abs 5e-5).
 Each case is a real Trainer run of the demo GPT through `stratpack train`, launched by Lightning's popen
-launcher: 8 ranks share this machine's cores, so these are the slowest tests and are marked ``slow``
-(CI runs them all the same: `.ci/run` runs the whole suite).
+launcher: 8 ranks share this machine's cores, so these are the slowest tests. The default run (and CI) takes one
+case of each path (`IN_CI`: ZeRO-3 over tp and pp, the interleaved schedule with ZeRO-2, sequence parallel with
+ZeRO-3, offload under pp, vocab parallel with ZeRO-1 and sp); ``pytest -m matrix`` runs the whole matrix.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ EIGHT = [("dp_tp2_pp2", ()), ("zero1_tp2_pp2", ()), ("zero2_tp2_pp2", ()), ("zer
          ("zero3_tp2_pp2_ac", ()), ("zero3_tp2_pp2_1f1b_mb4", ()), ("naive_tp2_pp2", ()),
          ("zero1_tp2_pp2_sp", ()), ("zero2_tp2_pp2_interleaved_v2_mb4", DEEP)]
 FOUR = [("zero2_tp2", ()), ("zero3_pp2", ()), ("zero1_pp2_interleaved_v2_mb4", DEEP), ("zero3_tp2_sp", ()),
-        ("tp2_pp2_sp", ()), ("zero3_offload_pp2", ())]
-CASES = [(s, 8, e) for s, e in EIGHT] + [(s, 4, e) for s, e in FOUR]
+        ("tp2_pp2_sp", ()), ("zero3_offload_pp2", ()), ("zero1_tp2_sp_vp", ())]
+IN_CI = {("zero3_tp2_pp2", 8), ("zero2_tp2_pp2_interleaved_v2_mb4", 8), ("zero3_tp2_sp", 4), ("zero3_offload_pp2", 4),
+         ("zero1_tp2_sp_vp", 4)}
+CASES = [pytest.param(s, d, e, id=f"{s}-n{d}", marks=() if (s, d) in IN_CI else pytest.mark.matrix)
+         for s, d, e in [(s, 8, e) for s, e in EIGHT] + [(s, 4, e) for s, e in FOUR]]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,7 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,devices,extra", CASES, ids=[f"{s}-n{d}" for s, d, _ in CASES])
+@pytest.mark.parametrize("strategy,devices,extra", CASES)
 def test_3d_matches_single_device(tmp_path, references, strategy: str, devices: int, extra):
     # Clipping at 0.5 changes every step here (the demo's gradient norm starts near 1.5), so the norm must be
     # the whole model's: summed over stages, over tensor-parallel slices (replicated parameters once) and
@@ -63,6 +67,10 @@ def test_3d_matches_single_device(tmp_path, references, strategy: str, devices: 
             # over these 5 steps that adds m * kept / 5 (e.g. zero3_pp2: 40,768 + 5,082 elements, measured
             # exactly 45,850), at most a quarter more here.
             assert value <= measured <= value * 1.25, (key, comm[key], value)
+        elif "sp" in strategy and key == "all_reduce/tp":
+            # Under sp the norms' partial gradients are summed over tp once a step (6h values a block, fewer under
+            # ZeRO: its shard's pieces), which the estimator leaves out: at most 1,536 bytes more here.
+            assert value <= measured <= value + 6 * 32 * 2 * 4, (key, comm[key], value)
         else:
             assert measured == pytest.approx(value, rel=0.02, abs=256), (key, comm[key], value)
     if dp == 1:  # what rank 0 (stage 0) logged is the last stage's batch loss, averaged over the microbatches

@@ -48,6 +48,9 @@ def test_stage_params_split_and_cut_the_model():
     assert sum(stage_params(shape, _plan("pp2_interleaved_v2_mb2", 2))) == shape.total()
     split, whole = shape.block()
     assert stage_params(shape, _plan("tp2", 2)) == [shape.total() - 4 * split // 2]
+    # vp: the token embedding and the head (weight and bias) split over the vocabulary too
+    vocab_half = (88 * 32 + 88 * 32 + 88) // 2
+    assert stage_params(shape, _plan("tp2_vp", 2)) == [shape.total() - 4 * split // 2 - vocab_half]
 
 
 def test_pipeline_bubble_and_in_flight_activations():
