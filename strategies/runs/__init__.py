@@ -16,7 +16,8 @@ Schema version 1 (`SCHEMA`), present in every file and record:
   (the pair, its ratios and both sides' per-rank peaks; ``role`` "ours" or "peer").
 - ``rank*.jsonl`` records: ``schema``, ``rank``, ``step``, ``time`` (unix), ``step_time_s``, ``loss``
   (this rank's), ``lr``, ``samples_per_s``, ``tokens_per_s``, ``memory`` (bytes by category:
-  params, grads, optimizer, host, activations_peak, peak_rss, and on CUDA max_allocated, max_reserved),
+  params, grads, optimizer, host, activations_peak, logits (the output layer's largest output, 1/tp of the
+  vocabulary under vp; also inside activations_peak), peak_rss, and on CUDA max_allocated, max_reserved),
   ``comm`` ({"all_reduce/dp": {"calls", "bytes_sent", "bytes_recv", "wait_s"}} per step), ``bubble``
   (pipeline: this rank's idle fraction) or null, ``steps`` (the steps the record stands for: 1, more once a
   long run's records thin out, see `measure.monitor.keep_record`; its comm figures are their mean). A bench record's

@@ -20,7 +20,7 @@ MEMORY_CATEGORIES = (*MODEL_STATE, "activations")
 # "str", None (null), a tuple (any one of), [item] (a list of), [a, b] (a list of exactly those), or {key: shape} (an
 # object: those keys where present, "*" any other key, "!" the keys it must have). Keys not named are not checked.
 _NUM = ("num", None)
-_MEMORY = {k: _NUM for k in (*MEMORY_CATEGORIES, "total", "activations_peak")}
+_MEMORY = {k: _NUM for k in (*MEMORY_CATEGORIES, "total", "activations_peak", "logits")}
 _EVENT = {"!": ("action", "start", "end"), "action": "str", "phase": "str", "start": "num", "end": "num"}
 META_SHAPE = {
     "!": ("schema", "run_id", "label"), "schema": "int", "run_id": "str", "label": "str", "comparison": ("str", None),
