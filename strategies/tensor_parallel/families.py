@@ -137,7 +137,11 @@ def vocab_layers(model: nn.Module) -> tuple[str, str | None] | None:
     names = {id(m): n for n, m in model.named_modules()}
     for m in model.modules():
         if callable(getattr(m, "get_output_embeddings", None)) and callable(getattr(m, "get_input_embeddings", None)):
-            head, embedding = m.get_output_embeddings(), m.get_input_embeddings()
+            try:  # a Hugging Face model without these (a vision model) raises NotImplementedError
+                head = m.get_output_embeddings()
+                embedding = m.get_input_embeddings() if isinstance(head, nn.Linear) else None
+            except (NotImplementedError, AttributeError):
+                continue
             if isinstance(head, nn.Linear) and id(head) in names:
                 return names[id(head)], names.get(id(embedding)) if isinstance(embedding, nn.Embedding) else None
     outside = [(n, m) for n, m in model.named_modules() if not any(part.isdigit() for part in n.split("."))]
@@ -168,4 +172,17 @@ def vocab_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     if vocab % tp:
         raise ValueError(f"vp (vocab parallel): the vocabulary of {head} ({vocab}) does not divide by tp = {tp}; "
                          f"pad it to a multiple of tp (e.g. {-(-vocab // (tp * 64)) * tp * 64}), or drop vp")
+    if embedding is not None and not _plain_embedding(model.get_submodule(embedding)):
+        if model.get_submodule(embedding).weight is model.get_submodule(head).weight:
+            raise ValueError(f"vp (vocab parallel): {embedding} is tied to {head}, but it is not a plain nn.Embedding "
+                             f"({type(model.get_submodule(embedding)).__name__}: its own forward, or max_norm), so its "
+                             "split would compute something else; drop vp for this model")
+        embedding = None  # untied: split the head only, keep this embedding whole
     return {head: VocabHead()} | ({embedding: VocabEmbedding()} if embedding is not None else {})
+
+
+def _plain_embedding(embedding: nn.Module) -> bool:
+    """Whether the vocabulary split (`VocabParallelEmbedding`: a lookup, ``padding_idx`` kept) computes what
+    ``embedding`` does: an ``nn.Embedding`` with torch's own forward (Gemma's scales its output) and no max_norm."""
+    return (isinstance(embedding, nn.Embedding) and type(embedding).forward is nn.Embedding.forward
+            and embedding.max_norm is None and not embedding.sparse)

@@ -78,7 +78,8 @@ def check_attention_parameters(module: nn.Module, found: dict[str, Any]) -> None
 
 def attention_modules(module: nn.Module, found: dict[str, Any]) -> list[nn.Module]:
     """The modules holding a split layer that are attention: they count heads, or are named so."""
-    parents = {n.rpartition(".")[0] for n in found}
+    # Only the block layers: the vocabulary's layers ('vp') sit beside the blocks, often on the model's root.
+    parents = {n.rpartition(".")[0] for n, style in found.items() if type(style).__name__ in ("Colwise", "Rowwise")}
     out = []
     for name in sorted(parents):
         m = module.get_submodule(name) if name else module

@@ -263,22 +263,25 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split into p contiguous ranges: rank i looks up the ids in its range
     (zeros elsewhere) and the partial results are all-reduced forward (g)."""
 
-    def __init__(self, weight: torch.Tensor, start: int, axis: Axis):
+    def __init__(self, weight: torch.Tensor, start: int, axis: Axis, padding_idx: int | None = None):
         super().__init__()
         self.axis, self.start = axis, start
         self.weight = nn.Parameter(weight)
+        # The padding row gets no gradient, as in nn.Embedding: kept where it falls in this rank's range.
+        inside = padding_idx is not None and start <= padding_idx < start + weight.shape[0]
+        self.local_padding_idx = padding_idx - start if inside else None
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, axis: Axis):
         _check_divides("vocabulary size", embedding.num_embeddings, axis)
         part = embedding.num_embeddings // axis.size
         weight = embedding.weight.detach()[axis.index * part : (axis.index + 1) * part].clone()
-        return cls(weight, axis.index * part, axis)
+        return cls(weight, axis.index * part, axis, embedding.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.axis)
 

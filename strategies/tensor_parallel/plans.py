@@ -143,8 +143,9 @@ def _retie(module: nn.Module, found: SplitLayers) -> None:
 
 def _parallel(child: nn.Module, style: Style, axis: Axis, name: str) -> nn.Module:
     if isinstance(style, VocabEmbedding):
-        if not isinstance(child, nn.Embedding):
-            raise TypeError(f"{name}: VocabEmbedding needs an nn.Embedding, found {type(child).__name__}")
+        if not isinstance(child, nn.Embedding) or type(child).forward is not nn.Embedding.forward or child.max_norm:
+            raise TypeError(f"{name}: VocabEmbedding needs a plain nn.Embedding (torch's forward, no max_norm), found "
+                            f"{type(child).__name__}")
         return VocabParallelEmbedding.from_embedding(child, axis)
     if not isinstance(child, nn.Linear) and not is_conv1d(child):
         raise TypeError(f"{name}: {type(style).__name__} needs an nn.Linear (or a transformers Conv1D), found "

@@ -23,6 +23,7 @@ from numbers import Number
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map
 
 from strategies import comm
 from strategies.comm import Axis
@@ -52,11 +53,15 @@ class VocabParallelHead(ColumnParallelLinear):
                                                           self.axis, self))
 
 
-# Methods that read a property of the tensor and return no tensor: answered from the local slice.
+# Methods that read a property of the tensor and return no tensor: answered from the local slice (no collective, so
+# a rank may call them alone).
 _READS = {Tensor.dim, Tensor.size, Tensor.numel, Tensor.element_size, Tensor.is_contiguous, Tensor.data_ptr,
           Tensor.__len__, Tensor.shape.__get__, Tensor.dtype.__get__, Tensor.device.__get__, Tensor.ndim.__get__,
           Tensor.requires_grad.__get__, Tensor.grad_fn.__get__, Tensor.is_leaf.__get__, Tensor.layout.__get__,
-          Tensor.backward, Tensor.register_hook, Tensor.retain_grad}
+          Tensor.is_cuda.__get__, Tensor.stride, Tensor.get_device, Tensor.is_floating_point, Tensor.grad.__get__}
+# Methods that act on the tensor object itself (autograd hooks: ZeRO-3 gathers the head again from one), run on it.
+_ON_ITSELF = {Tensor.backward, Tensor.register_hook, Tensor.retain_grad, Tensor.requires_grad_}
+
 # Methods that keep every element where it is (the vocabulary stays the last dimension, in the same slice).
 _ELEMENTWISE = {Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.double, Tensor.contiguous, Tensor.clone,
                 Tensor.detach, Tensor.to, Tensor.cpu, Tensor.cuda, Tensor.type_as, Tensor.requires_grad_,
@@ -81,14 +86,21 @@ class VocabParallelLogits(Tensor):
         return (f"VocabParallelLogits(columns [{s.start}, {s.start + s.vocab // s.axis.size}) of {s.vocab}, "
                 f"local shape {tuple(self.shape)})")
 
+    def __format__(self, spec: str) -> str:
+        return self.__repr__()
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        shard = next(a._shard for a in (*args, *kwargs.values()) if isinstance(a, VocabParallelLogits))
+        shard = next(a._shard for a in tree_flatten((args, kwargs))[0] if isinstance(a, VocabParallelLogits))
         if func is F.cross_entropy and _vocab_parallel_loss_fits(args, kwargs):
             return _cross_entropy(shard, *args, **kwargs)
+        if func in _ON_ITSELF:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func in _READS:
             return _plain_call(func, args, kwargs)
+        _check_in_place(func, args, kwargs)
         kept = _keeps_vocab(func, args, kwargs, shard)
         if kept is not None:
             out = _plain_call(func, *kept)
@@ -97,11 +109,27 @@ class VocabParallelLogits(Tensor):
 
 
 def _plain(value):
-    if isinstance(value, VocabParallelLogits):
-        return value.as_subclass(Tensor)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_plain(v) for v in value)
-    return value
+    return tree_map(lambda v: v.as_subclass(Tensor) if isinstance(v, VocabParallelLogits) else v, value)
+
+
+def _numbers_only(values) -> bool:
+    return all(isinstance(v, (Number, torch.dtype, torch.device, str, bool)) or v is None for v in values)
+
+
+_IN_PLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "mod",
+                                                "and", "or", "xor", "lshift", "rshift")}
+
+
+def _check_in_place(func, args, kwargs) -> None:
+    """Refuse an in-place change of the logits (``x.div_(c)``, ``x *= c``, ``x[..., 0] = v``): made on a gathered
+    copy it would be lost, and the split logits are not changed in place."""
+    name = getattr(func, "__name__", "")
+    in_place = func is Tensor.__setitem__ or name in _IN_PLACE_OPERATORS or (
+        name.endswith("_") and not name.startswith("__"))
+    if in_place and func not in _ON_ITSELF and isinstance(args[0] if args else None, VocabParallelLogits):
+        raise NotImplementedError(
+            f"vocab parallel ('vp'): the logits are split over the vocabulary and {name or func} would change them in "
+            "place; compute a new tensor instead (x = x * c, not x *= c), or drop vp")
 
 
 def _plain_call(func, args, kwargs):
@@ -116,8 +144,7 @@ def _keeps_vocab(func, args, kwargs, shard: VocabShard) -> tuple[tuple, dict] | 
         return None
     rest = [*args[1:], *kwargs.values()]
     if func in _ELEMENTWISE:
-        numbers_only = all(isinstance(v, (Number, torch.dtype, torch.device, str, bool)) or v is None for v in rest)
-        return (args, kwargs) if numbers_only else None
+        return (args, kwargs) if _numbers_only(rest) else None
     if func in (Tensor.view, Tensor.reshape, torch.reshape):
         shape = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
         local = shard.vocab // shard.axis.size
@@ -148,7 +175,7 @@ def _gathered(func, args, kwargs) -> tuple[tuple, dict]:
     which every tp rank makes: they run the same code on the same batch)."""
     def full(value):
         if not isinstance(value, VocabParallelLogits):
-            return value
+            return value  # (tree_map below reaches logits inside lists: torch.cat([logits, ...]))
         shard = value._shard
         with torch._C.DisableTorchFunctionSubclass():
             whole = gather_from_tp(value.as_subclass(Tensor), shard.axis)
@@ -160,7 +187,7 @@ def _gathered(func, args, kwargs) -> tuple[tuple, dict]:
     warnings.warn(f"vocab parallel ('vp'): {name} needs the whole vocabulary, so the logits were gathered over tp "
                   "for it (right, but their memory is no longer split). Only F.cross_entropy on the logits (after "
                   "float/view/reshape/slicing of other dimensions) keeps them split.", stacklevel=3)
-    return tuple(full(a) for a in args), {k: full(v) for k, v in kwargs.items()}
+    return tree_map(full, tuple(args)), tree_map(full, dict(kwargs))
 
 
 def _vocab_parallel_loss_fits(args, kwargs) -> bool:

@@ -97,3 +97,20 @@ def test_vocab_parallel_is_refused_where_it_cannot_split_the_vocabulary():
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight \(not split\), lm_head.weight \(VocabHead\) are "
                                          r"one tied parameter"):
         apply_plan(tied, {"lm_head": VocabHead(), **detect_plan(tied)}, _axis(2))
+
+
+def test_vocab_parallel_keeps_an_embedding_whole_that_its_split_would_change():
+    from strategies.tensor_parallel import VocabHead
+    from strategies.tensor_parallel.families import vocab_layers, vocab_plan
+
+    # Gemma scales its embedding's output by sqrt(hidden) in the embedding's own forward: untied, only the head
+    # splits; tied, refused.
+    untied = _hf("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    assert vocab_plan(untied, 2) == {"lm_head": VocabHead()}
+    tied = _hf("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"model.embed_tokens is tied to lm_head, but it is not a plain nn.Embedding"):
+        vocab_plan(tied, 2)
+    # A model without a vocabulary (its get_input_embeddings raises) has no output layer to meter or split.
+    vision = _hf("ResNetConfig", "ResNetForImageClassification", hidden_sizes=[8, 8], depths=[1, 1], embedding_size=8,
+                 num_labels=3) if hasattr(transformers, "ResNetConfig") else None
+    assert vision is None or vocab_layers(vision) is None
