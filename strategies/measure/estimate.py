@@ -118,12 +118,17 @@ class Estimate:
         return max(sum(v for k, v in m.items() if k != "host") for m in self.memory)
 
 
+def _vocab_split(plan: ParallelPlan) -> int:
+    """The ranks the vocabulary (token embedding and head) is split over: tp under 'vp', else none."""
+    return plan.tp if plan.vp else 1
+
+
 def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Parameters each rank holds, per pipeline rank (tp-split blocks, embeddings on the first stage, norm
     and head on the last), cut the way `pipeline.PipelineParallel` cuts by parameter count."""
     split, whole = shape.block()
     local_block = math.ceil(split / plan.tp) + whole
-    stages, v = plan.pp * plan.virtual, plan.tp if plan.vp else 1
+    stages, v = plan.pp * plan.virtual, _vocab_split(plan)
     ranges = partition([local_block] * shape.layers, stages, shape.embeddings(v), shape.head(v)) if stages > 1 \
         else [range(shape.layers)]
     per_stage = [len(r) * local_block for r in ranges]
@@ -228,7 +233,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     first_blocks = sum(len(ranges[c * plan.pp]) for c in range(plan.virtual))
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
-    kept = shape.head(plan.tp if plan.vp else 1) - 2 * shape.hidden if plan.pp == 1 \
+    kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
     comm = communication(shape, plan, per_rank[0], first_blocks, kept)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else 0.0

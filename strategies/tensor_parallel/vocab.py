@@ -64,9 +64,9 @@ _ON_ITSELF = {Tensor.backward, Tensor.register_hook, Tensor.retain_grad, Tensor.
 
 # Methods that keep every element where it is (the vocabulary stays the last dimension, in the same slice).
 _ELEMENTWISE = {Tensor.float, Tensor.half, Tensor.bfloat16, Tensor.double, Tensor.contiguous, Tensor.clone,
-                Tensor.detach, Tensor.to, Tensor.cpu, Tensor.cuda, Tensor.type_as, Tensor.requires_grad_,
-                Tensor.tanh, torch.tanh, Tensor.__mul__, Tensor.__rmul__, Tensor.__truediv__, Tensor.__add__,
-                Tensor.__radd__, Tensor.__sub__, Tensor.mul, Tensor.div, Tensor.add, torch.mul, torch.div}
+                Tensor.detach, Tensor.to, Tensor.cpu, Tensor.cuda, Tensor.type_as, Tensor.tanh, torch.tanh,
+                Tensor.__mul__, Tensor.__rmul__, Tensor.__truediv__, Tensor.__add__, Tensor.__radd__, Tensor.__sub__,
+                Tensor.mul, Tensor.div, Tensor.add, torch.mul, torch.div}
 
 
 class VocabParallelLogits(Tensor):
@@ -134,7 +134,7 @@ def _check_in_place(func, args, kwargs) -> None:
 
 def _plain_call(func, args, kwargs):
     with torch._C.DisableTorchFunctionSubclass():
-        return func(*_plain(tuple(args)), **{k: _plain(v) for k, v in kwargs.items()})
+        return func(*_plain(tuple(args)), **_plain(dict(kwargs)))
 
 
 def _keeps_vocab(func, args, kwargs, shard: VocabShard) -> tuple[tuple, dict] | None:
