@@ -8,6 +8,9 @@
    device): each rank's model-state bytes and allocator peak against the ZeRO formulas at N = 2.
 3. bf16-mixed against 32-true on a model that fills the GPU: tokens/s and MFU (6N + 12·L·h·s FLOP per token
    against the device's dense bf16 peak).
+4. With two or more GPUs: the equivalence check on nccl, one rank per GPU, against one process: dp, zero1-3,
+   tp2, pp2 under 1F1B, GPipe and interleaved, and the largest 3D plan the GPU count fits (per-step loss
+   difference and largest parameter difference). With fewer, it says so and what has not been run.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ sys.path.insert(0, ROOT)  # a checkout on a GPU machine need not have the pack i
 MiB, GiB = 2**20, 2**30
 
 
-def train(plan: str, *args: str) -> dict:
+def train(plan: str, *args: str, devices: int = 1, params: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "strategies.cli", "train", plan, "--accelerator", "gpu", "--devices", "1",
+        cmd = [sys.executable, "-m", "strategies.cli", "train", plan, "--accelerator", "gpu", "--devices", str(devices),
                "--wandb", "off", "--runs-dir", os.path.join(tmp, "runs"), "--out", out,
                "--workload", "demos.workload:GPT_WORKLOAD", *args]  # named in full: the pack may not be installed
+        if params:
+            cmd += ["--params-out", params]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "PYTHONPATH": ROOT})
         if proc.returncode != 0:
@@ -156,11 +161,53 @@ def mfu_part(report: dict, quick: bool) -> None:
                       f"{r.get('mfu') or 0:.3f}", f"{(r.get('memory_bytes') or {}).get('max_allocated', 0) / GiB:.2f}"])
 
 
+NCCL_PLANS = [("dp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("tp2", 2), ("pp2_1f1b_mb4", 2),
+              ("pp2_gpipe_mb4", 2), ("pp2_interleaved_v2_mb4", 2)]
+THREE_D = [(8, "zero3_tp2_pp2"), (4, "tp2_pp2")]  # the largest that the GPU count fits
+
+
+def nccl_part(report: dict) -> None:
+    """4: every plan on nccl, one rank per GPU, against one process (fp32, SGD: no optimizer hides a scale)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    report["gpus"] = gpus
+    if gpus < 2:
+        report["nccl"] = f"skipped: {gpus} GPU visible; nccl across ranks needs two or more (one rank per GPU)"
+        print(f"\n## Equivalence on nccl\n\n{report['nccl']}. Not run here: any multi-rank collective or p2p "
+              "message on nccl.", flush=True)
+        return
+    common = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--n-layer", "4",
+              "--max-chars", "20000", "--optimizer", "sgd"]
+    three_d = next(((plan, n) for n, plan in THREE_D if n <= gpus), None)
+    plans = NCCL_PLANS + ([three_d] if three_d else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = train("single", *common, params=os.path.join(tmp, "single.pt"))
+        rows = [_compare(ref, train(plan, *common, devices=n, params=os.path.join(tmp, f"{plan}.pt")),
+                         os.path.join(tmp, "single.pt"), os.path.join(tmp, f"{plan}.pt"), plan, n) for plan, n in plans]
+    report["nccl"] = rows
+    _table(f"Equivalence on nccl, one rank per GPU ({gpus} GPUs), against one process (fp32, SGD, 5 steps)",
+           ["plan", "ranks", "max loss rel. diff", "max param abs. diff"], rows, lambda r: [r["plan"], str(r["ranks"])],
+           lambda r: [f"{r['loss_rel']:.2e}", f"{r['param_abs']:.2e}"])
+
+
+def _compare(ref: dict, got: dict, ref_params: str, got_params: str, plan: str, ranks: int) -> dict:
+    import torch
+
+    if "error" in got or "error" in ref:
+        return {"plan": plan, "ranks": ranks, "error": got.get("error") or ref.get("error")}
+    a, b = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
+    p, q = torch.load(got_params), torch.load(ref_params)
+    return {"plan": plan, "ranks": ranks, "loss_rel": float(((a - b).abs() / b.abs()).max()),
+            "param_abs": max(float((p[k].float() - q[k].float()).abs().max()) for k in q)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", default="trainer,engines,mfu", help="which of trainer, engines, mfu to run")
+    parser.add_argument("--parts", default="trainer,engines,mfu,nccl",
+                        help="which of trainer, engines, mfu, nccl to run")
     args = parser.parse_args()
     import torch
 
@@ -173,6 +220,8 @@ def main() -> int:
             part(report)
     if "mfu" in parts:
         mfu_part(report, args.quick)
+    if "nccl" in parts:
+        nccl_part(report)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

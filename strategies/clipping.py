@@ -56,6 +56,10 @@ def clip_pieces(pieces: Sequence[tuple[Tensor, Axis | None]], max_norm: float, *
     ``copies``: gradients another rank holds and counts too (a tied weight's second stage): scaled, not counted."""
     norm = total_norm(pieces, split=split, disjoint=disjoint, norm_type=norm_type, device=device)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    on: dict = {}  # the scale on each device and dtype once (offloaded pieces are in host memory, one per parameter)
     for g in [g for g, _ in pieces] + list(copies):
-        g.mul_(scale.to(device=g.device, dtype=g.dtype))
+        key = (g.device, g.dtype)
+        if key not in on:
+            on[key] = scale.to(device=g.device, dtype=g.dtype)
+        g.mul_(on[key])
     return norm.float()

@@ -2,11 +2,17 @@
 
 The ranks are laid out as a (pp, dp, tp) grid, tp innermost: tensor-parallel peers are neighbouring ranks,
 which on real hardware means the same node and the fastest links; pipeline stages are the outermost axis,
-since they only exchange activations between neighbours. Every piece receives the `Axis` it uses as an
+since they only exchange activations between neighbours. Launchers number ranks node by node (torchrun, SLURM,
+Lightning's), so tp stays inside a node whenever it divides the ranks per node; when it does not, the mesh
+says so (a warning naming the tp group that crosses nodes). Every piece receives the `Axis` it uses as an
 argument; there are no module-level process groups.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import warnings
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,6 +45,10 @@ class ParallelMesh:
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
             self.axes = {name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES}
         comm.register_peers(self.world)  # to name a rank that dies later
+        self.nodes = _node_indices(comm.all_gather_object(_node_key(), self.world))  # each rank's node
+        advice = tp_across_nodes(self.nodes, self.plan.tp)
+        if advice and dist.get_rank() == 0:
+            warnings.warn(advice, stacklevel=2)
         expected = self.plan.coordinates(dist.get_rank())
         actual = {name: axis.index for name, axis in self.axes.items()}
         if expected != actual:  # the layout every other piece assumes (samplers, stage ownership)
@@ -59,3 +69,33 @@ class ParallelMesh:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={axis.size}" for name, axis in self.axes.items())
         return f"ParallelMesh({sizes}, plan='{self.plan}')"
+
+
+def _node_key() -> str:
+    """This process's node: the host, and the node rank a launcher gives (two torchrun agents on one host are
+    two nodes to NCCL's topology only by this number)."""
+    for name in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"):
+        if name in os.environ:
+            return f"{socket.gethostname()}/{os.environ[name]}"
+    return socket.gethostname()
+
+
+def _node_indices(keys: list[str]) -> list[int]:
+    """Each rank's node, numbered in order of first appearance."""
+    order: dict[str, int] = {}
+    return [order.setdefault(key, len(order)) for key in keys]
+
+
+def tp_across_nodes(nodes: list[int], tp: int) -> str | None:
+    """What to tell the user when a tensor-parallel group, ``tp`` consecutive ranks, spans nodes (its all-reduces,
+    four per block per microbatch, then cross the network instead of NVLink); None when every group is inside
+    one node. ``nodes``: each rank's node."""
+    crossing = [list(range(start, start + tp)) for start in range(0, len(nodes), tp)
+                if len(set(nodes[start : start + tp])) > 1]
+    if tp == 1 or not crossing:
+        return None
+    per_node = min(nodes.count(n) for n in set(nodes))
+    return (f"tp{tp} spans nodes: the tensor-parallel group of ranks {crossing[0]} is on "
+            f"{len({nodes[r] for r in crossing[0]})} nodes, so its all-reduces cross the network. With {per_node} "
+            f"ranks per node, use a tp that divides {per_node} (the mesh keeps tp innermost: each group is then "
+            "inside one node)")

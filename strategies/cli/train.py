@@ -23,7 +23,8 @@ SINGLE = "single"  # one process, Lightning's default single-device strategy: th
 @dataclass(frozen=True)
 class RunConfig:
     strategy: str = "dp"
-    devices: int = 2
+    devices: int = 2  # processes per node
+    num_nodes: int = 1  # nodes (each runs `devices` processes: torchrun --nnodes, SLURM)
     steps: int = 30
     batch_size: int = 16  # global: split over the data-parallel ranks
     accumulate: int = 1
@@ -74,7 +75,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     L.seed_everything(config.seed, workers=True, verbose=False)
     module, dataset = find_workload(config.workload).lightning(config)
     dataset = _check_batches(config, dataset)
-    world = 1 if config.strategy == SINGLE else config.devices
+    world = _world(config)
     model = _model_config(module)
     predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate)
     trainer, monitor = _trainer(config, predicted)
@@ -83,6 +84,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
         trainer.fit(module, _loader(config, dataset), _validation(config, dataset), ckpt_path=config.resume)
     _finish_wandb(trainer)
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
+    mesh = getattr(trainer.strategy, "mesh", None)
+    result["node_of_rank"] = list(mesh.nodes) if mesh is not None else [0]
     result["model"] = model  # the shape the estimator needs (strategies.measure.estimate)
     result["predicted"] = predicted  # what the estimator expected of this run (also in its meta.json)
     # What this rank's loggers saw last (rank 0 writes the logs): e.g. train_loss of the last step.
@@ -90,6 +93,11 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
                         if getattr(v, "numel", lambda: 1)() == 1}
     result.update(_final_parameters(trainer, params_out))
     return result
+
+
+def _world(config: RunConfig) -> int:
+    """The run's ranks: every node's processes (one for the single-device reference)."""
+    return 1 if config.strategy == SINGLE else config.devices * config.num_nodes
 
 
 def _model_config(module: Any) -> dict[str, Any]:
@@ -102,7 +110,7 @@ def _check_batches(config: RunConfig, dataset: Any) -> Any:
     """``dataset``, cut to whole epochs of ``config.epoch_steps``; a clear error for a batch that does not split."""
     from torch.utils.data import Subset
 
-    replicas = data_parallel_degree(config.strategy, config.devices)
+    replicas = data_parallel_degree(config.strategy, _world(config))
     if config.batch_size % replicas:
         raise ValueError(f"global batch {config.batch_size} does not split over {replicas} data-parallel ranks")
     if config.epoch_steps and config.steps % config.epoch_steps:
@@ -121,7 +129,7 @@ def _loader(config: RunConfig, dataset: Any) -> Any:
     sampler = None
     if config.strategy == SINGLE:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
-    per_rank = config.batch_size // data_parallel_degree(config.strategy, config.devices)
+    per_rank = config.batch_size // data_parallel_degree(config.strategy, _world(config))
     return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
 
 
@@ -132,7 +140,7 @@ def _validation(config: RunConfig, dataset: Any) -> Any:
 
     if not config.checkpoint_dir:
         return None
-    per_rank = config.batch_size // data_parallel_degree(config.strategy, config.devices)
+    per_rank = config.batch_size // data_parallel_degree(config.strategy, _world(config))
     return DataLoader(Subset(dataset, range(config.batch_size)), batch_size=per_rank)
 
 
@@ -152,6 +160,7 @@ def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
         callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, every_n_epochs=1))
     trainer = L.Trainer(
         accelerator=config.accelerator, devices=1 if single else config.devices,
+        num_nodes=1 if single else config.num_nodes,
         strategy="auto" if single else config.strategy,
         # With epochs of a known length, the run is counted in epochs: Lightning 2.6 resumes an epoch-end checkpoint
         # of a max_steps run as an unfinished epoch (one batch too many), not of a max_epochs run.
@@ -241,7 +250,8 @@ def write_result(result: dict[str, Any], path: str) -> None:
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """The options of one run, shared by `train` and `compare`."""
     defaults = RunConfig()
-    p.add_argument("--devices", type=int, default=defaults.devices, help="processes (CPU: gloo ranks)")
+    p.add_argument("--devices", type=int, default=defaults.devices, help="processes per node (CPU: gloo ranks)")
+    p.add_argument("--num-nodes", type=int, default=defaults.num_nodes, help="nodes (torchrun --nnodes, SLURM)")
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (samples)")
     p.add_argument("--accumulate", type=int, default=defaults.accumulate, help="gradient accumulation steps")

@@ -4,7 +4,8 @@
     comm.all_reduce(tensor, mesh.dp)        # over one named axis of the mesh; a no-op on an axis of one rank
 
 `stats`: what is counted (bytes and blocked seconds per operation and axis) and the `Axis` every call takes;
-`recorder`: the flight recorder that names a failed call; `ops`: the calls themselves.
+`recorder`: the flight recorder that names a failed call; `ops`: the collectives; `p2p`: point-to-point
+messages, grouped and ordered as NCCL matches them.
 """
 
 from strategies.comm.ops import (
@@ -15,14 +16,10 @@ from strategies.comm.ops import (
     barrier,
     broadcast,
     broadcast_object,
-    irecv,
-    isend,
-    recv,
     reduce_scatter,
     register_peers,
-    ring_all_reduce,
-    send,
 )
+from strategies.comm.p2p import P2P, STRICT_ENV, GroupHandle, P2POrderError, exchange, recv, ring_all_reduce, send
 from strategies.comm.recorder import (
     DEBUG_ENV,
     RECORDER,
@@ -34,7 +31,8 @@ from strategies.comm.recorder import (
 from strategies.comm.stats import Axis, CommRecord, CommStats, Op
 
 __all__ = [
-    "DEBUG_ENV", "RECORDER", "Axis", "CallRecord", "CollectiveError", "CollectiveMismatch", "CommRecord", "CommStats",
-    "FlightRecorder", "Handle", "Op", "all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast",
-    "broadcast_object", "irecv", "isend", "recv", "reduce_scatter", "register_peers", "ring_all_reduce", "send",
+    "DEBUG_ENV", "P2P", "RECORDER", "STRICT_ENV", "Axis", "CallRecord", "CollectiveError", "CollectiveMismatch",
+    "CommRecord", "CommStats", "FlightRecorder", "GroupHandle", "Handle", "Op", "P2POrderError", "all_gather",
+    "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "exchange", "recv",
+    "reduce_scatter", "register_peers", "ring_all_reduce", "send",
 ]

@@ -107,6 +107,33 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def nccl_environment(debug: bool) -> dict[str, str]:
+    """The NCCL settings that let a hang be diagnosed, set before the process group starts (where the user has
+    not set them). On nccl a collective returns to the CPU as soon as it is queued, so a rank that stops
+    calling one is seen by the others only in NCCL's watchdog:
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: the watchdog aborts the communicator on a timeout and ends the
+      process, so a stuck rank cannot hold the job (torch's default; set in case a site turned it off);
+    - torch's own NCCL flight recorder, dumped on a timeout to ``$TMPDIR/stratpack_nccl_trace_rank_<N>``
+      (``python -m torch.distributed.flight_recorder.fr_trace`` reads the ranks' dumps and names the rank
+      whose collective is missing);
+    - with ``STRATPACK_DEBUG_COLLECTIVES=1``, ``TORCH_NCCL_BLOCKING_WAIT=1`` as well: each collective
+      completes on the CPU, so a timeout raises in the call itself and this recorder names it on every
+      waiting rank, as on gloo (slow: no overlap; torch then runs no watchdog, so no dump).
+    The strategy also turns on `faulthandler`, so a rank the watchdog aborts prints its Python stack.
+    """
+    import tempfile
+
+    dump = os.path.join(tempfile.gettempdir(), "stratpack_nccl_trace_rank_")
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           # torch >= 2.7 names them TORCH_FR_*, older releases (which pyproject accepts) TORCH_NCCL_*
+           "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+           "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
+    if debug:
+        env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    return env
+
+
 def fail(record: CallRecord, err: BaseException) -> CollectiveError:
     """``err`` as a CollectiveError naming ``record`` and this rank's recent calls."""
     record.state = "failed"

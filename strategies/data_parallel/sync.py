@@ -73,8 +73,9 @@ class GradSync(Technique):
 
 def assign_grads(params: list[nn.Parameter], grads: list[torch.Tensor], used: torch.Tensor | None) -> None:
     """Point each ``param.grad`` at its reduced gradient (a view, no copy); None where no rank used it."""
+    flags = used.tolist() if used is not None else None  # one device-to-host copy, not one per parameter
     for k, (p, grad) in enumerate(zip(params, grads)):
-        if used is not None and used[k] == 0:
+        if flags is not None and flags[k] == 0:
             p.grad = None
         elif p.grad is None or p.grad.data_ptr() != grad.data_ptr():
             p.grad = grad.view_as(p)

@@ -11,6 +11,8 @@ reduce / broadcast / barrier through `strategies.comm`.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import os
 import sys
 from collections.abc import Generator
 from typing import Any
@@ -142,6 +144,11 @@ class PlanStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        if backend == "nccl":  # what a hang needs to be diagnosed (the user's own settings win)
+            debug = os.environ.get(comm.DEBUG_ENV, "") not in ("", "0")
+            for key, value in comm.recorder.nccl_environment(debug).items():
+                os.environ.setdefault(key, value)
+            faulthandler.enable(all_threads=True)  # the watchdog's abort then prints where each thread was
         _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)
         comm.RECORDER.timeout = self.options.timeout
         self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
@@ -404,8 +411,10 @@ class PlanStrategy(ParallelStrategy):
             raise NotImplementedError("PlanStrategy.all_gather does not propagate gradients (sync_grads=True)")
         if self.mesh is None:
             return tensor.unsqueeze(0)
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        comm.all_gather(out.view(-1), tensor.detach().contiguous().view(-1), self.mesh.world)
+        # On this rank's device: a caller's CPU tensor (a metric built with torch.tensor) cannot go over nccl.
+        mine = tensor.detach().to(self.root_device).contiguous()
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=self.root_device)
+        comm.all_gather(out.view(-1), mine.view(-1), self.mesh.world)
         return out
 
     @override
@@ -422,7 +431,9 @@ class PlanStrategy(ParallelStrategy):
         mean = reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"))
         if not mean and reduce_op not in (ReduceOp.SUM, "sum"):
             raise ValueError(f"reduce supports 'mean' and 'sum', got {reduce_op!r}")
-        out = tensor.detach().clone()  # Lightning's callers may still use the tensor they passed
+        # A copy (Lightning's callers may still use the tensor they passed), on this rank's device: a CPU tensor
+        # cannot go over nccl.
+        out = tensor.detach().to(self.root_device, copy=True)
         if mean and not out.is_floating_point():
             out = out.float()
         comm.all_reduce(out, self.mesh.world)

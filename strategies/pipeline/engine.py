@@ -26,7 +26,7 @@ from torch import nn
 from strategies import comm
 from strategies.comm import Axis
 from strategies.mesh import ParallelMesh
-from strategies.pipeline import schedules
+from strategies.pipeline import messages, schedules
 from strategies.pipeline.runner import PipelineRunner, StepResult
 from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
 from strategies.pipeline.tied import TiedWeights
@@ -52,13 +52,19 @@ class PipelineParallel(Technique):
         self.layout = plan_stages(module, self.stages, blocks, weights, trace)
         self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
         self.runner_stages = StageRunner(module, self.layout, self.my_stages)
+        # One collective on the axis before its first grouped p2p: on nccl, the first batch_isend_irecv of a group
+        # must involve every rank of it (it creates the communicator); later ones may involve a pair.
+        comm.barrier(self.axis)
         self.tied = TiedWeights(module, list(self.layout.shared), self.axis, mesh.dp, 0,
                                 schedules.owner(self.stages - 1, pp))
         tables = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
-        self.runner = PipelineRunner(self.axis, self.stages, self.microbatches,
-                                     wait_sends=_gloo(self.axis) and schedules.sends_can_wait(tables, pp))
+        # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use.
+        how = messages.grouping(tables, pp)
+        self.program = messages.programs(tables, pp, how=how)[self.axis.index]
+        self.eval_program = messages.evaluation(pp, self.stages)[self.axis.index]
+        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis))
         last_backward: dict[int, schedules.Action] = {}
         for action in self.table:
             if action.phase is schedules.Phase.BACKWARD:
@@ -106,25 +112,12 @@ class PipelineParallel(Technique):
             # Reduce each parameter once, complete, in its stage's last backward.
             return no_sync() if no_sync is not None and action not in self._last_backward else contextlib.nullcontext()
 
-        self.last_step = self.runner.run(self.table, forward, device, backward_context)
-        losses = self.last_step.losses
-        loss = torch.stack(losses).sum().float() * accumulate if losses else torch.zeros((), device=device)
-        self._share_loss(loss)
-        return loss
-
-    _LOSS_TAG = 2**30  # above every tag the runner uses
-
-    def _share_loss(self, loss: torch.Tensor) -> None:
-        # Point to point from the last stage, not a broadcast: a blocking broadcast would hold the last stage
-        # until stage 0 finishes its last backward, instead of letting it step its optimizer meanwhile.
-        if self.axis.size == 1:
-            return
-        if self.axis.index == self.last_rank:
-            sent = loss.detach().clone()
-            self._loss_sends = [(comm.isend(sent, self.axis, dst, self._LOSS_TAG), sent)
-                                for dst in range(self.axis.size) if dst != self.last_rank]
-        else:
-            comm.recv(loss, self.axis, self.last_rank, self._LOSS_TAG)
+        # The program ends with the last stage's loss sent point to point to every other rank, not broadcast:
+        # a blocking broadcast would hold the last stage until stage 0 finishes its last backward, instead of
+        # letting it step its optimizer meanwhile (the sends complete in `finish`).
+        self.last_step = self.runner.run(self.program, forward, device, backward_context)
+        self._loss_sends = self.last_step.in_flight
+        return self.last_step.loss * accumulate
 
     def finish(self) -> None:
         """Complete what the last step left in flight (the loss sent to the other stages). Call it before
@@ -155,8 +148,9 @@ class PipelineParallel(Technique):
                 "(self.model(x)), or call the nn.Sequential of blocks directly")
 
         with torch.no_grad():
-            output = self.runner.forward_only(self.my_stages, forward, device)
-        output = comm.broadcast_object(output, self.axis, src=self.last_rank)
+            output = self.runner.forward_only(self.eval_program, forward, device)
+        # Pickled through host memory: a CUDA tensor would be unpickled onto the sender's GPU on every rank.
+        output = _to(comm.broadcast_object(_to(output, torch.device("cpu")), self.axis, src=self.last_rank), device)
         with _answering(self.top, output):
             return step(batch, batch_idx, *args)
 
@@ -203,7 +197,8 @@ class PipelineParallel(Technique):
         """The union of every stage's per-parameter optimizer states (each holds its own parameters')."""
         merged: dict = {}
         for src in range(self.axis.size):
-            merged.update(comm.broadcast_object(state if src == self.axis.index else None, self.axis, src=src))
+            mine = _to(state, torch.device("cpu")) if src == self.axis.index else None  # see eval_step
+            merged.update(comm.broadcast_object(mine, self.axis, src=src))
         return merged
 
     # -- the technique's hooks -----------------------------------------------------------------------------
@@ -242,12 +237,19 @@ class PipelineParallel(Technique):
             self.restore_full_model()  # every parameter back from its stage: a whole module again
 
 
-def _gloo(axis) -> bool:
-    """Whether the pp axis runs on gloo, whose rendezvous sends `schedules.sends_can_wait` models (nccl orders a
-    pair's sends and receives as issued, which it does not; and on GPUs the CPU is free to overlap)."""
+def _on_gloo(axis: Axis) -> bool:
+    """Whether the pp axis runs on gloo, where the runner completes its sends before computing again (see
+    `runner`); on nccl the CPU leaves them to the stream."""
     import torch.distributed as dist
 
     return axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor in it moved to ``device``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def _capture(module: nn.Module, args: tuple, output: Any):

@@ -151,48 +151,6 @@ def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
     return out
 
 
-def sends_can_wait(table: ScheduleTable, pp: int) -> bool:
-    """Whether `runner.PipelineRunner` may finish its sends before each compute on ``table`` without a deadlock.
-
-    Sends rendezvous: one completes only once its receiver has posted the receive (as gloo's do; nccl also
-    orders a pair's operations as issued, which this does not model, so the runner asks only on gloo). The
-    runner, per action: receives the input (posting that receive), posts the next
-    action's receive where it can (a backward's gradient once its forward ran here; a forward's activation
-    after the step's first one of that stage, whose shape comes in a header), waits for its earlier sends,
-    computes, then sends. Every condition only ever turns true, so running each rank as far as it can, round
-    after round, either finishes or finds the deadlock."""
-    last = max(a.stage for actions in table for a in actions)
-    computed: set[Action] = set()
-    posted: set[Action] = set()  # actions whose input receive is posted
-    headers: set[tuple[int, int]] = set()  # (rank, stage): this step's first activation of the stage arrived
-    sent: list[list[Action]] = [[] for _ in range(pp)]  # per rank, the consumers of its sends so far
-    ready = [False] * pp  # the current action's input is in and the next action's receive posted
-
-    def run(r: int, action: Action, following: Action | None) -> bool:
-        if not ready[r]:
-            posted.add(action)
-            producer = _producer(action, last)
-            if producer is not None and producer not in computed:
-                return False
-            if action.phase is Phase.FORWARD and action.stage > 0 and action.microbatch == 0:
-                headers.add((r, action.stage))
-            if following is not None and (
-                    (r, following.stage) in headers if following.phase is Phase.FORWARD
-                    else Action(Phase.FORWARD, following.stage, following.microbatch) in computed):
-                posted.add(following)
-            ready[r] = True
-        if not all(c in posted for c in sent[r]):
-            return False
-        computed.add(action)
-        consumer = _consumer(action, last)
-        if consumer is not None:
-            sent[r].append(consumer)
-        ready[r] = False
-        return True
-
-    return not _as_far_as_possible(table, pp, run)
-
-
 def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
     """Offer each rank its next action, round after round, while any ``run(rank, action, following)`` returns
     True (it ran); the actions the ranks are stuck on at the end (none: the table completes)."""
@@ -216,14 +174,6 @@ def _producer(action: Action, last_stage: int) -> Action | None:
     if action.phase is Phase.FORWARD:
         return Action(Phase.FORWARD, s - 1, m) if s > 0 else None
     return Action(Phase.BACKWARD, s + 1, m) if s < last_stage else None
-
-
-def _consumer(action: Action, last_stage: int) -> Action | None:
-    """The action on another stage that receives ``action``'s output."""
-    s, m = action.stage, action.microbatch
-    if action.phase is Phase.FORWARD:
-        return Action(Phase.FORWARD, s + 1, m) if s < last_stage else None
-    return Action(Phase.BACKWARD, s - 1, m) if s > 0 else None
 
 
 def _dependencies(action: Action, last_stage: int) -> list[Action]:

@@ -8,7 +8,7 @@ takes it, and the parameter's own gradient sees zeros, which data parallel reduc
 the two stages exchange their shares, average the sum over the data-parallel axis, and write it into the
 gradient each technique holds (`HeldGrad`, a ZeRO piece at its offset). The exchange runs after the schedule, the
 first stage sending before it receives and the last stage receiving before it sends, so each pair's messages
-match in the order issued, as NCCL requires (no tags, no grouping needed). The average over dp is taken on the first
+match in the order issued, as NCCL requires (no grouping needed). The average over dp is taken on the first
 stage's dp group and sent to the last stage, so the two copies get the same bits (two groups' all-reduces need not
 sum in the same order); likewise the last stage starts from the first stage's copy.
 """
@@ -21,8 +21,6 @@ from torch import nn
 from strategies import comm
 from strategies.comm import Axis
 from strategies.technique import HeldGrad
-
-_TAG = 2**30 + 1  # above every tag the runner uses, and the loss's
 
 
 class TiedWeights:
@@ -42,10 +40,10 @@ class TiedWeights:
 
     def _from_first(self, tensor: torch.Tensor) -> None:
         if self.is_first:
-            comm.send(tensor.contiguous(), self.axis, self.peer, _TAG)
+            comm.send(tensor.contiguous(), self.axis, self.peer, "tied")
         else:
             received = torch.empty_like(tensor)
-            comm.recv(received, self.axis, self.peer, _TAG)
+            comm.recv(received, self.axis, self.peer, "tied")
             tensor.copy_(received)
 
     def _keep(self, k: int):
@@ -70,16 +68,16 @@ class TiedWeights:
             mine = torch.zeros_like(param) if mine is None else mine
             if self.is_first:  # receives the last stage's share, sums, averages over its dp group, sends the result
                 theirs = torch.empty_like(mine)
-                comm.recv(theirs, self.axis, self.peer, _TAG)
+                comm.recv(theirs, self.axis, self.peer, "tied share")
                 total = mine + theirs
                 if self.dp.size > 1:
                     comm.all_reduce(total, self.dp)
                     total /= self.dp.size
-                comm.send(total, self.axis, self.peer, _TAG)
+                comm.send(total, self.axis, self.peer, "tied sum")
             else:
-                comm.send(mine, self.axis, self.peer, _TAG)
+                comm.send(mine, self.axis, self.peer, "tied share")
                 total = torch.empty_like(mine)
-                comm.recv(total, self.axis, self.peer, _TAG)
+                comm.recv(total, self.axis, self.peer, "tied sum")
             flat = total.reshape(-1)
             for h in held:
                 if h.param is param:

@@ -119,7 +119,8 @@ class SequenceParallel:
             grads = [p.grad for p in self.partial if p.grad is not None]
         if not grads or self.axis.size == 1:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # On the parameters' device: under ZeRO offload the pieces are in host memory, which nccl cannot reduce.
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.partial[0].device)
         comm.all_reduce(flat, self.axis)
         offset = 0
         for g in grads:

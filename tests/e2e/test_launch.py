@@ -3,6 +3,7 @@ the `stratpack compare` table, and the acceptance one-liners."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -222,3 +223,34 @@ def test_pipeline_predict_returns_the_model_output_on_every_rank(tmp_path):
     for rank in (0, 1):
         got = torch.cat([torch.load(tmp_path / f"rank{rank}-batch{b}.pt") for b in (0, 1)])
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
+    # Two torchrun agents on this host, joined by c10d rendezvous, act as two nodes of two ranks each: tp2_pp2
+    # keeps each tp pair inside a node and runs the pipeline's messages across the two. Equal to one process.
+    import os
+    import socket
+
+    from tests.helpers import ATOL, COMMON, PARAM_ATOL, RTOL, train_demo
+
+    ref, ref_params = train_demo(tmp_path, "single", 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, params = tmp_path / "two-nodes.json", tmp_path / "two-nodes.pt"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+             "-m", "strategies.cli", "train", "tp2_pp2", "--devices", "2", "--num-nodes", "2", "--out", str(out),
+             "--params-out", str(params), "--wandb", "off", *COMMON]
+    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(tmp_path / "runs")}
+    agents = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for _ in range(2)]
+    logs = [a.communicate(timeout=420)[1] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    result, got = json.loads(out.read_text()), torch.load(params)
+    assert result["world_size"] == 4 and result["node_of_rank"] == [0, 0, 1, 1]
+    assert not any("spans nodes" in log for log in logs)  # tp stayed inside each node
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+    for name in ref_params:
+        torch.testing.assert_close(got[name], ref_params[name], rtol=RTOL, atol=PARAM_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")

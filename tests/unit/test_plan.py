@@ -388,3 +388,22 @@ def test_zero_mode_with_degree_zero_is_unknown_not_a_bad_suggestion():
 def test_coordinates_reject_ranks_outside_the_plan(rank):
     with pytest.raises(ValueError, match="outside plan"):
         ParallelPlan.parse("tp2_pp2").resolve(8).coordinates(rank)
+
+
+def test_the_mesh_says_when_tp_spans_nodes():
+    from strategies.mesh import tp_across_nodes
+
+    assert tp_across_nodes([0, 0, 1, 1], 2) is None  # two ranks per node: each tp pair inside one
+    assert tp_across_nodes([0, 0, 1, 1], 1) is None
+    advice = tp_across_nodes([0, 0, 0, 1, 1, 1], 2)  # three per node: ranks 2 and 3 straddle
+    assert advice is not None and advice.startswith("tp2 spans nodes: the tensor-parallel group of ranks [2, 3] is on "
+                                                    "2 nodes") and "use a tp that divides 3" in advice
+    assert "divides 2" in tp_across_nodes([0, 0, 1, 1], 4)
+
+
+def test_nccl_gets_hang_diagnosis_settings():
+    from strategies.comm.recorder import nccl_environment
+
+    normal, debug = nccl_environment(False), nccl_environment(True)
+    assert normal["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and normal["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in normal and debug["TORCH_NCCL_BLOCKING_WAIT"] == "1"

@@ -14,7 +14,6 @@ from strategies.pipeline.schedules import (
     one_f_one_b,
     owner,
     peak_in_flight,
-    sends_can_wait,
     simulate,
 )
 
@@ -101,29 +100,3 @@ def test_errors_name_the_problem():
 def test_table_of_pp2_1f1b_mb4():
     as_text = [" ".join(map(str, actions)) for actions in one_f_one_b(2, 4)]
     assert as_text == ["F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3", "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3"]
-
-
-def test_every_shipped_schedule_lets_the_runner_finish_its_sends_before_computing():
-    # sends_can_wait models rendezvous sends (complete once the receive is posted) and the runner's order.
-    checked = 0
-    for pp in range(2, 9):
-        for mb in range(1, 17):
-            for name, virtuals in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4])):
-                for v in virtuals:
-                    try:
-                        table = build(name, pp, mb, v)
-                    except ValueError:
-                        continue  # a combination the grammar refuses (e.g. 1f1b with mb < pp)
-                    assert sends_can_wait(table, pp), (name, pp, mb, v)
-                    checked += 1
-    assert checked > 250
-
-
-def test_a_table_that_would_deadlock_with_waited_sends_is_found():
-    # Stage 1 takes microbatch 1 before 0: fine with sends in flight, but stage 0, waiting for its send of
-    # microbatch 0 before computing microbatch 1, and stage 1, waiting for microbatch 1, would wait forever.
-    F, B, A = Phase.FORWARD, Phase.BACKWARD, Action
-    table = [[A(F, 0, 0), A(F, 0, 1), A(B, 0, 0), A(B, 0, 1)],
-             [A(F, 1, 1), A(F, 1, 0), A(B, 1, 0), A(B, 1, 1)]]
-    simulate(table, 2)  # deadlock-free with non-blocking sends
-    assert not sends_can_wait(table, 2)

@@ -1,0 +1,233 @@
+"""The pipeline's messages as data: what each rank sends and receives, in which groups, in which order; and a
+checker that runs those programs under NCCL's rules.
+
+A rank's *program* is a list of `Step`s: issue one group of messages (one `comm.exchange`, a
+``batch_isend_irecv``), wait for it, then compute one action of the schedule (or nothing). `programs` builds it
+from a schedule table the way torch's pipelining does: before each action, one group holds the sends of the
+previous action's output and the receive of this action's input, so that two neighbours that exchange an
+activation and a gradient at the same point of their schedules do it in one group each (neither waits on the
+other). A step's first activation of a stage is preceded by its header (shape and dtype), a group of its own on
+both sides, since the receiver must read it before it can size the activation's buffer. After the schedule, the
+last stage sends the step's loss to every other rank.
+
+`check` is the proof that the programs are right under NCCL (see ``shared/NCCL-NOTES.md``): per ordered pair of
+ranks, the k-th send is received by the k-th receive (no tags), so their labels must agree; each rank runs its
+groups one after the other (one stream); a message completes once both of its ends are in their ranks' current
+groups (a send waits for its receive to be posted, and the other way round: the messages of one group progress
+together, which is what grouping is for), and a group once all of its messages have. A program that would hang
+or swap two messages raises, naming the ranks and messages.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from strategies.pipeline.schedules import Action, Phase, ScheduleTable, owner, simulate
+
+
+class PipelineOrderError(RuntimeError):
+    """A pipeline program that would hang or swap messages under NCCL's rules."""
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # "h": header, "a": activation, "g": gradient, "loss"
+    stage: int  # the stage that sends it (the loss: the last stage)
+    microbatch: int
+
+    def __str__(self) -> str:
+        return "loss" if self.kind == "loss" else f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    send: bool
+    peer: int  # the other pp rank
+    message: Message
+
+    def __str__(self) -> str:
+        return f"{'send' if self.send else 'recv'} {self.message} {'to' if self.send else 'from'} {self.peer}"
+
+
+@dataclass(frozen=True)
+class Step:
+    group: tuple[Transfer, ...]  # issued together, then waited for
+    action: Action | None  # then computed; None: a group on its own (a header, the loss)
+
+
+Program = list[Step]
+
+
+def programs(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None) -> list[Program]:
+    """Each rank's program for ``table``, proven by `check`; ``share_loss``: end with the last stage's loss sent
+    to every other rank. ``how``: "action" (one group per action: GPipe, 1F1B, as torch's single-stage
+    schedules do) or "lockstep" (interleaved, as torch's multi-stage ones do); by default `grouping` picks."""
+    last = max(a.stage for actions in table for a in actions)
+    headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
+              for s in range(last + 1)}  # the microbatch whose activation goes with a header: the first one
+    tail = _loss_steps(pp, last) if share_loss and pp > 1 else [[] for _ in range(pp)]
+    how = how or grouping(table, pp)
+    built = _per_action(table, pp, last, headed) if how == "action" else _lockstep(table, pp, last, headed)
+    progs = [steps + tail[r] for r, steps in enumerate(built)]
+    check(progs)
+    return progs
+
+
+def grouping(table: ScheduleTable, pp: int) -> str:
+    """"action" when grouping each action's messages is safe under NCCL's rules (`check`), else "lockstep". Per
+    action, a receive is posted just before the action that needs it; in lock step, after the receiver's own
+    compute of that time step (so a sender that waited for its send would wait for that compute: the runner
+    leaves sends in flight there)."""
+    try:
+        programs(table, pp, how="action")
+    except PipelineOrderError:
+        return "lockstep"
+    return "action"
+
+
+def evaluation(pp: int, stages: int) -> list[Program]:
+    """Each rank's program for evaluation: every stage once, in order, on the whole batch (microbatch 0)."""
+    chain = [[Action(Phase.FORWARD, s, 0) for s in range(r, stages, pp)] for r in range(pp)]
+    return programs(chain, pp, share_loss=False)
+
+
+def _per_action(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]) -> list[Program]:
+    """Before each action, one group: the previous action's output out, this action's input in. (Receiving the
+    next action's input earlier, as the runner once did on gloo, cannot be made safe: on one in-order stream a
+    receive posted early holds back the rank's own later sends: the checker finds 1F1B and most GPipe tables hang
+    that way.)"""
+    out = []
+    for actions in table:
+        steps: Program = []
+        pending: list[Transfer] = []  # the previous action's output
+        for action in actions:
+            incoming = _input(action, last, pp, headed)
+            steps += _header_steps(pending + incoming)
+            steps.append(Step(_payloads(pending + incoming), action))
+            pending = _output(action, last, pp, headed)
+        steps += _header_steps(pending)
+        if _payloads(pending):
+            steps.append(Step(_payloads(pending), None))
+        out.append(steps)
+    return out
+
+
+def _lockstep(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]) -> list[Program]:
+    """Time step by time step of the unit-time simulation (`schedules.simulate`): each rank computes its action
+    of the step, then every message made in that step goes out and in, one group per rank. A group of step t
+    holds only messages whose other end is in a group of step t, so every step completes: no order can hang."""
+    by_time: dict[int, list[tuple[int, Action]]] = defaultdict(list)
+    for r, timeline in enumerate(simulate(table, pp)):
+        for action, t in timeline:
+            by_time[t].append((r, action))
+    out: list[Program] = [[] for _ in range(pp)]
+    for t in sorted(by_time):
+        moving: list[list[Transfer]] = [[] for _ in range(pp)]
+        for r, action in by_time[t]:
+            out[r].append(Step((), action))
+            for sent in _output(action, last, pp, headed):
+                moving[r].append(sent)
+                moving[sent.peer].append(Transfer(False, r, sent.message))
+        for r in range(pp):
+            out[r] += _header_steps(moving[r])
+            if _payloads(moving[r]):
+                out[r].append(Step(_payloads(moving[r]), None))
+    return out
+
+
+def _loss_steps(pp: int, last: int) -> list[Program]:
+    loss, mine = Message("loss", last, 0), owner(last, pp)
+    return [[Step(tuple(Transfer(True, p, loss) for p in range(pp) if p != mine) if r == mine
+                  else (Transfer(False, mine, loss),), None)] for r in range(pp)]
+
+
+def _payloads(transfers: list[Transfer]) -> tuple[Transfer, ...]:
+    """The messages other than headers, sends first (the order within a group is the same on every rank)."""
+    return tuple(sorted((t for t in transfers if t.message.kind != "h"), key=lambda t: not t.send))
+
+
+def _header_steps(transfers: list[Transfer]) -> list[Step]:
+    """The headers among ``transfers``, as a group of their own: read before the activation's buffer is made."""
+    headers = tuple(sorted((t for t in transfers if t.message.kind == "h"), key=lambda t: not t.send))
+    return [Step(headers, None)] if headers else []
+
+
+def _input(action: Action, last: int, pp: int, headed: dict[int, int]) -> list[Transfer]:
+    s, m = action.stage, action.microbatch
+    if action.phase is Phase.FORWARD:
+        if s == 0:
+            return []
+        src = owner(s - 1, pp)
+        header = [Transfer(False, src, Message("h", s - 1, m))] if m == headed[s - 1] else []
+        return header + [Transfer(False, src, Message("a", s - 1, m))]
+    return [] if s == last else [Transfer(False, owner(s + 1, pp), Message("g", s + 1, m))]
+
+
+def _output(action: Action, last: int, pp: int, headed: dict[int, int]) -> list[Transfer]:
+    s, m = action.stage, action.microbatch
+    if action.phase is Phase.FORWARD:
+        if s == last:
+            return []
+        dst = owner(s + 1, pp)
+        header = [Transfer(True, dst, Message("h", s, m))] if m == headed[s] else []
+        return header + [Transfer(True, dst, Message("a", s, m))]
+    return [] if s == 0 else [Transfer(True, owner(s - 1, pp), Message("g", s, m))]
+
+
+def check(progs: list[Program]) -> int:
+    """Run ``progs`` under NCCL's rules; raises `PipelineOrderError` if a rank would wait forever or a receive
+    would get another message than the one it is for. Returns the number of rounds (sets of groups completing
+    together), for tests."""
+    groups = [[step.group for step in prog if step.group] for prog in progs]
+    ends = _match(groups)
+    where: dict[tuple[int, int], list] = {}  # (rank, group) -> the messages it holds, as (sender, receiver, k)
+    for key, (sent, got) in ends.items():
+        where.setdefault(sent[:2], []).append(key)
+        where.setdefault(got[:2], []).append(key)
+    return _run_in_order(groups, where, ends)
+
+
+def _match(groups: list[list[tuple[Transfer, ...]]]) -> dict[tuple[int, int, int], list]:
+    """Pair the ends as NCCL does, the k-th send from a to b with the k-th receive on b from a: (a, b, k) ->
+    [the send's (rank, group, label), the receive's]. Raises if an end has no partner or their labels differ."""
+    counts: dict[tuple[int, int, bool], int] = defaultdict(int)
+    ends: dict[tuple[int, int, int], list] = {}
+    for r, rank_groups in enumerate(groups):
+        for g, group in enumerate(rank_groups):
+            for t in group:
+                pair = (r, t.peer) if t.send else (t.peer, r)
+                k = counts[(*pair, t.send)]
+                counts[(*pair, t.send)] += 1
+                ends.setdefault((*pair, k), [None, None])[0 if t.send else 1] = (r, g, str(t.message))
+    for (a, b, k), (sent, got) in sorted(ends.items()):
+        if sent is None or got is None:
+            side = f"rank {a} sends" if got is None else f"rank {b} receives"
+            raise PipelineOrderError(f"{side} {(sent or got)[2]} (message {k + 1} from rank {a} to rank {b}) with no "
+                                     "matching " + ("receive" if got is None else "send") + " on the other side")
+        if sent[2] != got[2]:
+            raise PipelineOrderError(
+                f"rank {b}'s receive number {k + 1} from rank {a} is for {got[2]}, but rank {a}'s send number {k + 1} "
+                f"to rank {b} is {sent[2]}: NCCL matches a pair's messages in issue order (no tags), so {got[2]}'s "
+                "buffer would get the wrong tensor")
+    return ends
+
+
+def _run_in_order(groups: list[list[tuple[Transfer, ...]]], where: dict, ends: dict) -> int:
+    """Each rank's groups one after the other: a message completes once both of its ends are in their ranks'
+    current groups (the members of a group progress together), a group once all its messages have."""
+    cursor = [0] * len(groups)
+    done: set = set()
+    rounds = 0
+    while True:
+        heads = {(r, cursor[r]) for r in range(len(groups)) if cursor[r] < len(groups[r])}
+        if not heads:
+            return rounds
+        done |= {key for head in heads for key in where[head] if {ends[key][0][:2], ends[key][1][:2]} <= heads}
+        moved = [(r, g) for r, g in heads if all(key in done for key in where[(r, g)])]
+        if not moved:
+            stuck = "; ".join(f"rank {r} waits in [{', '.join(map(str, groups[r][g]))}]" for r, g in sorted(heads))
+            raise PipelineOrderError(f"the pipeline's messages would hang under NCCL's in-order rule: {stuck}")
+        for r, _ in moved:
+            cursor[r] += 1
+        rounds += 1

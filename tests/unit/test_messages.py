@@ -1,0 +1,102 @@
+"""The pipeline's messages under NCCL's rules (`pipeline.messages`): every shipped schedule's programs are proven
+free of hangs and of swapped messages, and orders that NCCL would hang on or mismatch are caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from strategies.pipeline import messages
+from strategies.pipeline.messages import Message, PipelineOrderError, Step, Transfer, check, evaluation, programs
+from strategies.pipeline.schedules import build
+
+
+def _shipped():
+    for pp in range(2, 9):
+        for mb in range(1, 17):
+            for name, virtuals in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4])):
+                for v in virtuals:
+                    try:
+                        yield name, pp, mb, v, build(name, pp, mb, v)
+                    except ValueError:
+                        continue  # a combination the grammar refuses (e.g. 1f1b with mb < pp)
+
+
+def test_every_shipped_schedule_is_proven_under_nccl_rules():
+    checked = 0
+    for name, pp, mb, v, table in _shipped():
+        progs = programs(table, pp)
+        assert check(progs) > 0, (name, pp, mb, v)
+        sent = [t.message for prog in progs for step in prog for t in step.group if t.send]
+        # every activation and gradient once, one header per stage, the loss to each other rank
+        payload = [m for m in sent if m.kind in ("a", "g")]
+        assert len(payload) == len(set(payload)) == 2 * (pp * v - 1) * mb, (name, pp, mb, v)
+        assert sorted(str(m) for m in sent if m.kind == "h") == sorted(f"h{s}.0" for s in range(pp * v - 1))
+        assert sum(m.kind == "loss" for m in sent) == pp - 1
+        actions = [step.action for prog in progs for step in prog if step.action is not None]
+        assert sorted(map(str, actions)) == sorted(str(a) for rank in table for a in rank)
+        checked += 1
+    assert checked > 250
+    for pp in range(2, 9):
+        for v in range(1, 5):
+            assert check(evaluation(pp, pp * v)) > 0
+
+
+def test_1f1b_groups_like_torch_and_interleaved_runs_in_lock_step():
+    # 1F1B: one group per action, the previous action's output with this action's input (torch's Schedule1F1B
+    # fuses its forward send with its backward receive the same way).
+    rank0 = [" ".join(map(str, s.group)) + f" | {s.action}" for s in programs(build("1f1b", 2, 4), 2)[0]]
+    assert rank0[:5] == [" | F0.0", "send h0.0 to 1 | None", "send a0.0 to 1 | F0.1",
+                         "send a0.1 to 1 recv g1.0 from 1 | B0.0", " | F0.2"]
+    # Interleaved on pp2: grouped per action, a rank would send g2.0 while its peer sends g3.1 first; the
+    # checker finds it, and the programs fall back to lock step (torch's multi-stage schedules do the same).
+    table = build("interleaved", 2, 4, 2)
+    last = 3
+    headed = dict.fromkeys(range(4), 0)
+    with pytest.raises(PipelineOrderError, match="would hang under NCCL's in-order rule"):
+        check(messages._per_action(table, 2, last, headed))
+    assert check(programs(table, 2)) > 0
+    assert [messages.grouping(build(name, 2, 4, v), 2) for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))] \
+        == ["action", "action", "lockstep"]
+
+
+def _prog(*groups):
+    """A program from groups written as ("send a0.1 1", "recv g1.0 1") strings."""
+    steps = []
+    for group in groups:
+        transfers = []
+        for item in group:
+            verb, label, peer = item.split()
+            kind, rest = label[0], label[1:]
+            stage, microbatch = (int(x) for x in rest.split("."))
+            transfers.append(Transfer(verb == "send", int(peer), Message(kind, stage, microbatch)))
+        steps.append(Step(tuple(transfers), None))
+    return steps
+
+
+def test_the_old_prefetching_order_is_caught():
+    # The runner before: rank 0 sent a0 then posted g0's receive before sending a1; rank 1 posted a1's receive
+    # (prefetch) before sending g0. Under NCCL each waits for the other.
+    progs = [_prog(["send a0.0 1"], ["recv g1.0 1"], ["send a0.1 1"]),
+             _prog(["recv a0.0 0"], ["recv a0.1 0"], ["send g1.0 0"])]
+    with pytest.raises(PipelineOrderError, match=r"rank 0 waits in \[recv g1.0 from 1\]; rank 1 waits in \[recv a0.1"):
+        check(progs)
+
+
+def test_a_send_and_a_receive_in_one_group_pass_but_not_one_after_the_other():
+    # NVIDIA/nccl#479: both ranks send first, then receive: both sends wait forever. Grouped, they progress.
+    with pytest.raises(PipelineOrderError, match="would hang"):
+        check([_prog(["send a0.0 1"], ["recv g1.0 1"]), _prog(["send g1.0 0"], ["recv a0.0 0"])])
+    assert check([_prog(["send a0.0 1", "recv g1.0 1"]), _prog(["send g1.0 0", "recv a0.0 0"])]) == 1
+
+
+def test_swapped_messages_between_one_pair_are_caught():
+    # Same shapes both ways under interleaving: tags would have told them apart; NCCL has none.
+    progs = [_prog(["send a0.2 1"], ["send g2.0 1"]), _prog(["recv g2.0 0"], ["recv a0.2 0"])]
+    with pytest.raises(PipelineOrderError, match=r"receive number 1 from rank 0 is for g2.0, but rank 0's send "
+                                                 r"number 1 to rank 1 is a0.2"):
+        check(progs)
+
+
+def test_a_message_without_its_other_end_is_caught():
+    with pytest.raises(PipelineOrderError, match="rank 0 sends a0.0 .* with no matching receive"):
+        check([_prog(["send a0.0 1"]), _prog()])
