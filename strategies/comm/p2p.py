@@ -70,9 +70,11 @@ class GroupHandle:
             limit = strict_seconds()
             start = time.perf_counter()
             try:
-                for work in self._works:
-                    work.wait() if limit is None else work.wait(datetime.timedelta(seconds=limit))
+                for work in self._works:  # one deadline for the whole group
+                    left = None if limit is None else max(limit - (time.perf_counter() - start), 0.001)
+                    work.wait() if left is None else work.wait(datetime.timedelta(seconds=left))
             except Exception as err:  # noqa: BLE001 - a timeout, a peer gone: name the messages
+                self._works = []  # failed: a later wait (teardown) must not wait again
                 if limit is None:
                     raise fail(self._records[0], err) from err
                 self._records[0].state = "failed"

@@ -112,8 +112,8 @@ def nccl_environment(debug: bool) -> dict[str, str]:
     not set them). On nccl a collective returns to the CPU as soon as it is queued, so a rank that stops
     calling one is seen by the others only in NCCL's watchdog:
 
-    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: the watchdog aborts the communicator on a timeout and ends the
-      process, so a stuck rank cannot hold the job (torch's default; set in case a site turned it off);
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (torch's default, written down here): on a timeout the watchdog ends
+      the process, so a stuck rank cannot hold the job;
     - torch's own NCCL flight recorder, dumped on a timeout to ``$TMPDIR/stratpack_nccl_trace_rank_<N>``
       (``python -m torch.distributed.flight_recorder.fr_trace`` reads the ranks' dumps and names the rank
       whose collective is missing);

@@ -2,7 +2,8 @@
 checker that runs those programs under NCCL's rules.
 
 A rank's *program* is a list of `Step`s: issue one group of messages (one `comm.exchange`, a
-``batch_isend_irecv``), wait for it, then compute one action of the schedule (or nothing). `programs` builds it
+``batch_isend_irecv``), then compute one action of the schedule (or nothing). NCCL's stream completes the group
+before anything issued after it; the runner's CPU waits only for what an action needs. `programs` builds it
 from a schedule table the way torch's pipelining does: before each action, one group holds the sends of the
 previous action's output and the receive of this action's input, so that two neighbours that exchange an
 activation and a gradient at the same point of their schedules do it in one group each (neither waits on the

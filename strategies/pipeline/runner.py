@@ -1,16 +1,17 @@
 """One runner for every schedule: executes this rank's program (`messages`: groups of sends and receives, each
 followed by an action of the schedule) and records a timeline.
 
-Every group goes out as one `comm.exchange` and is waited for before the action that follows it, sends
-included: the program is proven free of hangs and swapped messages under NCCL's rules (`messages.check`) for
-exactly that order, and on gloo completing the sends before computing is also the faster choice (a send left
-in flight is moved by gloo's thread while this rank computes; on a host with a core per rank that thread waits
-for a core, so the next stage gets its input late). Messages carry no tags: each pair's messages are matched in
-the order issued, as NCCL does. The first microbatch's activation of each stage goes with a small header
-(shape, dtype), since the receiver cannot know it in advance; the step's other microbatches have the same shape
-(the batch is cut evenly), so they go without one, and a gradient has the shape of the output the receiver
-sent, so it never needs one. The step ends with the last stage's loss sent to every other rank, left in flight
-on the last stage so that it can step its optimizer meanwhile.
+Every group goes out as one `comm.exchange`, in the program's order: that order is what NCCL runs by (one
+stream per rank, a pair's messages matched as issued, no tags) and what `messages.check` proved free of hangs
+and swapped messages. The CPU waits less than the stream does, which can only let things progress sooner: a
+receive is waited for when an action needs it (or a buffer's shape: a header), sends before the next compute
+where the program is grouped per action on gloo (a send left in flight is moved by gloo's thread while this rank
+computes, and on a host with a core per rank that thread waits for a core, so the next stage gets its input late),
+else at the step's end. The first microbatch's activation of each stage goes with a small header (shape, dtype),
+since the receiver cannot know it in advance; the step's other microbatches have the same shape (the batch is cut
+evenly), so they go without one, and a gradient has the shape of the output the receiver sent, so it never needs
+one. The step ends with the last stage's loss sent to every other rank, left in flight on the last stage so that
+it can step its optimizer meanwhile.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class _Step:
 
 class PipelineRunner:
     """Runs programs on the pp axis. ``forward(stage, microbatch, received)`` runs the user's code as that stage
-    and returns its output (the scaled loss on the last stage). ``wait_sends``: complete the sends before each
-    compute (on gloo, where that is faster; see the module's docstring), else at the step's end."""
+    and returns its output (the scaled loss on the last stage). ``wait_sends``: in training, complete the sends
+    before each compute (on gloo, where that is faster; see the module's docstring), else at the step's end."""
 
     def __init__(self, axis: Axis, stages: int, wait_sends: bool = True) -> None:
         self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
@@ -166,7 +167,8 @@ class PipelineRunner:
             shape, dtype = self._shapes[message.stage]
             return torch.empty(shape, dtype=dtype, device=device)
         if message.kind == "g":  # the gradient of the output this rank's stage message.stage - 1 sent
-            return torch.empty_like(step.kept[(message.stage - 1, message.microbatch)][0])
+            out = step.kept[(message.stage - 1, message.microbatch)][0]
+            return torch.empty(out.shape, dtype=out.dtype, device=out.device)  # contiguous, as the sender sends it
         return torch.zeros((), dtype=torch.float32, device=device)
     def _outgoing(self, out: torch.Tensor, stage: int, m: int, step: _Step) -> None:
         """Put a forward's output (and, for the stage's first microbatch, its header) in the outbox."""

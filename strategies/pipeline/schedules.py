@@ -136,7 +136,7 @@ def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
     out: list[list[tuple[Action, int]]] = [[] for _ in range(pp)]
     last_stage = max(a.stage for actions in table for a in actions)
 
-    def run(r: int, action: Action, following: Action | None) -> bool:
+    def run(r: int, action: Action) -> bool:
         needs = _dependencies(action, last_stage)
         if not all(n in done for n in needs):
             return False
@@ -152,7 +152,7 @@ def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
 
 
 def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
-    """Offer each rank its next action, round after round, while any ``run(rank, action, following)`` returns
+    """Offer each rank its next action, round after round, while any ``run(rank, action)`` returns
     True (it ran); the actions the ranks are stuck on at the end (none: the table completes)."""
     cursor = [0] * pp
     progress = True
@@ -160,8 +160,7 @@ def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
         progress = False
         for r in range(pp):
             while cursor[r] < len(table[r]):
-                following = table[r][cursor[r] + 1] if cursor[r] + 1 < len(table[r]) else None
-                if not run(r, table[r][cursor[r]], following):
+                if not run(r, table[r][cursor[r]]):
                     break
                 cursor[r] += 1
                 progress = True

@@ -7,10 +7,10 @@ layouts differ between the two stages. So each share is kept aside during the sc
 takes it, and the parameter's own gradient sees zeros, which data parallel reduces as usual); after the backward,
 the two stages exchange their shares, average the sum over the data-parallel axis, and write it into the
 gradient each technique holds (`HeldGrad`, a ZeRO piece at its offset). The exchange runs after the schedule, the
-first stage sending before it receives and the last stage receiving before it sends, so each pair's messages
-match in the order issued, as NCCL requires (no grouping needed). The average over dp is taken on the first
-stage's dp group and sent to the last stage, so the two copies get the same bits (two groups' all-reduces need not
-sum in the same order); likewise the last stage starts from the first stage's copy.
+last stage sending its share before it receives the sum and the first stage receiving the share before it sends the
+sum, so each pair's messages match in the order issued, as NCCL requires (no grouping needed). The average over dp
+is taken on the first stage's dp group and sent to the last stage, so the two copies get the same bits (two groups'
+all-reduces need not sum in the same order); likewise the last stage starts from the first stage's copy.
 """
 
 from __future__ import annotations
