@@ -61,8 +61,8 @@ class PipelineParallel(Technique):
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
         # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use.
-        how = messages.grouping(tables, pp)
-        self.program = messages.programs(tables, pp, how=how)[self.axis.index]
+        progs, how = messages.grouped(tables, pp)
+        self.program = progs[self.axis.index]
         self.eval_program = messages.evaluation(pp, self.stages)[self.axis.index]
         self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis))
         last_backward: dict[int, schedules.Action] = {}

@@ -61,30 +61,34 @@ Program = list[Step]
 
 
 def programs(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None) -> list[Program]:
-    """Each rank's program for ``table``, proven by `check`; ``share_loss``: end with the last stage's loss sent
-    to every other rank. ``how``: "action" (one group per action: GPipe, 1F1B, as torch's single-stage
-    schedules do) or "lockstep" (interleaved, as torch's multi-stage ones do); by default `grouping` picks."""
+    """Each rank's program for ``table``, proven by `check` (see `grouped`)."""
+    return grouped(table, pp, share_loss, how)[0]
+
+
+def grouped(table: ScheduleTable, pp: int, share_loss: bool = True,
+            how: str | None = None) -> tuple[list[Program], str]:
+    """Each rank's program for ``table``, proven by `check`, and how its messages are grouped: "action" (one group
+    per action: GPipe, 1F1B, as torch's single-stage schedules do) where that is safe under NCCL's rules, else
+    "lockstep" (interleaved, as torch's multi-stage ones do); ``how`` forces one. ``share_loss``: end with the
+    last stage's loss sent to every other rank. Per action, a receive is posted just before the action that needs
+    it; in lock step, after the receiver's own compute of that time step (so a sender that waited for its send
+    would wait for that compute: the runner leaves sends in flight there)."""
     last = max(a.stage for actions in table for a in actions)
     headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
               for s in range(last + 1)}  # the microbatch whose activation goes with a header: the first one
     tail = _loss_steps(pp, last) if share_loss and pp > 1 else [[] for _ in range(pp)]
-    how = how or grouping(table, pp)
-    built = _per_action(table, pp, last, headed) if how == "action" else _lockstep(table, pp, last, headed)
-    progs = [steps + tail[r] for r, steps in enumerate(built)]
-    check(progs)
-    return progs
-
-
-def grouping(table: ScheduleTable, pp: int) -> str:
-    """"action" when grouping each action's messages is safe under NCCL's rules (`check`), else "lockstep". Per
-    action, a receive is posted just before the action that needs it; in lock step, after the receiver's own
-    compute of that time step (so a sender that waited for its send would wait for that compute: the runner
-    leaves sends in flight there)."""
-    try:
-        programs(table, pp, how="action")
-    except PipelineOrderError:
-        return "lockstep"
-    return "action"
+    kinds = [how] if how else ["action", "lockstep"]
+    for kind in kinds:
+        built = _per_action(table, pp, last, headed) if kind == "action" else _lockstep(table, pp, last, headed)
+        progs = [steps + tail[r] for r, steps in enumerate(built)]
+        try:
+            check(progs)
+        except PipelineOrderError:
+            if kind == kinds[-1]:
+                raise
+            continue
+        return progs, kind
+    raise AssertionError("unreachable: the last kind returns or raises")
 
 
 def evaluation(pp: int, stages: int) -> list[Program]:

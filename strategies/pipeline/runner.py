@@ -104,8 +104,8 @@ class PipelineRunner:
         loss = Message("loss", self.stages - 1, 0)
         if loss in step.arriving:
             step.result.loss = _receive(loss, step)
-        elif step.result.loss is None and step.result.losses:  # one stage: no message
-            step.result.loss = torch.stack(step.result.losses).sum().float()
+        elif step.result.losses:  # the last stage (with one stage, no message)
+            _summed_loss(step)
         return step.result
 
     def forward_only(self, program: Program, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
@@ -149,9 +149,7 @@ class PipelineRunner:
         """What a send sends: an output in the outbox, or the step's loss (the sum of the last stage's)."""
         if message.kind != "loss":
             return step.outbox.pop(message)
-        if step.result.loss is None:
-            step.result.loss = torch.stack(step.result.losses).sum().float()
-        return step.result.loss.detach().clone()
+        return _summed_loss(step).detach().clone()
 
     def _buffer(self, message: Message, step: _Step, device: torch.device) -> torch.Tensor:
         """Where a message lands: its shape is known from a header, the output it answers, or its kind."""
@@ -170,6 +168,7 @@ class PipelineRunner:
             out = step.kept[(message.stage - 1, message.microbatch)][0]
             return torch.empty(out.shape, dtype=out.dtype, device=out.device)  # contiguous, as the sender sends it
         return torch.zeros((), dtype=torch.float32, device=device)
+
     def _outgoing(self, out: torch.Tensor, stage: int, m: int, step: _Step) -> None:
         """Put a forward's output (and, for the stage's first microbatch, its header) in the outbox."""
         if out.dim() > _HEADER - 2 or out.dtype not in _DTYPES:
@@ -212,6 +211,13 @@ class PipelineRunner:
 def _start(program: Program) -> _Step:
     return _Step(time.perf_counter(), headers={t.message for item in program for t in item.group
                                               if t.send and t.message.kind == "h"})
+
+
+def _summed_loss(step: _Step) -> torch.Tensor:
+    """The step's loss on the last stage: the sum of its microbatches' (scaled) losses, computed once."""
+    if step.result.loss is None:
+        step.result.loss = torch.stack(step.result.losses).sum().float()
+    return step.result.loss
 
 
 def _receive(message: Message, step: _Step) -> torch.Tensor:
