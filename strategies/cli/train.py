@@ -48,6 +48,7 @@ class RunConfig:
     wandb: str = "auto"  # auto (offline unless logged in; off without wandb), offline, online, off
     accelerator: str = "cpu"  # "gpu" / "auto" on a machine with GPUs (nccl)
     workload: str = "gpt"  # what to train (`workload.find_workload`)
+    compile: str | None = None  # torch.compile each block with this backend (inductor, aot_eager); None: eager
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -74,6 +75,10 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
 
     L.seed_everything(config.seed, workers=True, verbose=False)
     module, dataset = find_workload(config.workload).lightning(config)
+    if config.compile and not _is_plan(config.strategy):  # a plan compiles the blocks itself, after its techniques
+        from strategies.compile import compile_blocks
+
+        compile_blocks(module, {"backend": config.compile})
     dataset = _check_batches(config, dataset)
     world = _world(config)
     model = _model_config(module)
@@ -91,6 +96,9 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     # What this rank's loggers saw last (rank 0 writes the logs): e.g. train_loss of the last step.
     result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items()
                         if getattr(v, "numel", lambda: 1)() == 1}
+    from torch._dynamo.utils import counters  # (imported by Lightning already)
+
+    result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # by torch.compile on this rank
     result.update(_final_parameters(trainer, params_out))
     return result
 
@@ -98,6 +106,21 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
 def _world(config: RunConfig) -> int:
     """The run's ranks: every node's processes (one for the single-device reference)."""
     return 1 if config.strategy == SINGLE else config.devices * config.num_nodes
+
+
+def _is_plan(strategy: str) -> bool:
+    from strategies.lightning.names import looks_like_plan
+
+    return strategy != SINGLE and looks_like_plan(strategy)
+
+
+def _strategy(config: RunConfig) -> Any:
+    """The Trainer's strategy: the name, or a plan's strategy with its compile option."""
+    if not (config.compile and _is_plan(config.strategy)):
+        return config.strategy
+    from strategies import PlanStrategy
+
+    return PlanStrategy(config.strategy, compile={"backend": config.compile})
 
 
 def _model_config(module: Any) -> dict[str, Any]:
@@ -161,7 +184,7 @@ def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
     trainer = L.Trainer(
         accelerator=config.accelerator, devices=1 if single else config.devices,
         num_nodes=1 if single else config.num_nodes,
-        strategy="auto" if single else config.strategy,
+        strategy="auto" if single else _strategy(config),
         # With epochs of a known length, the run is counted in epochs: Lightning 2.6 resumes an epoch-end checkpoint
         # of a max_steps run as an unfinished epoch (one batch too many), not of a max_epochs run.
         max_steps=-1 if config.epoch_steps else config.steps,
@@ -271,6 +294,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")
     p.add_argument("--wandb", choices=("auto", "offline", "online", "off"), default=defaults.wandb,
                    help="auto: offline unless logged in (off when wandb is not installed)")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="torch.compile each block with this backend (inductor; aot_eager compiles fast, for tests)")
     p.add_argument("--workload", default=defaults.workload,
                    help="what to train: a registered workload (default: gpt, the demo) or module:object")
 

@@ -72,6 +72,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@torch.compiler.disable  # under torch.compile: a clean graph break here, every call counted and logged eagerly
 def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, async_op: bool,
          tensors: tuple[torch.Tensor, ...] = (), peer: int | None = None) -> Handle | None:
     """Issue ``call``, count it, log it, and time it now (sync) or at ``wait()`` (async)."""

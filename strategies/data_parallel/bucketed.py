@@ -56,7 +56,9 @@ class BucketedDataParallel(GradSync):
         self._index = {id(p): k for k, p in enumerate(self.params)}
         self._fired = [False] * len(self.params)  # which params produced a gradient in this backward
         self._next = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # One replica: no hooks either (a Python call per parameter per backward, for nothing).
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in (self.params if axis.size > 1 else [])]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         # Runs inside autograd, once per parameter per backward, right after its .grad is complete.

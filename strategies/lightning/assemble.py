@@ -12,11 +12,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed import ReduceOp
 
 from strategies import comm
 from strategies.activation_checkpoint import ActivationCheckpointing
+from strategies.compile import compile_blocks
 from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
 from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
@@ -28,6 +30,7 @@ from strategies.technique import Technique
 from strategies.tensor_parallel import TensorParallel, VocabHead, detect_plan
 from strategies.tensor_parallel.families import vocab_plan
 from strategies.zero import shard_model
+from strategies.zero.flat import check_optimizer
 
 
 def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
@@ -42,6 +45,9 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
         techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))
+    compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
+    if compiled is not None:
+        techniques.append(compiled)
     broadcast_module(model, mesh.dp)  # before the pipeline: its placeholders are not weights to send
     return techniques
 
@@ -75,7 +81,8 @@ def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, op
     two more runs, and the slowest rank's figures taken, so that every rank cuts the same way."""
     # Set-up work inside the first step: not a training step's traffic, and the extra forwards leave no trace in the
     # random state or the buffers (a BatchNorm's statistics), so that the steps run as without pp.
-    with mesh.stats.uncounted(), _unchanged(model):
+    # Eager while tracing: the trace's torch-function mode and hooks are not for dynamo to compile (`compile`).
+    with mesh.stats.uncounted(), _unchanged(model), torch.compiler.set_stance("force_eager"):
         trace = comm.broadcast_object(trace_forward(model, run_forward, options.pipeline_blocks), mesh.world, src=0)
         weights = None
         if options.pipeline_balance == "time":
@@ -109,6 +116,13 @@ def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: 
                 f"ZeRO shards one optimizer, but configure_optimizers returned {len(optimizers)}; "
                 "use one optimizer (with several param groups if needed), or the 'dp' plan"
             )
+        check_optimizer(optimizers[0])  # refused at one rank too, so that the plan scales as it is written
+        if axis.size == 1 and not plan.offload:
+            # One replica: nothing to shard or reduce, so the flat copies and their hooks would be pure cost (the
+            # same single-process layout in checkpoints; offload still needs its host-side optimizer).
+            rank_zero_info(f"{plan}: the data-parallel axis has one rank, so ZeRO has nothing to shard; the "
+                           "gradients stay where backward put them, as under 'dp'")
+            return BucketedDataParallel(model, axis, find_unused_parameters=find_unused)
         sync = shard_model(model, optimizers[0], axis, stage=plan.data.stage, offload=plan.offload,
                            bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,
                            units=options.zero3_units)

@@ -72,6 +72,10 @@ class PlanOptions:
     (a timedelta or seconds); by default ``$STRATPACK_TIMEOUT`` seconds, else 30 minutes. Held as a timedelta."""
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
     """``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``."""
+    compile: bool | dict = False
+    """``torch.compile`` each block's forward (`strategies.compile`): True, or torch.compile's keyword arguments
+    (``{"mode": "max-autotune"}``). A model the user compiled (``torch.compile(net)`` inside the module, or
+    ``net.compile()``) is compiled per block in the same way without it."""
     stop_on_nonfinite_loss: bool = True
     """A NaN or infinite loss ends the job with ``FloatingPointError`` naming the rank and step, instead of
     training on with parameters it would poison."""
@@ -98,6 +102,8 @@ _RULES = {
     "process_group_backend": _rule(lambda v: v is None or isinstance(v, str) and v != "",
                                    "None or a backend name such as 'gloo' or 'nccl'"),
     "stop_on_nonfinite_loss": _BOOL,
+    "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),
+                     "True, False or a dict of torch.compile keyword arguments"),
     "start_method": _rule(lambda v: isinstance(v, str) and v in ("popen", "spawn", "fork", "forkserver"),
                           "'popen', 'spawn', 'fork' or 'forkserver'"),
 }

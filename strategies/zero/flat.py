@@ -67,6 +67,21 @@ class FlatParam:
 
 
 
+def to_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``host``. From a GPU: into pinned memory (torch's caching host allocator, so no
+    pinning per call) and without blocking the CPU, overlapped with the rest of backward; `host_copies_done` waits
+    for them before the optimizer reads one. On CPU a plain copy."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=tensor.is_cuda)
+    return out.copy_(tensor, non_blocking=tensor.is_cuda)
+
+
+def host_copies_done(flats: list[FlatParam]) -> None:
+    """Wait for the asynchronous device-to-host copies of offloaded flats (issued on the current stream)."""
+    devices = {flat.shard.device for flat in flats if flat.offload and flat.shard.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def build_flats(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, groups: Iterable[list[str]],
                 *, own_shard: bool, offload: bool) -> list[list[FlatParam]]:
     """For each group of names, one FlatParam per (optimizer param group, dtype, device) in it."""

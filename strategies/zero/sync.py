@@ -13,7 +13,7 @@ from strategies.comm import Axis
 from strategies.data_parallel import GradSync
 from strategies.technique import HeldGrad, OptimizerState
 from strategies.zero import state as zero_state
-from strategies.zero.flat import FlatParam, shard_slices
+from strategies.zero.flat import FlatParam, host_copies_done, shard_slices, to_host
 
 IN_FLIGHT = 2  # ZeRO-2/3: reduce-scatters in flight during backward, each holding its flat's full gradient
 
@@ -92,7 +92,7 @@ class ZeroGradSync(GradSync):
             if flat.offload:  # to the host now: the device holds a few shards in flight, not all of them
                 # Held aside until `finish`: under pp this runs inside training_step, and Lightning's zero_grad
                 # between training_step and backward would drop a .grad set now.
-                flat.grad_host = flat.grad_shard.to(flat.master.device, copy=True)
+                flat.grad_host = to_host(flat.grad_shard, flat.master.device)  # asynchronous from a GPU
                 flat.grad_shard = None
 
     def finish(self) -> None:
@@ -123,8 +123,9 @@ class ZeroGradSync(GradSync):
                 flat.grad_shard = None
             else:
                 flat.grad_full = None
-            flat.master.grad = grad.to(flat.master.device, copy=True) if flat.offload else grad
+            flat.master.grad = to_host(grad, flat.master.device) if flat.offload else grad
             flat.grad_shard = None  # the optimizer's .grad holds it now (or its host copy, with offload)
+        host_copies_done(self.flats)  # the host optimizer reads the copies next
         self._reset()
         if self.sync_nonfinite:
             self._share_overflow()

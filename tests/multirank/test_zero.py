@@ -283,3 +283,31 @@ def test_fp16_overflow_on_one_rank_makes_every_rank_skip_the_step(stage: int):
     results = run_ranks(_overflow_rank, 2, stage)
     assert [unchanged for unchanged, _ in results] == [True, True]  # no rank stepped
     assert [scale for _, scale in results] == [2.0**7, 2.0**7]  # and every scaler backed off alike
+
+
+def _one_rank_syncs(rank: int, world: int) -> dict:
+    from strategies.lightning.assemble import gradient_sync
+    from strategies.lightning.options import PlanOptions
+    from strategies.mesh import ParallelMesh
+
+    got = {}
+    for name in ("zero1", "zero3", "zero2_offload"):
+        plan = ParallelPlan.parse(name).resolve(world)
+        model, opt = _build()
+        got[name] = type(gradient_sync(model, [opt], plan, ParallelMesh(plan, "cpu"), PlanOptions(), False)).__name__
+    model = TinyNet()
+    try:  # refused at one rank as at many, so that the plan scales as written
+        gradient_sync(model, [torch.optim.Adagrad(model.parameters())], plan, ParallelMesh(plan, "cpu"), PlanOptions(),
+                      False)
+    except TypeError as err:
+        got["adagrad"] = str(err)
+    return got
+
+
+def test_zero_on_a_one_rank_data_parallel_axis_runs_as_dp_without_flats():
+    # Nothing to shard or reduce at dp=1: no flat copies or hooks (issue 19), except that offload still steps on
+    # the host; the ZeRO-only refusals still apply.
+    got = run_ranks(_one_rank_syncs, 1)[0]
+    assert got["zero1"] == got["zero3"] == "BucketedDataParallel"
+    assert got["zero2_offload"] == "ZeroGradSync"
+    assert "element-wise optimizers" in got["adagrad"]
