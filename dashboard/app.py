@@ -76,7 +76,7 @@ def page_planner() -> None:
     ranked = rank_plans(shape, Hardware(gpus=int(gpus), memory=memory * GiB), int(batch))
     fits = [r for r in ranked if r.fits]
     st.caption(f"{shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, sequence {shape.seq}; "
-               f"mixed precision Adam; {len(fits)} of {len(ranked)} plans fit")
+               f"bf16-mixed (fp32 weights and gradients), Adam; {len(fits)} of {len(ranked)} plans fit")
     best = fits[0] if fits else None
     rows = [{"plan": r.label, "fits": r.fits, "GiB/GPU": round(r.estimate.peak() / GiB, 1),
              "step s": round(r.seconds, 2), "bubble": round(r.estimate.bubble, 3),

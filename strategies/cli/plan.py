@@ -16,7 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per GPU)")
-    p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    p.add_argument("--precision", default="bf16-mixed",
+                   help="Lightning's precision, for the layout it implies: 32-true, bf16-mixed and 16-mixed hold "
+                        "4 + 4 + 8 bytes per parameter with Adam, bf16-true and 16-true 2 + 2 + 4")
     p.add_argument("--top", type=int, default=10, help="plans to show")
     p.set_defaults(func=command)
 
@@ -44,11 +46,12 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _rank_plans(args: argparse.Namespace) -> int:
-    from strategies.measure.estimate import ModelShape
+    from strategies.measure.estimate import ModelShape, layout
     from strategies.measure.planner import GiB, Hardware, rank_plans
 
     try:
         shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
+        layout(args.precision)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

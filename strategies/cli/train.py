@@ -82,7 +82,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     dataset = _check_batches(config, dataset)
     world = _world(config)
     model = _model_config(module)
-    predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate)
+    predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate, config.precision)
     trainer, monitor = _trainer(config, predicted)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")

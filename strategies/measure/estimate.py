@@ -6,9 +6,12 @@ demo the model-state figures are exact. For a model given only by its parameter 
 the embeddings and head leave.
 
 - Model states (ZeRO paper, Rajbhandari et al. 2020): bytes per parameter for the weights, gradients and
-  optimizer (Adam: two moments, plus an fp32 master copy under mixed precision): fp32 4 + 4 + 8; mixed
-  precision 2 + 2 + 12 (K = 12). ZeRO-1 divides the optimizer by dp, ZeRO-2 also the gradients, ZeRO-3
-  also the weights; ``offload`` moves ZeRO's optimizer state and master shards to the host.
+  optimizer (Adam: two moments) in the layout the pack holds under each Lightning precision (`PRECISIONS`):
+  ``32-true``, ``bf16-mixed`` and ``16-mixed`` 4 + 4 + 8 (autocast keeps fp32 weights and gradients and casts
+  per op; only activations are half), ``bf16-true`` / ``16-true`` 2 + 2 + 4 (weights, gradients and Adam's
+  moments all half). DeepSpeed's "fp16 weights + fp32 master" 2 + 2 + 12 is not a layout the pack holds.
+  ZeRO-1 divides the optimizer by dp, ZeRO-2 also the gradients, ZeRO-3 also the weights; ``offload``
+  moves ZeRO's optimizer state, master shards and their gradients to the host.
 - Tensor parallel splits each block's four matrices and the biases of the column-split ones over tp; the
   norms, the row-split biases, the embeddings and the head stay whole (the shipped plans), unless ``vp``
   splits the token embedding and the head (weight and bias) over the vocabulary.
@@ -28,6 +31,7 @@ the embeddings and head leave.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -37,7 +41,19 @@ from strategies.pipeline.stages import partition
 from strategies.plan import DataMode, ParallelPlan
 from strategies.runs.schema import MODEL_STATE
 
-PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # weights, gradients, optimizer bytes per parameter
+# Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
+PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
+              "bf16-true": (2, 2, 4, 2), "16-true": (2, 2, 4, 2)}
+_ALIASES = {"fp32": "32-true", "32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}  # as Lightning reads them
+DEFAULT_PRECISION = "bf16-mixed"  # what `stratpack plan` assumes: what a GPU run usually asks for
+
+
+def layout(precision: str) -> tuple[int, int, int, int]:
+    """Bytes per parameter (weights, gradients, optimizer) and per activation under Lightning's ``precision``."""
+    name = _ALIASES.get(str(precision), str(precision))
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[name]
 
 
 @dataclass(frozen=True)
@@ -49,7 +65,8 @@ class ModelShape:
     heads: int
     seq: int
     vocab: int
-    batch: int = 1  # samples per data-parallel rank per optimizer step (all microbatches)
+    batch: int = 1  # samples per data-parallel rank per optimizer step (all microbatches and accumulation steps)
+    accumulate: int = 1  # accumulation steps the batch is run in, one after the other (activations: one at a time)
     params: int | None = None  # total parameters, when known (else counted from the sizes)
     flash_attention: bool = True  # no s x s score matrix kept for backward (SDPA / flash)
 
@@ -139,14 +156,14 @@ def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
 
 def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state for ``psi`` local parameters under ``plan``'s data mode."""
-    w, g, o = PRECISIONS[precision]
+    w, g, o, _ = layout(precision)
     n = plan.dp if plan.data.is_zero else 1
     stage = plan.data.stage if plan.data.is_zero else 0
     shard = math.ceil(psi / n)  # ZeRO pads each flat to a multiple of N: at most N-1 elements more
     out = {"params": w * (shard if stage >= 3 else psi), "grads": g * (shard if stage >= 2 else psi),
            "optimizer": o * (shard if stage >= 1 else psi), "host": 0.0}
-    if plan.offload:  # the optimizer state, the fp32 master shard (inside K=12 when mixed) and its gradient
-        out["host"] = out["optimizer"] + (4 * shard if precision == "fp32" else 0) + 4 * shard
+    if plan.offload:  # the optimizer state, the master shard (a host copy of the weights') and its gradient
+        out["host"] = out["optimizer"] + w * shard + g * shard
         out["optimizer"] = 0.0
         if stage >= 2:  # the reduced gradient shard goes straight to its host copy: on the device only in flight
             out["grads"] = 0.0
@@ -156,7 +173,7 @@ def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[
 def activations(shape: ModelShape, plan: ParallelPlan, blocks: float, in_flight: int, act_bytes: int = 2) -> float:
     """Bytes saved for backward on a rank holding ``blocks`` blocks with ``in_flight`` microbatches alive."""
     s, h, a, t = shape.seq, shape.hidden, shape.heads, plan.tp
-    b = shape.batch / (plan.microbatches or 1)
+    b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
     scores = 0 if shape.flash_attention else 5 * a * s / h
     if plan.ac:
         per_block = 2 * s * b * h
@@ -211,14 +228,12 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
 
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
              act_bytes: int | None = None) -> Estimate:
-    """Predict ``plan`` at ``world_size`` for ``shape``. ``act_bytes``: bytes per activation element (default
-    4 for fp32, 2 for mixed precision)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    """Predict ``plan`` at ``world_size`` for ``shape`` under Lightning's ``precision``. ``act_bytes``: bytes per
+    activation element (default: the precision's, 4 or 2)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
     if shape.heads % plan.tp:
         raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
-    act_bytes = act_bytes or (4 if precision == "fp32" else 2)
+    act_bytes = act_bytes or layout(precision)[3]
     per_rank = stage_params(shape, plan)
     stages = plan.pp * plan.virtual
     ranges = partition([1] * shape.layers, stages) if stages > 1 else [range(shape.layers)]
@@ -245,14 +260,15 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
 
 
 def predict_run(label: str, world_size: int, model: dict, global_batch: int, accumulate: int = 1,
-                precision: str = "fp32") -> dict | None:
+                precision: str = "32-true") -> dict | None:
     """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
     same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble. None when
     the label has no plan equivalent or the model config is not a transformer's."""
     text = equivalent_plan(label) or label
     try:
         plan = ParallelPlan.parse(text).resolve(world_size)
-        shape = ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate)
+        shape = dataclasses.replace(ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate),
+                                    accumulate=accumulate)
         est = estimate(shape, plan, world_size, precision)
     except (KeyError, ValueError):
         return None

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from strategies.measure.estimate import Estimate, ModelShape, estimate
+from strategies.measure.estimate import DEFAULT_PRECISION, Estimate, ModelShape, estimate
 from strategies.plan import DataMode, ParallelPlan
 from strategies.runs.schema import MEMORY_CATEGORIES
 
@@ -96,7 +96,7 @@ def candidates(shape: ModelShape, gpus: int) -> list[str]:
     return out
 
 
-def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: str = "mixed") -> list[Ranked]:
+def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: str = DEFAULT_PRECISION) -> list[Ranked]:
     """Every candidate plan for ``global_batch`` samples per step, predicted; those that fit first, fastest
     first (plans whose dp or microbatches do not divide the batch are left out)."""
     ranked = []

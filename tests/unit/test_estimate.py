@@ -6,6 +6,8 @@ tests/multirank/test_zero.py, and every 3D plan's rank-0 states and bytes per co
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from demos.gpt import GPT, GPTConfig
@@ -26,14 +28,35 @@ def test_zero_paper_model_states_fp32(mode: str, expected: float):
     assert states["host"] == 0
 
 
-def test_mixed_precision_is_the_papers_k_of_12_and_offload_moves_it_to_the_host():
-    assert sum(model_states(1000, _plan("dp", 8), "mixed").values()) == 16 * 1000  # 2 + 2 + 12
-    on_gpu = model_states(1000, _plan("zero3", 8), "mixed")
-    assert on_gpu["optimizer"] == 12 * 125
-    offloaded = model_states(1000, _plan("zero3_offload", 8), "mixed")
-    assert offloaded["optimizer"] == 0 and offloaded["host"] == 12 * 125 + 4 * 125
+def test_precision_layouts_are_what_the_pack_holds_and_offload_moves_them_to_the_host():
+    # bf16-mixed keeps fp32 weights and gradients (autocast casts per op): 4 + 4 + 8, as 32-true; bf16-true halves
+    # all three (Adam's moments take the weights' dtype). DeepSpeed's 2 + 2 + 12 is no layout the pack holds.
+    for precision in ("32-true", "bf16-mixed", "16-mixed", "fp32"):
+        assert sum(model_states(1000, _plan("dp", 8), precision).values()) == 16 * 1000
+    assert sum(model_states(1000, _plan("dp", 8), "bf16-true").values()) == 8 * 1000
+    with pytest.raises(ValueError, match="precision must be one of"):
+        model_states(1000, _plan("dp", 8), "mixed")
+    on_gpu = model_states(1000, _plan("zero1", 8), "bf16-mixed")  # ZeRO-1 at 8: 4 + 4 + 8/8 bytes per parameter
+    assert on_gpu == {"params": 4000, "grads": 4000, "optimizer": 8 * 125, "host": 0.0}
+    offloaded = model_states(1000, _plan("zero3_offload", 8), "bf16-mixed")
+    assert offloaded["optimizer"] == 0 and offloaded["host"] == (8 + 4 + 4) * 125  # state, master, its gradient
     # The reduced gradient shard goes to its host copy; ZeRO-1 keeps its full device gradients.
-    assert offloaded["grads"] == 0 and model_states(1000, _plan("zero1_offload", 8), "mixed")["grads"] == 2 * 1000
+    assert offloaded["grads"] == 0 and model_states(1000, _plan("zero1_offload", 8), "bf16-true")["grads"] == 2000
+
+
+def test_activations_are_one_accumulation_step_at_a_time():
+    config = vars(GPTConfig(vocab_size=88, n_layer=2, n_head=2, n_embd=32, seq_len=32))
+    once = estimate(ModelShape.from_config(config, batch=8), "dp", 1)
+    accumulated = estimate(dataclasses.replace(ModelShape.from_config(config, batch=24), accumulate=3), "dp", 1)
+    assert accumulated.memory[0]["activations"] == once.memory[0]["activations"] > 0
+
+
+def test_planner_default_is_bf16_mixed_so_zero1_on_8_gpus_needs_9_bytes_per_parameter():
+    # The issue's case: 7B under ZeRO-1 on 8 GPUs is ~63 GB of model states, not the 38.5 GB of a 2 + 2 + 12 layout.
+    shape = ModelShape.from_params(7e9)
+    ranked = {r.label: r for r in rank_plans(shape, Hardware(gpus=8, memory=80 * GiB), global_batch=64)}
+    states = ranked["zero1"].estimate.memory[0]
+    assert states["params"] + states["grads"] + states["optimizer"] == pytest.approx(9 * shape.total(), rel=1e-6)
 
 
 def test_demo_gpt_parameter_count_is_exact():
