@@ -75,6 +75,7 @@ class PlanStrategy(ParallelStrategy):
         self.techniques: list[Technique] = []  # in the order applied (`strategies.technique`)
         self._steps = DirectSteps(self._lightning_hook)
         self._accumulating = False  # inside an accumulation window's micro-step: gradients stay local
+        self._open_no_sync: contextlib.ExitStack | None = None  # the no_sync in force, which new techniques join
         self._pending_optimizer: dict[str, Any] | None = None  # a resumed optimizer state, until the pipeline is cut
         self.activation_bytes = self.peak_activation_bytes = 0
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
@@ -192,7 +193,7 @@ class PlanStrategy(ParallelStrategy):
                 self._lightning_hook("training_step", micro, batch_idx, *args)
 
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)
-        self.techniques.append(pipeline)
+        self._adopt(pipeline)
         self._add_grad_sync()
         if self._pending_optimizer is not None:  # each stage (and ZeRO shard) now takes its part of it
             self._steps.pipeline = pipeline
@@ -202,8 +203,8 @@ class PlanStrategy(ParallelStrategy):
 
     def _add_grad_sync(self) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None) is not None
-        self.techniques.append(assemble.gradient_sync(self.model, self.optimizers, self.resolved_plan, self.mesh,
-                                                      self.options, fp16_scaler=scaler))
+        self._adopt(assemble.gradient_sync(self.model, self.optimizers, self.resolved_plan, self.mesh, self.options,
+                                           fp16_scaler=scaler))
         # Lightning clips by norm in the precision plugin, over the optimizer's params (here shards, slices or
         # one stage's): this instance's clip-by-norm takes the whole model's norm across the mesh instead.
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(float(clip_val))
@@ -279,13 +280,25 @@ class PlanStrategy(ParallelStrategy):
         for technique in reversed(self.techniques):
             technique.finish_backward(self.held_grads, sync=not self._accumulating)
 
+    def _adopt(self, technique: Any) -> None:
+        """Add a technique built during a step (under pp, the pipeline and the gradient sync are built by the first
+        training batch). Inside an accumulation micro-step it joins the no_sync in force: built syncing, ZeRO would
+        reduce (and drop) that micro-step's gradients before the window is complete."""
+        self.techniques.append(technique)
+        if self._open_no_sync is not None:
+            self._open_no_sync.enter_context(technique.no_sync())
+
     @contextlib.contextmanager
     def _no_sync(self) -> Generator[None, None, None]:
-        """Backwards inside accumulate locally: no technique communicates."""
+        """Backwards inside accumulate locally: no technique communicates (nor one added meanwhile: `_adopt`)."""
         with contextlib.ExitStack() as stack:
             for technique in self.techniques:
                 stack.enter_context(technique.no_sync())
-            yield
+            outer, self._open_no_sync = self._open_no_sync, stack
+            try:
+                yield
+            finally:
+                self._open_no_sync = outer
 
     @contextlib.contextmanager
     @override

@@ -1,0 +1,88 @@
+"""The scale-sensitive matrix (issue 20): plain SGD, no momentum, no clipping, so that any error in a gradient's
+scale (a wrong 1/mb, 1/accumulate, a sum over dp ranks where a mean belongs) moves the parameters by as much on the
+first step. Every case trains through the Trainer in one set of processes: ``python _sgd_job.py OUT WORLD [full]``.
+Lightning's popen launcher re-runs this script for the other ranks; the later Trainers find the process group there.
+Every case sees the same GLOBAL samples per optimizer step, in the same order, so one single-process run is the
+reference for all of them (`reference`)."""
+
+import sys
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies  # noqa: F401  (registers the plan strings)
+from demos.gpt import GPT, GPTConfig
+
+GLOBAL, STEPS, LR = 24, 2, 0.5  # samples per optimizer step: divides over dp (1, 2, 4) x accumulate (1, 3) x mb 4
+CONFIG = GPTConfig(vocab_size=32, n_layer=4, n_head=2, n_embd=16, seq_len=8)  # 4 blocks: pp2 x v2
+MODES = ("naive", "dp", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload")
+MODELS = ("tp2", "pp2_gpipe_mb1", "pp2_mb4")
+# CI: every data mode x accumulation at 2 ranks; tp and pp (mb 1 and 4) x accumulation at 2 ranks, and composed
+# with dp at 4 under ZeRO-2 (the mode whose reduce-scatter follows the backward); two 3D plans at 8. The whole
+# cross (every data mode with each of them, at 4 and 8) under `-m matrix`.
+CASES = {2: [(m, a) for m in MODES + MODELS for a in (1, 3)],
+         4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)],
+         8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1)]}
+FULL = {2: CASES[2], 4: [(f"{m}_{p}", a) for m in MODES for p in MODELS for a in (1, 3)]
+        + [(m, a) for m in MODES for a in (1, 3)],
+        8: [(f"{m}_tp2_pp2_{s}", a) for m in MODES for s in ("mb4", "interleaved_v2_mb4") for a in (1, 3)]}
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL * STEPS, CONFIG.seq_len + 1), generator=g)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = model()
+
+    def training_step(self, batch, index):
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """One process, one batch of GLOBAL samples per step: Lightning's DistributedSampler (shuffled, seed 0) gives
+    the k-th micro-step of every dp rank together the k-th slice of the same permutation."""
+    net, (x, y) = model(), data().tensors
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        rows = order[step * GLOBAL : (step + 1) * GLOBAL]
+        F.cross_entropy(net(x[rows]).flatten(0, 1), y[rows].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+def fit(plan: str, accumulate: int, world: int) -> dict[str, torch.Tensor]:
+    from strategies.plan import ParallelPlan
+
+    dp = ParallelPlan.parse(plan).resolve(world).dp
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=plan, max_steps=STEPS, logger=False,
+                        accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
+    return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[2])
+    cases = (FULL if sys.argv[3:] == ["full"] else CASES)[world]
+    results = {case: fit(*case, world) for case in cases}
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, sys.argv[1])
