@@ -9,6 +9,7 @@ messages, grouped and ordered as NCCL matches them.
 """
 
 from strategies.comm.ops import (
+    DETERMINISTIC_ENV,
     Handle,
     all_gather,
     all_gather_object,
@@ -16,8 +17,10 @@ from strategies.comm.ops import (
     barrier,
     broadcast,
     broadcast_object,
+    ordered_sums,
     reduce_scatter,
     register_peers,
+    set_ordered_sums,
 )
 from strategies.comm.p2p import P2P, STRICT_ENV, GroupHandle, P2POrderError, exchange, recv, ring_all_reduce, send
 from strategies.comm.recorder import (
@@ -31,8 +34,8 @@ from strategies.comm.recorder import (
 from strategies.comm.stats import Axis, CommRecord, CommStats, Op
 
 __all__ = [
-    "DEBUG_ENV", "P2P", "RECORDER", "STRICT_ENV", "Axis", "CallRecord", "CollectiveError", "CollectiveMismatch",
-    "CommRecord", "CommStats", "FlightRecorder", "GroupHandle", "Handle", "Op", "P2POrderError", "all_gather",
-    "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "exchange", "recv",
-    "reduce_scatter", "register_peers", "ring_all_reduce", "send",
+    "DEBUG_ENV", "DETERMINISTIC_ENV", "P2P", "RECORDER", "STRICT_ENV", "Axis", "CallRecord", "CollectiveError",
+    "CollectiveMismatch", "CommRecord", "CommStats", "FlightRecorder", "GroupHandle", "Handle", "Op", "P2POrderError",
+    "all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "exchange",
+    "ordered_sums", "recv", "reduce_scatter", "register_peers", "ring_all_reduce", "send", "set_ordered_sums",
 ]

@@ -95,21 +95,77 @@ def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, 
 # -- collectives --------------------------------------------------------------------------------------------
 
 
+# torch 2.13 renamed the flat-tensor forms (and deprecates the old names); pyproject accepts torch >= 2.6, whose
+# CUDA builds users keep, so take whichever this torch has (seen: 2.11 on an H100 has only the old names).
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- deterministic sums -------------------------------------------------------------------------------------
+
+DETERMINISTIC_ENV = "STRATPACK_DETERMINISTIC"
+_ordered = [False]  # set by the strategy's ``deterministic`` option for the length of a run
+
+
+def set_ordered_sums(on: bool) -> None:
+    """Sum every SUM all-reduce and reduce-scatter in axis order (see `ordered_sums`)."""
+    _ordered[0] = on
+
+
+def ordered_sums() -> bool:
+    """Deterministic mode (``deterministic=True``, or ``STRATPACK_DETERMINISTIC=1``): a backend sums a reduction
+    in an order that depends on where an element lies in the buffer (gloo's and NCCL's rings cut it into per-rank
+    chunks), so the same gradients reduced in DDP's buckets and in ZeRO's flats can differ in the last bit. Here
+    every element is summed rank 0 + rank 1 + ... in axis order, whatever the layout, so `dp` and ZeRO-1/2/3 give
+    bit-identical results at one world size. It moves N-1 times the bytes (all-gather / all-to-all, then a local
+    sum) and is synchronous: a mode for proving and debugging, not for speed."""
+    return _ordered[0] or os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0")
+
+
+def _in_order(parts: torch.Tensor) -> torch.Tensor:
+    """parts[0] + parts[1] + ..., in that order."""
+    out = parts[0].clone()
+    for part in parts[1:]:
+        out += part
+    return out
+
+
+def _ordered_all_reduce(tensor: torch.Tensor, axis: Axis, async_op: bool):
+    n = axis.size
+    flat = tensor.detach().reshape(-1).contiguous()
+    gathered = torch.empty((n, flat.numel()), dtype=flat.dtype, device=flat.device)
+
+    def call() -> None:
+        _ALL_GATHER(gathered.view(-1), flat, group=axis.group)
+        tensor.copy_(_in_order(gathered).view_as(tensor))
+    moved = (n - 1) * _nbytes(tensor)
+    _run(Op.ALL_REDUCE, axis, call, moved, moved, False, (tensor,))
+    return Handle(None, axis, Op.ALL_REDUCE) if async_op else None
+
+
+def _ordered_reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: bool):
+    n = axis.size
+    received = torch.empty((n, output.numel()), dtype=input.dtype, device=input.device)
+
+    def call() -> None:  # chunk r of every rank to rank r, then summed in rank order
+        dist.all_to_all_single(received.view(-1), input.reshape(-1).contiguous(), group=axis.group)
+        output.copy_(_in_order(received).view_as(output))
+    moved = (n - 1) / n * _nbytes(input)
+    _run(Op.REDUCE_SCATTER, axis, call, moved, moved, False, (output, input))
+    return Handle(None, axis, Op.REDUCE_SCATTER) if async_op else None
+
+
 def all_reduce(tensor: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
     """In-place reduction of ``tensor`` over the axis: ring cost 2(N-1)/N * bytes each way."""
     if axis.size == 1:
         return Handle(None, axis, Op.ALL_REDUCE) if async_op else None
+    if op == ReduceOp.SUM and ordered_sums():
+        return _ordered_all_reduce(tensor, axis, async_op)
     moved = 2 * (axis.size - 1) / axis.size * _nbytes(tensor)
     return _run(
         Op.ALL_REDUCE, axis, lambda: dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op),
         moved, moved, async_op, (tensor,),
     )
-
-
-# torch 2.13 renamed the flat-tensor forms (and deprecates the old names); pyproject accepts torch >= 2.6, whose
-# CUDA builds users keep, so take whichever this torch has (seen: 2.11 on an H100 has only the old names).
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM,
@@ -118,6 +174,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: Re
     if axis.size == 1:
         output.copy_(input)
         return Handle(None, axis, Op.REDUCE_SCATTER) if async_op else None
+    if op == ReduceOp.SUM and ordered_sums():
+        return _ordered_reduce_scatter(output, input, axis, async_op)
     moved = (axis.size - 1) / axis.size * _nbytes(input)
     return _run(
         Op.REDUCE_SCATTER, axis,

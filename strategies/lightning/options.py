@@ -72,6 +72,10 @@ class PlanOptions:
     (a timedelta or seconds); by default ``$STRATPACK_TIMEOUT`` seconds, else 30 minutes. Held as a timedelta."""
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
     """``"popen"`` (re-run the script, like ``ddp``) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``."""
+    deterministic: bool = False
+    """Sum every gradient reduction in rank order (`comm.ordered_sums`), so that ``dp`` and ZeRO-1/2/3 at one world
+    size give bit-identical losses and parameters (also ``STRATPACK_DETERMINISTIC=1``). N-1 times the bytes of a
+    reduction and synchronous: for proving and debugging, not for speed."""
     compile: bool | dict = False
     """``torch.compile`` each block's forward (`strategies.compile`): True, or torch.compile's keyword arguments
     (``{"mode": "max-autotune"}``). A model the user compiled (``torch.compile(net)`` inside the module, or
@@ -102,6 +106,7 @@ _RULES = {
     "process_group_backend": _rule(lambda v: v is None or isinstance(v, str) and v != "",
                                    "None or a backend name such as 'gloo' or 'nccl'"),
     "stop_on_nonfinite_loss": _BOOL,
+    "deterministic": _BOOL,
     "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),
                      "True, False or a dict of torch.compile keyword arguments"),
     "start_method": _rule(lambda v: isinstance(v, str) and v in ("popen", "spawn", "fork", "forkserver"),

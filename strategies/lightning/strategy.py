@@ -153,6 +153,7 @@ class PlanStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)
         comm.RECORDER.timeout = self.options.timeout
         self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
+        comm.set_ordered_sums(self.options.deterministic)  # for this run (teardown turns it off)
 
     # -- model ------------------------------------------------------------------------------------------
 
@@ -473,6 +474,7 @@ class PlanStrategy(ParallelStrategy):
         healthy = self._failed is None and self.lightning_module is not None
         for technique in reversed(self.techniques):
             technique.teardown(healthy)
+        comm.set_ordered_sums(False)
         self.techniques = []
         self._steps = DirectSteps(self._lightning_hook)
         super().teardown()

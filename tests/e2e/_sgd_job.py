@@ -23,7 +23,8 @@ MODELS = ("tp2", "pp2_gpipe_mb1", "pp2_mb4")
 # with dp at 4 under ZeRO-2 (the mode whose reduce-scatter follows the backward); two 3D plans at 8. The whole
 # cross (every data mode with each of them, at 4 and 8) under `-m matrix`.
 CASES = {2: [(m, a) for m in MODES + MODELS for a in (1, 3)],
-         4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)],
+         4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
+         + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")],
          8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1)]}
 FULL = {2: CASES[2], 4: [(f"{m}_{p}", a) for m in MODES for p in MODELS for a in (1, 3)]
         + [(m, a) for m in MODES for a in (1, 3)],
@@ -68,12 +69,16 @@ def reference() -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in net.state_dict().items()}
 
 
-def fit(plan: str, accumulate: int, world: int) -> dict[str, torch.Tensor]:
+def fit(case: str, accumulate: int, world: int) -> dict[str, torch.Tensor]:
+    """``case``: a plan, or ``plan+deterministic`` for the strategy's ordered sums."""
+    from strategies import PlanStrategy
     from strategies.plan import ParallelPlan
 
+    plan, _, option = case.partition("+")
     dp = ParallelPlan.parse(plan).resolve(world).dp
     module = Module()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=plan, max_steps=STEPS, logger=False,
+    strategy = PlanStrategy(plan, deterministic=True) if option == "deterministic" else plan
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
