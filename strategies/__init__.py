@@ -41,6 +41,7 @@ _EXPORTS = {
     "ParallelPlan": "strategies.plan",
     "PipelineSchedule": "strategies.plan",
     "ShardedCheckpointIO": "strategies.checkpoint",
+    "resumable": "strategies.lightning.resume",
     "StrategyMonitor": "strategies.measure.monitor",
     "Colwise": "strategies.tensor_parallel",
     "Rowwise": "strategies.tensor_parallel",

@@ -42,6 +42,7 @@ class RunConfig:
     lr: float = 3e-3
     epoch_steps: int | None = None  # optimizer steps per epoch (default: the whole dataset)
     checkpoint_dir: str | None = None  # save a checkpoint there at the end of every epoch
+    checkpoint_every: int | None = None  # ... or every this many optimizer steps (mid-epoch too)
     resume: str | None = None  # a checkpoint to resume from (sharded directory or single file)
     runs_dir: str | None = None  # the run store (default $STRATPACK_RUNS or ./runs)
     comparison: str | None = None  # the id shared by the runs of one `stratpack compare`
@@ -153,7 +154,12 @@ def _loader(config: RunConfig, dataset: Any) -> Any:
     if config.strategy == SINGLE:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed)
     per_rank = config.batch_size // data_parallel_degree(config.strategy, _world(config))
-    return DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True)
+    if config.strategy == SINGLE:  # a plan's strategy makes it resumable mid-epoch itself; Lightning's does not
+        from strategies.lightning.resume import resumable
+
+        loader = resumable(loader)
+    return loader
 
 
 def _validation(config: RunConfig, dataset: Any) -> Any:
@@ -180,7 +186,8 @@ def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
                               meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted})
     callbacks: list = [monitor]
     if config.checkpoint_dir:
-        callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, every_n_epochs=1))
+        every = {"every_n_train_steps": config.checkpoint_every} if config.checkpoint_every else {"every_n_epochs": 1}
+        callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, **every))
     trainer = L.Trainer(
         accelerator=config.accelerator, devices=1 if single else config.devices,
         num_nodes=1 if single else config.num_nodes,
@@ -288,6 +295,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="with --checkpoint-dir: save every this many optimizer steps instead (mid-epoch resumes "
+                        "continue with the next batch and the saved random state)")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file)")
     p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")

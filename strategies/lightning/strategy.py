@@ -39,6 +39,7 @@ from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.launcher import ExitingMultiProcessingLauncher
 from strategies.lightning.options import PlanOptions
+from strategies.lightning.resume import resumable
 from strategies.lightning.steps import DirectSteps, PipelineSteps, check_finite, deferred_logs
 from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
@@ -189,8 +190,10 @@ class PlanStrategy(ParallelStrategy):
     def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
         micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
 
-        def run_forward() -> None:  # set-up, not a step: what it logs is dropped
-            with torch.no_grad(), deferred_logs(self.lightning_module):
+        def run_forward() -> None:  # set-up, not a step: what it logs is dropped, what it draws is given back
+            # (a resumed run traces at its first step too: a draw here would shift its dropout masks)
+            devices = [self.root_device] if self.root_device.type == "cuda" else []
+            with torch.no_grad(), deferred_logs(self.lightning_module), torch.random.fork_rng(devices=devices):
                 self._lightning_hook("training_step", micro, batch_idx, *args)
 
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)
@@ -214,6 +217,14 @@ class PlanStrategy(ParallelStrategy):
     def pipeline(self) -> PipelineParallel | None:
         """The pipeline technique once built (its last step's timeline and bubble), else None."""
         return self._steps.pipeline
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Resumable mid-epoch: the loader's position and every rank's random state go into the checkpoint.
+        trainer = self.lightning_module.trainer
+        return resumable(dataloader, rank=self.global_rank, world_size=self.world_size,
+                         gather=lambda obj: comm.all_gather_object(obj, self.mesh.world),
+                         epoch_batches=lambda: trainer.num_training_batches)
 
     @override
     def model_to_device(self) -> None:

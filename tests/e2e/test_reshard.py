@@ -1,8 +1,9 @@
 """Checkpoints that move between plans and world sizes: saved by one, resumed by another, the run goes on with
 the losses and parameters of an uninterrupted single-process run (tolerances of test_trainer.py).
 
-The runs have epochs of 3 steps; each saves a checkpoint after each epoch (after a one-batch validation),
-and the resumed runs start from the one after epoch 0 (step 3) and train to step 6.
+The runs have two epochs of 4 steps and save a checkpoint every 3 steps: the resumed runs start mid-epoch, from the
+one of step 3, and train to step 8 across the epoch boundary, so they must take up the sampler where the saved run
+left it (`strategies.lightning.resume`; without it they would train on the epoch's first batches again).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 
 from tests.helpers import ATOL, PARAM_ATOL, RTOL, train_demo
 
-EPOCHS = ("--epoch-steps", "3", "--steps", "6")
-STEP3 = "epoch=0-step=3.ckpt"
+EPOCHS = ("--epoch-steps", "4", "--steps", "8")
+SAVE = ("--checkpoint-every", "3")
+STEP3 = "epoch=0-step=3.ckpt"  # mid-epoch
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def reference(tmp_path_factory):
 def saved(tmp_path_factory, reference):
     # The headline plan saves: dp2 x tp2 x pp2, ZeRO-3 over dp, each rank writing its part.
     tmp = tmp_path_factory.mktemp("zero3_tp2_pp2")
-    result, params = train_demo(tmp, "zero3_tp2_pp2", 8, *EPOCHS, "--checkpoint-dir", str(tmp / "ckpt"))
+    result, params = train_demo(tmp, "zero3_tp2_pp2", 8, *EPOCHS, *SAVE, "--checkpoint-dir", str(tmp / "ckpt"))
     return result, params, str(tmp / "ckpt" / STEP3)
 
 
@@ -61,7 +63,7 @@ def test_resume_under_another_plan_and_world_size(tmp_path, saved, reference, st
 def test_single_file_checkpoint_resumes_under_a_plan(tmp_path, reference):
     first = tmp_path / "single"
     first.mkdir()
-    train_demo(first, "single", 1, *EPOCHS, "--checkpoint-dir", str(first / "ckpt"))
+    train_demo(first, "single", 1, *EPOCHS, *SAVE, "--checkpoint-dir", str(first / "ckpt"))
     assert os.path.isfile(first / "ckpt" / STEP3)  # Lightning's own single-file format
     result, params = train_demo(tmp_path, "zero2_tp2", 4, *EPOCHS, "--resume", str(first / "ckpt" / STEP3))
     _assert_continues(result, params, reference)
