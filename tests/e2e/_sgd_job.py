@@ -5,7 +5,11 @@ Lightning's popen launcher re-runs this script for the other ranks; the later Tr
 Every case sees the same GLOBAL samples per optimizer step, in the same order, so one single-process run is the
 reference for all of them (`reference`)."""
 
+import contextlib
+import itertools
 import sys
+from collections.abc import Iterator
+from unittest import mock
 
 import lightning as L
 import torch
@@ -26,6 +30,11 @@ CASES = {2: [(m, a) for m in MODES + MODELS for a in (1, 3)],
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
          + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")],
          8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1)]}
+# bf16-mixed against a bf16-mixed single process (`test_sgd_matrix`: tolerance from the measured spread), and the
+# same runs with an error planted in the pack, which that tolerance must catch: ZeRO's reduce-scatter summing where
+# it averages (x dp), and the pipeline dropping one microbatch's gradient (1 of 4).
+BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
+        ("zero2+bf16+plant_sum", 1), ("pp2_mb4+bf16+plant_drop", 1)]
 FULL = {2: CASES[2], 4: [(f"{m}_{p}", a) for m in MODES for p in MODELS for a in (1, 3)]
         + [(m, a) for m in MODES for a in (1, 3)],
         8: [(f"{m}_tp2_pp2_{s}", a) for m in MODES for s in ("mb4", "interleaved_v2_mb4") for a in (1, 3)]}
@@ -55,39 +64,75 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(bf16: bool = False, chunks: int = 1) -> dict[str, torch.Tensor]:
     """One process, one batch of GLOBAL samples per step: Lightning's DistributedSampler (shuffled, seed 0) gives
-    the k-th micro-step of every dp rank together the k-th slice of the same permutation."""
+    the k-th micro-step of every dp rank together the k-th slice of the same permutation. ``bf16``: the forward
+    under CPU autocast to bfloat16, as Lightning's bf16-mixed runs training_step; ``chunks``: the step's batch in
+    that many accumulated parts (the same samples summed in another order)."""
     net, (x, y) = model(), data().tensors
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
-        rows = order[step * GLOBAL : (step + 1) * GLOBAL]
-        F.cross_entropy(net(x[rows]).flatten(0, 1), y[rows].flatten()).backward()
+        for rows in order[step * GLOBAL : (step + 1) * GLOBAL].chunk(chunks):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(net(x[rows]).flatten(0, 1), y[rows].flatten())
+            (loss / chunks).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in net.state_dict().items()}
 
 
+@contextlib.contextmanager
+def planted(option: str) -> Iterator[None]:
+    """An error planted in the pack for one fit: ``plant_sum`` (ZeRO's reduce-scatter sums where it must average),
+    ``plant_drop`` (the pipeline's last stage drops the first microbatch's loss, so its gradient)."""
+    from strategies import comm
+    from strategies.pipeline import engine
+
+    if option == "plant_sum":
+        real = comm.reduce_scatter
+
+        def summing(output, tensor, axis, **kwargs):
+            return real(output, tensor.mul_(axis.size), axis, **kwargs)  # undoes the pre-divide
+
+        with mock.patch.object(comm, "reduce_scatter", summing):
+            yield
+    elif option == "plant_drop":
+        real_step = engine.PipelineParallel.train_step
+
+        def dropping(self, batch, batch_idx, step, *args, **kwargs):
+            calls = itertools.count()
+            return real_step(self, batch, batch_idx, lambda *a: step(*a) * (next(calls) > 0), *args, **kwargs)
+
+        with mock.patch.object(engine.PipelineParallel, "train_step", dropping):
+            yield
+    else:
+        yield
+
+
 def fit(case: str, accumulate: int, world: int) -> dict[str, torch.Tensor]:
-    """``case``: a plan, or ``plan+deterministic`` for the strategy's ordered sums."""
+    """``case``: a plan, then options after ``+``: ``deterministic`` (the strategy's ordered sums), ``bf16``
+    (bf16-mixed), ``plant_*`` (`planted`)."""
     from strategies import PlanStrategy
     from strategies.plan import ParallelPlan
 
-    plan, _, option = case.partition("+")
+    plan, *options = case.split("+")
     dp = ParallelPlan.parse(plan).resolve(world).dp
     module = Module()
-    strategy = PlanStrategy(plan, deterministic=True) if option == "deterministic" else plan
+    strategy = PlanStrategy(plan, deterministic=True) if "deterministic" in options else plan
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        precision="bf16-mixed" if "bf16" in options else "32-true")
+    plant = next((o for o in options if o.startswith("plant_")), "")
+    with planted(plant):
+        trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
     return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
 if __name__ == "__main__":
     world = int(sys.argv[2])
-    cases = (FULL if sys.argv[3:] == ["full"] else CASES)[world]
+    cases = (FULL if sys.argv[3:] == ["full"] else CASES)[world] + (BF16 if world == 2 else [])
     results = {case: fit(*case, world) for case in cases}
     if torch.distributed.get_rank() == 0:
         torch.save(results, sys.argv[1])

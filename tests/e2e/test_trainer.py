@@ -132,30 +132,8 @@ def test_activation_checkpointing_keeps_less_for_backward(tmp_path):
     assert 0 < kept_ac < kept / 3, (kept_ac, kept)  # only each block's input, not its internals
 
 
-# bf16-mixed: both runs compute in bf16 under autocast, and the distributed one on smaller per-rank batches,
-# so rounding differs at bf16's precision (8 bits of mantissa). Observed: losses within ~3e-5 relative; the
-# parameters mostly within 1e-4, but an element whose gradient is bf16 noise can get Adam's normalised
-# step (~lr) in a different direction: up to 1.1e-2 seen on a handful of elements. Stated tolerance: losses
-# 1e-3 relative; parameters within 2 * lr * steps = 3e-2 (each run moves an element at most ~lr per step)
-# everywhere, and within 1e-3 on 99.5% of the elements.
-BF16_RTOL, BF16_ATOL, BF16_PARAM_MAX = 1e-3, 1e-3, 2 * 3e-3 * 5
-
-
-@pytest.fixture(scope="module")
-def bf16_reference(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("single-bf16"), "single", 1, "--precision", "bf16-mixed")
-
-
-@pytest.mark.parametrize("strategy", ["zero2", "zero3", "pp2_mb4"])
-def test_bf16_mixed_matches_single_device_bf16(tmp_path, bf16_reference, strategy: str):
-    ref_result, ref_params = bf16_reference
-    result, params = _train(tmp_path, strategy, 2, "--precision", "bf16-mixed")
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"]),
-                               rtol=BF16_RTOL, atol=BF16_ATOL)
-    diffs = torch.cat([(params[name] - ref_params[name]).abs().flatten() for name in params])
-    assert diffs.max() <= BF16_PARAM_MAX, diffs.max()
-    assert (diffs <= BF16_ATOL).float().mean() >= 0.995
-    assert all(p.dtype == torch.float32 for p in params.values())  # fp32 master weights, bf16 only in autocast
+# bf16-mixed against a bf16-mixed single process, with a tolerance from a measured spread that planted errors
+# exceed: tests/e2e/test_sgd_matrix.py (plain SGD; under AdamW any bound large enough for bf16 noise is loose).
 
 
 @pytest.mark.parametrize("strategy", ["zero3", pytest.param("tp2", marks=pytest.mark.matrix), "pp2_mb4"])
