@@ -130,8 +130,10 @@ def _assert_same_params(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("plan,devices,replicas", [  # dp and tp2 resume in test_reshard too: CI runs the other two
-    pytest.param("dp", 2, 2, marks=pytest.mark.matrix), ("zero3", 4, 4),
+# CI runs pp2 (spawned ranks, validation, epoch-end resume, then in one process); dp and tp2 resume in test_reshard
+# too, zero3 (accumulating, bit-identical) in test_resume.
+@pytest.mark.parametrize("plan,devices,replicas", [
+    pytest.param("dp", 2, 2, marks=pytest.mark.matrix), pytest.param("zero3", 4, 4, marks=pytest.mark.matrix),
     pytest.param("tp2", 2, 1, marks=pytest.mark.matrix), ("pp2", 2, 1)])
 def test_checkpoint_resume_and_validation(tmp_path, plan: str, devices: int, replicas: int):
     # Saved after epoch 1 and resumed: the same parameters (and Adam state) as two uninterrupted epochs.
