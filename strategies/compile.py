@@ -17,6 +17,7 @@ torch.compile(net)`` (its ``OptimizedModule`` then runs ``net`` eagerly, so para
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,9 @@ def compiler(options: bool | dict | None, module: nn.Module) -> tuple[Callable[[
     from torch._dynamo.eval_frame import OptimizedModule
 
     found = user_compiled(module)
-    contexts = [m.dynamo_ctx for _, m in found if isinstance(m, OptimizedModule)]
+    contexts = [m.dynamo_ctx if isinstance(m, OptimizedModule) else _context_of(m._compiled_call_impl)
+                for _, m in found]
+    contexts = [c for c in contexts if c is not None]
     saved = [(m, vars(m).get("forward") if isinstance(m, OptimizedModule) else m._compiled_call_impl)
              for _, m in found]
     for m, _ in saved:  # eager again at that level: the blocks are compiled instead
@@ -62,7 +65,26 @@ def compiler(options: bool | dict | None, module: nn.Module) -> tuple[Callable[[
         return (lambda fn: torch.compile(fn, **kwargs)), undo
     if contexts:
         return contexts[0], undo  # the user's backend and mode, as Lightning's `from_compiled` reuses them
+    if found:
+        warnings.warn("could not read the settings of the model's own compile (torch's internals moved): its blocks "
+                      "are compiled with torch.compile's defaults; pass PlanStrategy(compile={...}) to choose",
+                      stacklevel=2)
     return ((lambda fn: torch.compile(fn)) if found else None), undo
+
+
+def _context_of(compiled: Callable) -> Callable | None:
+    """The dynamo context (backend, mode, options) ``m.compile(...)`` wrapped ``m._call_impl`` in: found in the
+    wrapper's closure (torch keeps no public handle on it), or None."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, _TorchDynamoContext):
+            return value
+    return None
 
 
 class CompiledBlocks(Technique):
@@ -84,6 +106,7 @@ class CompiledBlocks(Technique):
             else:
                 block.forward = own
         self._undo()  # the user's own compile, where it was
+        self.blocks, self._previous, self._undo = [], [], lambda: None  # a second teardown changes nothing
 
 
 def compile_blocks(module: nn.Module, options: bool | dict | None, blocks_name: str | None = None,
@@ -92,7 +115,15 @@ def compile_blocks(module: nn.Module, options: bool | dict | None, blocks_name: 
     says; None when neither asks for it. Apply it after activation checkpointing."""
     from strategies.pipeline.stages import find_blocks
 
-    compile_fn, undo = compiler(options, module)
-    if compile_fn is None:
+    if not options and not user_compiled(module):
         return None
-    return CompiledBlocks(module.get_submodule(find_blocks(module, blocks_name)), compile_fn, undo)
+    try:  # before anything changes: a model without a list of blocks keeps the user's own compile, whole
+        blocks = module.get_submodule(find_blocks(module, blocks_name))
+    except ValueError as err:
+        if not options:
+            return None
+        raise ValueError(f"compile={options!r} compiles the model one block at a time, and found no list of blocks "
+                         f"({err}); compile the model yourself instead (torch.compile(model) in the "
+                         "LightningModule)") from err
+    compile_fn, undo = compiler(options, module)
+    return CompiledBlocks(blocks, compile_fn, undo) if compile_fn is not None else None

@@ -75,7 +75,8 @@ class PlanOptions:
     deterministic: bool = False
     """Sum every gradient reduction in rank order (`comm.ordered_sums`), so that ``dp`` and ZeRO-1/2/3 at one world
     size give bit-identical losses and parameters (also ``STRATPACK_DETERMINISTIC=1``). N-1 times the bytes of a
-    reduction and synchronous: for proving and debugging, not for speed."""
+    reduction and synchronous: for proving and debugging, not for speed. Not clipping's norm (summed per parameter
+    under dp, per shard under ZeRO: it may differ in the last bit)."""
     compile: bool | dict = False
     """``torch.compile`` each block's forward (`strategies.compile`): True, or torch.compile's keyword arguments
     (``{"mode": "max-autotune"}``). A model the user compiled (``torch.compile(net)`` inside the module, or

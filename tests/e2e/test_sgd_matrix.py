@@ -37,6 +37,7 @@ PARAM_ATOL = 1e-6
 def _job(tmp_path_factory, world: int, which: str) -> dict:
     out = tmp_path_factory.mktemp(f"sgd{world}") / "results.pt"
     env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(out.parent / "runs"),
+           "PL_GLOBAL_SEED": "0",  # the samplers' seed, as the reference's: not whatever this process was seeded with
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, JOB, str(out), str(world), which], cwd=out.parent, capture_output=True,
                           text=True, timeout=900, env=env)
