@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from strategies.cli import bench, compare, convert, dashboard, drift, plan, train
+from strategies.cli import bench, compare, convert, dashboard, drift, plan, sweep, train
 
-COMMANDS = (compare, train, bench, drift, dashboard, convert, plan)
+COMMANDS = (compare, train, bench, drift, sweep, dashboard, convert, plan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Lightning's precision, for the layout it implies: 32-true, bf16-mixed and 16-mixed hold "
                         "4 + 4 + 8 bytes per parameter with Adam, bf16-true and 16-true 2 + 2 + 4")
     p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time steps with this machine's FLOP/s and links, measured at --gpus ranks (a few seconds, "
+                        "then cached; see strategies.measure.calibrate) instead of H100 defaults")
     p.set_defaults(func=command)
 
 
@@ -56,15 +59,20 @@ def _rank_plans(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     hw = Hardware(gpus=args.gpus, memory=args.gpu_mem * GiB)
+    if args.calibrate:
+        hw = calibrated_hardware(args.gpus, args.gpu_mem * GiB)
     batch = args.global_batch or 8 * args.gpus
     ranked = rank_plans(shape, hw, batch, precision=args.precision)
     fits = [r for r in ranked if r.fits]
     print(f"{args.params:.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, "
           f"sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs of {args.gpu_mem:g} GiB "
           f"(plans may fill {hw.usable:.0%}); {args.precision} precision with Adam")
+    cal = hw.calibration
+    links = (f"this machine's links as calibrated (all_reduce over {cal.world}: {hw.tp_bandwidth / 1e9:.2f} GB/s, "
+             f"{cal.link('all_reduce', cal.world)[0] * 1e3:.2f} ms a call)" if cal else
+             f"tp at {hw.tp_bandwidth / 1e9:.0f} GB/s, dp/pp at {hw.dp_bandwidth / 1e9:.0f} GB/s")
     print(f"{len(fits)} of {len(ranked)} plans fit. Predicted step time = compute + bubble + recompute + exposed "
-          f"communication at {hw.flops / 1e12:.0f} TFLOP/s per GPU, tp at {hw.tp_bandwidth / 1e9:.0f} GB/s, "
-          f"dp/pp at {hw.dp_bandwidth / 1e9:.0f} GB/s (a model to rank by, not a promise):")
+          f"communication at {hw.flops / 1e12:.3g} TFLOP/s per rank, {links} (a model to rank by, not a promise):")
     best = fits[0] if fits else None
     for r in (fits or ranked)[: args.top]:
         print("  " + r.explain(shape, best))
@@ -72,3 +80,16 @@ def _rank_plans(args: argparse.Namespace) -> int:
         print("none fits: more GPUs, more memory per GPU, or a smaller batch", file=sys.stderr)
         return 1
     return 0
+
+
+def calibrated_hardware(ranks: int, memory: float):
+    """This machine at ``ranks`` ranks, measured once and cached (`strategies.measure.calibrate`)."""
+    from strategies.measure import calibrate
+    from strategies.measure.planner import Hardware
+
+    cal = calibrate.load(ranks)
+    if cal is None:
+        print(f"calibrating this machine at {ranks} ranks (once; cached in {calibrate.cache_path()})...",
+              file=sys.stderr, flush=True)
+        cal = calibrate.measure(ranks)
+    return Hardware.calibrated(cal, memory)

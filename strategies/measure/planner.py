@@ -10,11 +10,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from strategies.measure.estimate import DEFAULT_PRECISION, Estimate, ModelShape, estimate
 from strategies.plan import DataMode, ParallelPlan
 from strategies.runs.schema import MEMORY_CATEGORIES
 
+if TYPE_CHECKING:
+    from strategies.measure.calibrate import Calibration
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")  # the collectives `calibrate` measures
 GiB = 2**30
 
 
@@ -29,6 +34,24 @@ class Hardware:
     dp_bandwidth: float = 25e9  # bytes/s per GPU between nodes, where dp and pp run
     host_bandwidth: float = 20e9  # bytes/s to host memory (offload)
     usable: float = 0.9  # fraction of the memory a plan may fill (allocator, buffers, fragmentation)
+    overlap: float = 0.5  # share of dp communication hidden behind backward (DDP / ZeRO buckets)
+    calibration: Calibration | None = None  # measured links (`calibrate`): when set, every axis uses them
+
+    @classmethod
+    def calibrated(cls, cal: Calibration, memory: float) -> Hardware:
+        """This machine as `calibrate.measure` found it: its FLOP/s per rank and its links. On CPU ranks
+        the collectives run on the cores that compute, so nothing is counted as hidden."""
+        bandwidth = cal.link("all_reduce", cal.world)[1]
+        return cls(gpus=cal.world, memory=memory, flops=cal.flops, tp_bandwidth=bandwidth, dp_bandwidth=bandwidth,
+                   host_bandwidth=bandwidth, overlap=0.0, calibration=cal)
+
+    def seconds(self, key: str, nbytes: float, calls: float, ranks: int) -> float:
+        """Time of ``calls`` collectives of ``key`` (``kind/axis``) over ``ranks`` ranks sending ``nbytes`` in all."""
+        kind, _, axis = key.partition("/")
+        if self.calibration is not None:
+            latency, bandwidth = self.calibration.link(kind if kind in KINDS else "all_reduce", ranks)
+            return nbytes / bandwidth + calls * latency
+        return nbytes / (self.tp_bandwidth if axis == "tp" else self.dp_bandwidth)
 
 
 @dataclass
@@ -67,19 +90,35 @@ class Ranked:
 def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
     """A rough step time split into compute, bubble, recompute and exposed communication (seconds)."""
     tokens = shape.batch * plan.dp * shape.seq
-    compute = 6 * shape.total() * tokens / hw.gpus / hw.flops
+    per_token = 6 * shape.total() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
+    compute = per_token * tokens / hw.gpus / hw.flops
     parts = {"compute": compute, "bubble": compute * est.bubble / (1 - est.bubble) if est.bubble < 1 else math.inf}
     if plan.ac:
         parts["recompute"] = compute / 3  # one more forward
-    comm = est.comm
-    dp_bytes = sum(v for k, v in comm.items() if k.endswith("/dp"))
-    hidden = 0.0 if plan.data is DataMode.NAIVE else 0.5  # DDP / ZeRO overlap about half of it with backward
-    parts["dp comm"] = dp_bytes / hw.dp_bandwidth * (1 - hidden)
-    parts["tp comm"] = sum(v for k, v in comm.items() if k.endswith("/tp")) / hw.tp_bandwidth
-    parts["pp comm"] = comm.get("send/pp", 0.0) / hw.dp_bandwidth
+    calls = collective_calls(shape, plan, est)
+    hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
+    for axis in ("dp", "tp", "pp"):
+        ranks = 2 if axis == "pp" else getattr(plan, axis)
+        seconds = sum(hw.seconds(k, v, calls.get(k, 1), ranks) for k, v in est.comm.items() if k.endswith("/" + axis))
+        parts[f"{axis} comm"] = seconds * (1 - hidden if axis == "dp" else 1)
     if plan.offload:
         parts["offload"] = max(m["host"] for m in est.memory) / hw.host_bandwidth
     return parts
+
+
+def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate,
+                     bucket_bytes: float = 25 * 2**20) -> dict[str, float]:
+    """About how many collectives of each ``kind/axis`` rank 0 issues a step (each costs a latency): buckets
+    for dp and ZeRO-1/2, units per microbatch forward and backward for ZeRO-3's gathers, four per block per
+    microbatch for tp (two in forward, two in backward), two sends per microbatch and chunk for pp."""
+    m = (plan.microbatches or 1) * shape.accumulate
+    blocks = shape.layers / (plan.pp * plan.virtual) * plan.virtual
+    buckets = math.ceil(est.params_per_stage[0] * 4 / bucket_bytes) if est.params_per_stage else 1
+    calls = {"all_reduce/dp": buckets, "reduce_scatter/dp": buckets, "send/dp": plan.dp - 1,
+             "all_gather/dp": 2 * m * (blocks + 2) if plan.data.stage == 3 else buckets,
+             "all_reduce/tp": 4 * blocks * m, "all_gather/tp": 2 * blocks * m + 1, "reduce_scatter/tp": 2 * blocks * m,
+             "send/pp": 2 * m * plan.virtual}
+    return {k: v for k, v in calls.items() if k in est.comm}
 
 
 def candidates(shape: ModelShape, gpus: int) -> list[str]:

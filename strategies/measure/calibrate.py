@@ -1,0 +1,181 @@
+"""What this machine does, measured once: the FLOP/s a rank sustains while every rank computes, and each
+collective's latency and bandwidth over the ranks, so that the planner's step times are this machine's, not an
+H100's (`stratpack plan --calibrate`).
+
+`measure(world)` runs ``world`` ranks (gloo on CPU; the figures include the cores they share) and times:
+- compute: forward and backward of a transformer MLP's two matmuls at the workload's width, on every rank at once;
+- communication: all_reduce, all_gather, reduce_scatter over all ranks, and over pairs of ranks (every pair at
+  once, as the axes of a plan run), and a send between two, each at a small and a large payload: latency is the
+  small one's time, bandwidth the large one's extra bytes over its extra time, in the bytes a rank sends (the
+  estimator's convention: ring all_reduce 2(N-1)/N, gathers and scatters (N-1)/N).
+
+The result is cached per host, world size and torch version in ``~/.cache/stratpack/calibration.json``
+(``STRATPACK_CALIBRATION`` moves it); `load` returns it, `measure` refreshes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+CACHE_ENV = "STRATPACK_CALIBRATION"
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+SMALL, LARGE = 1024, 4 * 2**20  # bytes of the payload
+
+
+@dataclass(frozen=True)
+class Calibration:
+    world: int
+    flops: float  # FLOP/s per rank with every rank computing
+    # "kind@ranks" -> (latency s, bytes/s sent): collectives over all ranks and over pairs, send between two
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+    host: str = ""
+    torch: str = ""
+    when: float = 0.0
+
+    def link(self, kind: str, ranks: int) -> tuple[float, float]:
+        """(latency s, bytes/s sent) of ``kind`` over ``ranks`` ranks: the measured group size nearest below."""
+        sizes = sorted(int(key.split("@")[1]) for key in self.links if key.startswith(kind + "@"))
+        size = max([s for s in sizes if s <= ranks] or sizes[:1])
+        return self.links[f"{kind}@{size}"]
+
+
+def cache_path() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "stratpack",
+                                                     "calibration.json")
+
+
+def _key(world: int) -> str:
+    return f"{socket.gethostname()}|cpu|{world}|torch {torch.__version__}"
+
+
+def load(world: int) -> Calibration | None:
+    """This machine's cached calibration at ``world`` ranks, or None."""
+    try:
+        with open(cache_path()) as f:
+            entry = json.load(f).get(_key(world))
+    except (OSError, ValueError):
+        return None
+    if entry is None:
+        return None
+    return Calibration(**{**entry, "links": {k: tuple(v) for k, v in entry["links"].items()}})
+
+
+def save(cal: Calibration) -> None:
+    path = cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        entries = {}
+    entries[_key(cal.world)] = asdict(cal)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(entries, f, indent=1)
+    os.replace(tmp, path)
+
+
+def measure(world: int, hidden: int = 256, tokens: int = 2048, cache: bool = True) -> Calibration:
+    """Measure (a few seconds) and cache this machine's calibration at ``world`` ranks."""
+    from strategies.testing import run_ranks
+
+    results = run_ranks(_rank, world, hidden, tokens, timeout_s=300)
+    links = {key: _fit(times, int(key.split("@")[1]), key.split("@")[0]) for key, times in results[0].items()
+             if "@" in key}
+    cal = Calibration(world, min(r["flops"] for r in results), links, socket.gethostname(), torch.__version__,
+                      time.time())
+    if cache:
+        save(cal)
+    return cal
+
+
+def sent_bytes(kind: str, payload: float, world: int) -> float:
+    """Bytes a rank sends for one ``kind`` of ``payload`` bytes (the full tensor) over ``world`` ranks."""
+    if kind == "all_reduce":
+        return 2 * (world - 1) / world * payload
+    if kind in ("all_gather", "reduce_scatter"):
+        return (world - 1) / world * payload
+    return payload
+
+
+def _fit(times: dict[int, float], world: int, kind: str) -> tuple[float, float]:
+    extra_bytes = sent_bytes(kind, LARGE, world) - sent_bytes(kind, SMALL, world)
+    extra_time = max(times[LARGE] - times[SMALL], 1e-9)
+    return times[SMALL], extra_bytes / extra_time
+
+
+def _rank(rank: int, world: int, hidden: int, tokens: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from strategies import comm
+    from strategies.comm import Axis, CommStats
+
+    axis = Axis.of_group("world", dist.group.WORLD, CommStats())
+    out: dict[str, Any] = {"flops": _compute(hidden, tokens, lambda: comm.barrier(axis))}
+    if world == 1:
+        return out
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]  # every rank takes part in each
+    pair = Axis.of_group("pair", pairs[min(rank // 2, len(pairs) - 1)], CommStats()) if rank < world - world % 2 \
+        else None
+    for kind in KINDS:
+        if kind != "send":
+            out[f"{kind}@{world}"] = {size: _time_collective(kind, size, axis) for size in (SMALL, LARGE)}
+        if world > 2 or kind == "send":
+            times = {size: _time_collective(kind, size, pair) if pair else 0.0 for size in (SMALL, LARGE)}
+            comm.barrier(axis)
+            out[f"{kind}@2"] = times
+    return out
+
+
+def _compute(hidden: int, tokens: int, barrier) -> float:
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    up, down = torch.randn(hidden, 4 * hidden, requires_grad=True), torch.randn(4 * hidden, hidden, requires_grad=True)
+    flops = 3 * 2 * (2 * tokens * hidden * 4 * hidden)  # forward + twice that in backward, two matmuls
+
+    def step() -> None:
+        ((x @ up).relu() @ down).sum().backward()
+
+    step()
+    barrier()
+    reps, start = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - start < 1.0:
+        step()
+        reps += 1
+    return flops * reps / (time.perf_counter() - start)
+
+
+def _time_collective(kind: str, size: int, axis: Any) -> float:
+    from strategies import comm
+
+    n = size // 4
+    world = axis.size
+    tensor = torch.zeros(n)
+    big = torch.zeros(n - n % world if kind != "all_reduce" else n)
+
+    def once() -> None:
+        if kind == "all_reduce":
+            comm.all_reduce(tensor, axis)
+        elif kind == "all_gather":
+            comm.all_gather(big, big[: len(big) // world].clone(), axis)
+        elif kind == "reduce_scatter":
+            comm.reduce_scatter(big[: len(big) // world].clone(), big, axis)
+        elif axis.index == 0:
+            comm.send(tensor, axis, 1)
+        elif axis.index == 1:
+            comm.recv(tensor, axis, 0)
+
+    once()
+    comm.barrier(axis)
+    reps = 20 if size <= SMALL else 5  # the same on every rank: each call is a collective
+    start = time.perf_counter()
+    for _ in range(reps):
+        once()
+    comm.barrier(axis)
+    return (time.perf_counter() - start) / reps
