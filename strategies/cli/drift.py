@@ -64,18 +64,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import run_in_subprocess
     from strategies.cli.train import SINGLE, config_from
 
     base = config_from(args, SINGLE)
     rows: dict[str, list[float] | str] = {}
     with tempfile.TemporaryDirectory(prefix="stratpack_drift_") as tmp:
-        reference = _run(run_in_subprocess, base, tmp, 0)
+        reference = _run(base, tmp, 0)
         if "error" in reference:
             print(reference["error"], file=sys.stderr)
             return 1
         for index, (plan, devices) in enumerate(_parse_plans(args.plans), start=1):
-            result = _run(run_in_subprocess, replace(base, strategy=plan, devices=devices), tmp, index)
+            result = _run(replace(base, strategy=plan, devices=devices), tmp, index)
             rows[f"{plan} ({devices} ranks)"] = (result["error"].splitlines()[-1] if "error" in result
                                                  else windows(result["losses"], reference["losses"], args.window))
     command_line = " ".join(["stratpack drift", *sys.argv[2:]]) if sys.argv[1:2] == ["drift"] else "stratpack drift"
@@ -91,7 +90,9 @@ def command(args: argparse.Namespace) -> int:
     return 1 if any(isinstance(v, str) for v in rows.values()) else 0
 
 
-def _run(run: Any, config: Any, tmp: str, index: int) -> dict[str, Any]:
+def _run(config: Any, tmp: str, index: int) -> dict[str, Any]:
+    from strategies.cli.compare import run_in_subprocess
+
     print(f"{config.strategy} on {config.devices if index else 1} rank(s), {config.steps} steps...", file=sys.stderr,
           flush=True)
-    return run(config, tmp, index)
+    return run_in_subprocess(config, tmp, index)

@@ -40,8 +40,11 @@ class Calibration:
     when: float = 0.0
 
     def link(self, kind: str, ranks: int) -> tuple[float, float]:
-        """(latency s, bytes/s sent) of ``kind`` over ``ranks`` ranks: the measured group size nearest below."""
+        """(latency s, bytes/s sent) of ``kind`` over ``ranks`` ranks: the measured group size nearest below;
+        a kind not measured (a naive server's sends to each rank) as an all_reduce."""
         sizes = sorted(int(key.split("@")[1]) for key in self.links if key.startswith(kind + "@"))
+        if not sizes and kind != "all_reduce":
+            return self.link("all_reduce", ranks)
         size = max([s for s in sizes if s <= ranks] or sizes[:1])
         return self.links[f"{kind}@{size}"]
 

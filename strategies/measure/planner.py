@@ -19,7 +19,6 @@ from strategies.runs.schema import MEMORY_CATEGORIES
 if TYPE_CHECKING:
     from strategies.measure.calibrate import Calibration
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")  # the collectives `calibrate` measures
 GiB = 2**30
 
 
@@ -49,7 +48,7 @@ class Hardware:
         """Time of ``calls`` collectives of ``key`` (``kind/axis``) over ``ranks`` ranks sending ``nbytes`` in all."""
         kind, _, axis = key.partition("/")
         if self.calibration is not None:
-            latency, bandwidth = self.calibration.link(kind if kind in KINDS else "all_reduce", ranks)
+            latency, bandwidth = self.calibration.link(kind, ranks)
             return nbytes / bandwidth + calls * latency
         return nbytes / (self.tp_bandwidth if axis == "tp" else self.dp_bandwidth)
 
@@ -106,14 +105,15 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
     return parts
 
 
-def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate,
-                     bucket_bytes: float = 25 * 2**20) -> dict[str, float]:
+def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> dict[str, float]:
     """About how many collectives of each ``kind/axis`` rank 0 issues a step (each costs a latency): buckets
     for dp and ZeRO-1/2, units per microbatch forward and backward for ZeRO-3's gathers, four per block per
     microbatch for tp (two in forward, two in backward), two sends per microbatch and chunk for pp."""
+    from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB  # DDP's buckets, and ZeRO-1/2's flats
+
     m = (plan.microbatches or 1) * shape.accumulate
-    blocks = shape.layers / (plan.pp * plan.virtual) * plan.virtual
-    buckets = math.ceil(est.params_per_stage[0] * 4 / bucket_bytes) if est.params_per_stage else 1
+    blocks = shape.layers / plan.pp  # rank 0's, over its virtual chunks
+    buckets = math.ceil(est.params_per_stage[0] * 4 / (DEFAULT_BUCKET_CAP_MB * 2**20)) if est.params_per_stage else 1
     calls = {"all_reduce/dp": buckets, "reduce_scatter/dp": buckets, "send/dp": plan.dp - 1,
              "all_gather/dp": 2 * m * (blocks + 2) if plan.data.stage == 3 else buckets,
              "all_reduce/tp": 4 * blocks * m, "all_gather/tp": 2 * blocks * m + 1, "reduce_scatter/tp": 2 * blocks * m,
