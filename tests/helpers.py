@@ -91,6 +91,19 @@ DEEP = ("--n-layer", "4")  # four blocks: enough for pp4, and for pp2 with two v
 COMMON = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--max-chars", "20000"]
 
 
+def run_job(script: str, folder, *args: str, timeout_s: float = 600, collective_timeout: str = "120",
+            env: dict[str, str] | None = None):
+    """Run a job script (a set of Trainer fits in one set of ranks: Lightning's popen launcher re-runs it for the
+    other ranks) in ``folder``, with this checkout importable; what it saved at ``folder/results.pt``."""
+    out = folder / "results.pt"
+    env = {**os.environ, "STRATPACK_TIMEOUT": collective_timeout, "STRATPACK_RUNS": str(folder / "runs"),
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    proc = subprocess.run([sys.executable, script, str(out), *args], cwd=folder, capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out), proc
+
+
 def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tuple[str, ...] = (),
                timeout_s: float = 420) -> tuple[dict, dict]:
     """Train the demo GPT with ``strategy`` on ``devices`` CPU ranks (a subprocess); return the run's result

@@ -8,13 +8,12 @@ slice of that permutation)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.e2e._zoo_job import BATCH, CASES, FULL, STEPS, data, optimizer_for
+from tests.helpers import run_job
 from tests.models import zoo
 
 pytest.importorskip("transformers")
@@ -38,13 +37,7 @@ def _reference(name: str, optimizer: str, clip: float | None) -> dict[str, torch
 
 
 def _job(tmp_path_factory, which: str):
-    out = tmp_path_factory.mktemp("zoo") / "results.pt"
-    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(out.parent / "runs"),
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, JOB, str(out), which], cwd=out.parent, capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
+    return run_job(JOB, tmp_path_factory.mktemp("zoo"), which)[0]
 
 
 @pytest.fixture(scope="module")

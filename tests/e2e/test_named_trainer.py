@@ -4,21 +4,16 @@ for every named class: the same losses and final parameters, bit for bit, in the
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
+
+from tests.helpers import run_job
 
 JOB = os.path.join(os.path.dirname(__file__), "_named_job.py")
 
 
 def test_named_classes_train_exactly_as_their_plan_strings(tmp_path):
-    out = tmp_path / "results.pt"
-    env = {**os.environ, "STRATPACK_TIMEOUT": "60", "STRATPACK_RUNS": str(tmp_path / "runs")}
-    proc = subprocess.run([sys.executable, JOB, str(out)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(out)
+    results, _ = run_job(JOB, tmp_path, collective_timeout="60")
     assert len(results) == 6
     for plan, got in results.items():
         (named_losses, named_params), (losses, params) = got["named"], got["string"]

@@ -7,25 +7,19 @@ the sampler position (a plain DataLoader) Lightning starts the epoch again. Acro
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.helpers import run_job
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(os.path.dirname(__file__), "_resume_job.py")
 
 
 def test_mid_epoch_resume_with_dropout_ends_bit_identical_to_the_uninterrupted_run(tmp_path):
-    out = tmp_path / "results.pt"
-    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(tmp_path / "runs"),
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, JOB, str(out), "2", str(tmp_path / "ckpt")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    results, proc = run_job(JOB, tmp_path, "2", str(tmp_path / "ckpt"))
     assert "not resumable" not in proc.stderr  # Lightning's warning for a loader it restarts
-    results = torch.load(out)
     assert set(results) == {"zero3", "pp2_mb2"}
     for plan, (straight, resumed) in results.items():
         assert straight.keys() == resumed.keys()

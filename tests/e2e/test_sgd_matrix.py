@@ -21,13 +21,12 @@ accumulation micro-step and so reducing it early (the bug this matrix found unde
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.e2e._sgd_job import BF16, CASES, FULL, model, reference
+from tests.helpers import run_job
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(os.path.dirname(__file__), "_sgd_job.py")
@@ -35,14 +34,9 @@ PARAM_ATOL = 1e-6
 
 
 def _job(tmp_path_factory, world: int, which: str) -> dict:
-    out = tmp_path_factory.mktemp(f"sgd{world}") / "results.pt"
-    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(out.parent / "runs"),
-           "PL_GLOBAL_SEED": "0",  # the samplers' seed, as the reference's: not whatever this process was seeded with
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, JOB, str(out), str(world), which], cwd=out.parent, capture_output=True,
-                          text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
+    # PL_GLOBAL_SEED: the samplers' seed, as the reference's, not whatever this process was seeded with
+    return run_job(JOB, tmp_path_factory.mktemp(f"sgd{world}"), str(world), which, timeout_s=900,
+                   env={"PL_GLOBAL_SEED": "0"})[0]
 
 
 @pytest.fixture(scope="module")
