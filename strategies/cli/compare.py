@@ -29,8 +29,11 @@ def run_in_subprocess(config: Any, out_dir: str, index: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "strategies.cli", "train", config.strategy, "--out", out]
     for field in fields(config):
         value = getattr(config, field.name)
-        if field.name != "strategy" and value is not None:
-            cmd += [f"--{field.name.replace('_', '-')}", str(value)]
+        flag = f"--{field.name.replace('_', '-')}"
+        if isinstance(value, bool):  # a switch: given or not
+            cmd += [flag] if value else []
+        elif field.name != "strategy" and value is not None:
+            cmd += [flag, str(value)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.exists(out):
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
+NO_MKL_CACHE = "MKL_DISABLE_FAST_MM"
 SINGLE = "single"  # one process, Lightning's default single-device strategy: the reference
 
 
@@ -50,6 +51,7 @@ class RunConfig:
     accelerator: str = "cpu"  # "gpu" / "auto" on a machine with GPUs (nccl)
     workload: str = "gpt"  # what to train (`workload.find_workload`)
     compile: str | None = None  # torch.compile each block with this backend (inductor, aot_eager); None: eager
+    heap: bool = False  # sample the C heap through the run (CPU): memory_bytes["heap_peak"] (slows the run)
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -183,7 +185,8 @@ def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
     single = config.strategy == SINGLE
     monitor = StrategyMonitor(warmup_steps=config.warmup_steps, runs_dir=config.runs_dir,
                               comparison=config.comparison, label=config.strategy,
-                              meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted})
+                              meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted},
+                              heap=config.heap)
     callbacks: list = [monitor]
     if config.checkpoint_dir:
         every = {"every_n_train_steps": config.checkpoint_every} if config.checkpoint_every else {"every_n_epochs": 1}
@@ -306,6 +309,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="auto: offline unless logged in (off when wandb is not installed)")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="torch.compile each block with this backend (inductor; aot_eager compiles fast, for tests)")
+    p.add_argument("--heap", action="store_true",
+                   help="sample the C heap through the run (CPU, glibc): each rank's peak above what it held before "
+                        "the model was built, in memory_bytes['heap_peak'] (slows the run)")
     p.add_argument("--workload", default=defaults.workload,
                    help="what to train: a registered workload (default: gpt, the demo) or module:object")
 
@@ -325,6 +331,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
+    if args.heap and os.environ.get(NO_MKL_CACHE) != "1":
+        # MKL's fast allocator keeps the GEMM buffers it frees (~4 MiB at the demo's sizes): the heap would count
+        # its cache. MKL reads the switch once, when torch loads it: start again with it set (the launched ranks
+        # inherit it).
+        os.environ[NO_MKL_CACHE] = "1"
+        os.execv(sys.executable, sys.orig_argv)
     result = run(config_from(args, args.strategy), params_out=args.params_out)
     if args.out:
         write_result(result, args.out)

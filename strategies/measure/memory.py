@@ -155,6 +155,7 @@ class HeapSampler:
         import threading
 
         self.interval_s, self.peak, self.start = interval_s, 0, 0
+        self._lock = threading.Lock()  # `restart` and the thread's samples, one at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -170,7 +171,14 @@ class HeapSampler:
         return info()
 
     def sample(self) -> None:
-        self.peak = max(self.peak, self.in_use())
+        with self._lock:
+            self.peak = max(self.peak, self.in_use())
+
+    def restart(self) -> tuple[int, int]:
+        """Start a new peak from what is in use now; return the peak so far and what is in use now."""
+        with self._lock:
+            before, self.peak = self.peak, self.in_use()
+            return max(before, self.peak), self.peak
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

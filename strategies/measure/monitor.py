@@ -45,12 +45,20 @@ class StrategyMonitor(L.Callback):
             one comparison, and the name shown for it (default: the strategy).
         meta: more fields for the run's meta.json (model config, seed...).
         full_steps: steps recorded one by one before the records thin out (`keep_record`).
+        heap: also sample this process's C heap through the run (`measure.memory.HeapSampler`, CPU). The summary's
+            ``memory_bytes`` get ``heap_peak``: the most the heap held in the steps after the first, above what it
+            held after the first less the model states it held then (counted from the tensors): what the states,
+            activations and a step's temporaries take at most, as the estimator predicts it (needs 2 steps or more);
+            ``heap_first_step``: the first step's peak above what the heap held before the model was built (it
+            includes set-up work done inside that step, e.g. the pipeline's cut); ``heap_setup``: what the set-up
+            left in the heap beyond the model's states before training (process groups, Lightning's objects: not
+            modelled). A sampling thread slows the run: off by default.
     """
 
     def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None, *,
                  runs_dir: str | os.PathLike | None = None, store: bool = True, run_id: str | None = None,
                  comparison: str | None = None, label: str | None = None, meta: dict | None = None,
-                 full_steps: int = 1000) -> None:
+                 full_steps: int = 1000, heap: bool = False) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if full_steps < 1:
@@ -73,6 +81,9 @@ class StrategyMonitor(L.Callback):
         self._last_comm: dict[str, dict[str, float]] = {}
         self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
         self.summary: dict[str, Any] = {}
+        self.heap = heap
+        self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
+        self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -82,6 +93,8 @@ class StrategyMonitor(L.Callback):
         self._num_params = sum(p.numel() for p in pl_module.parameters())
         found = vocab_layers(pl_module)  # by name: a tensor-parallel split replaces the layer, under the same name
         self._head_name = found[0] if found is not None else None
+        if self.heap and self._heap is None:
+            self._heap_base, self._heap = start_heap_sampler(pl_module)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -92,6 +105,8 @@ class StrategyMonitor(L.Callback):
         self.steps, self._since_record, self._unrecorded = 0, 0, None
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
+        if self._heap is not None:
+            self._heap_setup = self._heap.restart()[1] - self._heap_base - _memory(trainer, pl_module)["total"]
         if self.store:
             label = self.label or _strategy_label(trainer)
             run_id = self._given_run_id or (runs.new_run_id(label) if trainer.global_rank == 0 else None)
@@ -113,6 +128,8 @@ class StrategyMonitor(L.Callback):
         now = time.perf_counter()
         step_time, self._t_last = now - self._t_last, now
         self.steps += 1
+        if self._heap is not None and self.steps == 1:
+            self._heap_steady(trainer, pl_module)
         if self.steps == self.warmup_steps:
             self._t_warm = now
         self._since_record += 1
@@ -120,6 +137,21 @@ class StrategyMonitor(L.Callback):
         self._unrecorded = (step_loss, bubble, step_time, batch)
         if keep_record(self.steps, self.full_steps):
             self._write_record(trainer, pl_module)
+
+    def _heap_steady(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After the first optimizer step: its peak holds set-up work (a pipeline is cut inside it, after forwards of
+        the whole model on every rank), and the optimizer's state exists from here on. The steady peak is measured
+        from here, above what the heap holds now less the model states it holds now (counted from the tensors)."""
+        self._heap_first, now = self._heap.restart()
+        self._heap_floor = now - _memory(trainer, pl_module)["total"]
+
+    def _heap_figures(self) -> dict[str, int]:
+        """Stop the sampler: the steady peak (one step: none), the first step's and the set-up's (see ``heap``)."""
+        heap, self._heap = self._heap, None
+        heap.__exit__(None, None, None)
+        out = {"heap_peak": heap.peak - self._heap_floor} if self.steps > 1 else {}
+        first = self._heap_first if self.steps > 1 else heap.peak
+        return {**out, "heap_first_step": first - self._heap_base, "heap_setup": self._heap_setup}
 
     def _write_record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The record of the last step (`keep_record` chose it, or it is the run's last)."""
@@ -182,6 +214,8 @@ class StrategyMonitor(L.Callback):
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
         memory = _memory(trainer, pl_module, logits=self._logits)
+        if self._heap is not None:
+            memory.update(self._heap_figures())
         if self._logits is not None:
             self._logits.remove()
         self.summary = {
@@ -320,6 +354,18 @@ def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = Fa
         memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
         memory["max_reserved"] = torch.cuda.max_memory_reserved(device)
     return memory
+
+
+def start_heap_sampler(module: torch.nn.Module) -> tuple[int, Any]:
+    """A running `HeapSampler`, and what the heap held before ``module`` was built: in use now, less the storage of
+    the module's parameters and buffers (CPU tensors the user's code made, each counted once)."""
+    from strategies.measure.memory import HeapSampler, count_bytes
+
+    if not HeapSampler.available():
+        raise RuntimeError("heap sampling needs glibc's mallinfo2 (Linux): run without --heap")
+    own = count_bytes({"model": [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]})
+    sampler = HeapSampler().__enter__()
+    return sampler.start - own["model"], sampler
 
 
 def _to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:

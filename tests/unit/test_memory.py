@@ -1,5 +1,6 @@
 """Counting bytes from tensors: deduplicated by storage, and activations saved for backward."""
 
+import pytest
 import torch
 
 from strategies.measure.memory import SavedTensorsMeter, count_bytes
@@ -44,3 +45,17 @@ def test_saved_tensors_meter_peak_falls_as_backward_frees():
             loss.backward()
     assert sequential.bytes == one.bytes == (5 * 8 + 5 * 16) * 4
     assert overlapped.bytes == 2 * one.bytes
+
+
+def test_heap_sampler_restart_starts_a_new_peak():
+    from strategies.measure.memory import HeapSampler
+
+    if not HeapSampler.available():
+        pytest.skip("needs glibc's mallinfo2")
+    with HeapSampler(interval_s=1.0) as heap:  # slow thread: the explicit samples decide
+        big = torch.ones(2**22)  # 16 MiB
+        heap.sample()
+        del big
+        before, now = heap.restart()
+        assert before - heap.start >= 16 * 2**20 > now - heap.start  # the old peak held it; what is in use does not
+        assert heap.peak == now  # the new peak starts from what is in use

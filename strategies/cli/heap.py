@@ -1,0 +1,102 @@
+"""``stratpack heap``: the estimator's memory beside the heap each rank really used, for the plans of the 3D matrix.
+
+Each plan trains the workload for ``--steps`` steps with ``stratpack train --heap`` (`measure.monitor.StrategyMonitor`:
+glibc's heap sampled every 0.2 ms, MKL's buffer cache off). Per pipeline stage (ranks of a stage alike; its first rank
+shown) the table gives the estimator's peak (model states + host + activations) beside the steady heap peak (the steps
+after the first), the tensors counted at the end (states, activations autograd saved), and the first step's peak
+(which holds the pipeline's cut: forwards of the whole model on every rank). On CPU the host is the same heap.
+
+A benchmark, not a test: minutes of CPU; the result goes to a markdown file (``docs/heap-<date>.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+EIGHT = ["dp_tp2_pp2", "zero1_tp2_pp2", "zero2_tp2_pp2", "zero3_tp2_pp2", "zero3_tp2_pp2_ac",
+         "zero3_tp2_pp2_1f1b_mb4", "naive_tp2_pp2", "zero1_tp2_pp2_sp", "zero2_tp2_pp2_interleaved_v2_mb4"]
+FOUR = ["zero2_tp2", "zero3_pp2", "zero1_pp2_interleaved_v2_mb4", "zero3_tp2_sp", "tp2_pp2_sp", "zero3_offload_pp2",
+        "zero3_tp2_vp"]
+DEFAULT = ",".join([f"{p}:8" for p in EIGHT] + [f"{p}:4" for p in FOUR])
+GOAL = 0.05
+MiB = 2**20
+PREDICTED = ("params", "grads", "optimizer", "host", "activations")
+
+
+def stage_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per pipeline stage (its first rank): predicted and measured bytes, and the relative error."""
+    from strategies.plan import ParallelPlan
+
+    world = result["world_size"]
+    plan = ParallelPlan.parse(result["label"]).resolve(world)
+    rows, seen = [], set()
+    for rank, measured in enumerate(result["memory_bytes_per_rank"]):
+        stage = plan.coordinates(rank)["pp"]
+        if stage in seen:
+            continue
+        seen.add(stage)
+        predicted = sum(result["predicted"]["memory"][rank].get(k, 0.0) for k in PREDICTED)
+        peak = measured["heap_peak"]
+        rows.append({"stage": stage, "rank": rank, "predicted": predicted, "heap_peak": peak,
+                     "states": measured["total"], "activations": measured.get("activations_peak", 0),
+                     "first_step": measured["heap_first_step"], "error": (predicted - peak) / peak})
+    return rows
+
+
+def report(rows: dict[str, list[dict[str, Any]] | str], command: str, setup: str = "") -> str:
+    lines = [f"# Predicted memory beside the heap ({datetime.date.today().isoformat()})", "", f"`{command}`", "",
+             *([setup, ""] if setup else []),
+             f"MiB per rank. error = (predicted - measured steady peak) / measured; goal within {GOAL:.0%}.", "",
+             "| plan | stage (rank) | predicted | heap peak | error | states | activations | first step | goal |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for plan, stages in rows.items():
+        if isinstance(stages, str):
+            lines.append(f"| {plan} | failed: {stages} |")
+            continue
+        for r in stages:
+            mib = " | ".join(f"{r[k] / MiB:.2f}" for k in ("predicted", "heap_peak"))
+            counted = " | ".join(f"{r[k] / MiB:.2f}" for k in ("states", "activations", "first_step"))
+            lines.append(f"| {plan} | {r['stage']} ({r['rank']}) | {mib} | {r['error']:+.1%} | {counted}"
+                         f" | {'met' if abs(r['error']) <= GOAL else 'missed'} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from strategies.cli.train import add_run_options
+
+    p = sub.add_parser("heap", help="the estimator's memory per rank beside the measured heap, for the 3D matrix")
+    p.add_argument("--plans", default=DEFAULT, help="plan:devices, comma-separated (default: the 3D matrix)")
+    p.add_argument("--report", default=None, help="write the markdown here (default docs/heap-<date>.md)")
+    add_run_options(p)
+    p.set_defaults(func=command, steps=3, wandb="off", warmup_steps=0, heap=True)
+    p.set_defaults(batch_size=16, seq_len=128, n_embd=128, n_layer=4, n_head=4)
+
+
+def command(args: argparse.Namespace) -> int:
+    from strategies.cli.compare import run_in_subprocess
+    from strategies.cli.drift import _parse_plans
+    from strategies.cli.train import config_from
+
+    rows: dict[str, list[dict[str, Any]] | str] = {}
+    base = replace(config_from(args, "dp"), heap=True)
+    with tempfile.TemporaryDirectory(prefix="stratpack_heap_") as tmp:
+        for index, (plan, devices) in enumerate(_parse_plans(args.plans)):
+            print(f"{plan} on {devices} ranks...", file=sys.stderr, flush=True)
+            result = run_in_subprocess(replace(base, strategy=plan, devices=devices), tmp, index)
+            rows[f"{plan} ({devices})"] = (result["error"].splitlines()[-1] if "error" in result
+                                           else stage_rows(result))
+    command_line = " ".join(["stratpack heap", *sys.argv[2:]]) if sys.argv[1:2] == ["heap"] else "stratpack heap"
+    setup = (f"Demo GPT {base.n_layer} x {base.n_embd}, {base.n_head} heads, sequence {base.seq_len}, global batch "
+             f"{base.batch_size}, {base.optimizer}, {base.precision}, {base.steps} steps; CPU ranks (gloo).")
+    text = report(rows, command_line, setup)
+    path = args.report or f"docs/heap-{datetime.date.today().isoformat()}.md"
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+    print(f"written to {path}", file=sys.stderr)
+    return 1 if any(isinstance(v, str) for v in rows.values()) else 0
