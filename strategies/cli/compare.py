@@ -42,6 +42,27 @@ def run_in_subprocess(config: Any, out_dir: str, index: int) -> dict[str, Any]:
         return json.load(f)
 
 
+def parse_plans(text: str) -> list[tuple[str, int]]:
+    """``plan:devices`` items, comma-separated (devices default 2), as the benchmark commands take ``--plans``."""
+    plans = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        plan, _, devices = item.partition(":")
+        plans.append((plan, int(devices or 2)))
+    return plans
+
+
+def write_report(text: str, path: str | None, name: str) -> str:
+    """A benchmark's markdown to ``path`` (default ``docs/<name>-<today>.md``), and to stdout; the path."""
+    import datetime
+
+    path = path or f"docs/{name}-{datetime.date.today().isoformat()}.md"
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+    print(f"written to {path}", file=sys.stderr)
+    return path
+
+
 def predicted(result: dict[str, Any]) -> dict[str, float] | None:
     """The estimator's rank-0 model-state bytes, bytes sent per step and activations, as the run recorded
     them (None when the strategy has no plan equivalent)."""

@@ -9,7 +9,6 @@ A benchmark, not a test: minutes of CPU; the result goes to a markdown file (``d
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 from dataclasses import replace
@@ -43,14 +42,6 @@ def report(rows: dict[str, list[float] | str], window: int, steps: int, command:
     return "\n".join(lines) + "\n"
 
 
-def _parse_plans(text: str) -> list[tuple[str, int]]:
-    plans = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        plan, _, devices = item.partition(":")
-        plans.append((plan, int(devices or 2)))
-    return plans
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from strategies.cli.train import add_run_options
 
@@ -64,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
+    from strategies.cli.compare import parse_plans, write_report
     from strategies.cli.train import SINGLE, config_from
 
     base = config_from(args, SINGLE)
@@ -73,7 +65,7 @@ def command(args: argparse.Namespace) -> int:
         if "error" in reference:
             print(reference["error"], file=sys.stderr)
             return 1
-        for index, (plan, devices) in enumerate(_parse_plans(args.plans), start=1):
+        for index, (plan, devices) in enumerate(parse_plans(args.plans), start=1):
             result = _run(replace(base, strategy=plan, devices=devices), tmp, index)
             rows[f"{plan} ({devices} ranks)"] = (result["error"].splitlines()[-1] if "error" in result
                                                  else windows(result["losses"], reference["losses"], args.window))
@@ -82,11 +74,7 @@ def command(args: argparse.Namespace) -> int:
              f"{base.batch_size}, {base.optimizer} lr {base.lr:g}, {base.precision}, seed {base.seed}; "
              f"{args.accelerator} ranks.")
     text = report(rows, args.window, args.steps, command_line, setup)
-    path = args.report or f"docs/drift-{datetime.date.today().isoformat()}.md"
-    with open(path, "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written to {path}", file=sys.stderr)
+    write_report(text, args.report, "drift")
     return 1 if any(isinstance(v, str) for v in rows.values()) else 0
 
 

@@ -78,14 +78,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import run_in_subprocess
-    from strategies.cli.drift import _parse_plans
+    from strategies.cli.compare import parse_plans, run_in_subprocess, write_report
     from strategies.cli.train import config_from
 
     rows: dict[str, list[dict[str, Any]] | str] = {}
-    base = replace(config_from(args, "dp"), heap=True)
+    base = config_from(args, "dp")  # --heap is this command's default
     with tempfile.TemporaryDirectory(prefix="stratpack_heap_") as tmp:
-        for index, (plan, devices) in enumerate(_parse_plans(args.plans)):
+        for index, (plan, devices) in enumerate(parse_plans(args.plans)):
             print(f"{plan} on {devices} ranks...", file=sys.stderr, flush=True)
             result = run_in_subprocess(replace(base, strategy=plan, devices=devices), tmp, index)
             rows[f"{plan} ({devices})"] = (result["error"].splitlines()[-1] if "error" in result
@@ -94,9 +93,5 @@ def command(args: argparse.Namespace) -> int:
     setup = (f"Demo GPT {base.n_layer} x {base.n_embd}, {base.n_head} heads, sequence {base.seq_len}, global batch "
              f"{base.batch_size}, {base.optimizer}, {base.precision}, {base.steps} steps; CPU ranks (gloo).")
     text = report(rows, command_line, setup)
-    path = args.report or f"docs/heap-{datetime.date.today().isoformat()}.md"
-    with open(path, "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written to {path}", file=sys.stderr)
+    write_report(text, args.report, "heap")
     return 1 if any(isinstance(v, str) for v in rows.values()) else 0

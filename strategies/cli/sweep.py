@@ -7,7 +7,6 @@ fastest plan measured. A benchmark (minutes), written to ``docs/sweep-<date>.md`
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import run_in_subprocess
+    from strategies.cli.compare import run_in_subprocess, write_report
     from strategies.cli.plan import calibrated_hardware
     from strategies.cli.train import config_from
 
@@ -45,11 +44,7 @@ def command(args: argparse.Namespace) -> int:
             result = run_in_subprocess(replace(base, strategy=label), tmp, index)
             rows.append((label, seconds, result.get("step_time_s") if "error" not in result else None))
     text = report(rows, base, hw)
-    path = args.report or f"docs/sweep-{datetime.date.today().isoformat()}.md"
-    with open(path, "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written to {path}", file=sys.stderr)
+    write_report(text, args.report, "sweep")
     return 0
 
 

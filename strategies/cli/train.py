@@ -310,8 +310,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="torch.compile each block with this backend (inductor; aot_eager compiles fast, for tests)")
     p.add_argument("--heap", action="store_true",
-                   help="sample the C heap through the run (CPU, glibc): each rank's peak above what it held before "
-                        "the model was built, in memory_bytes['heap_peak'] (slows the run)")
+                   help="sample the C heap through the run (CPU, glibc): each rank's peak in the steps after the "
+                        "first, as states + activations + temporaries, in memory_bytes['heap_peak'] (slows the run)")
     p.add_argument("--workload", default=defaults.workload,
                    help="what to train: a registered workload (default: gpt, the demo) or module:object")
 
