@@ -332,9 +332,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> int:
     if args.heap and os.environ.get(NO_MKL_CACHE) != "1":
-        # MKL's fast allocator keeps the GEMM buffers it frees (~4 MiB at the demo's sizes): the heap would count
-        # its cache. MKL reads the switch once, when torch loads it: start again with it set (the launched ranks
-        # inherit it).
+        # MKL's fast allocator keeps the GEMM buffers it frees (1-4 MiB at the demo's sizes): the first step's heap
+        # figure would count its cache (the steady peak starts above it anyway). MKL reads the switch once, when
+        # torch loads it: start again with it set (the launched ranks inherit it).
         os.environ[NO_MKL_CACHE] = "1"
         os.execv(sys.executable, sys.orig_argv)
     result = run(config_from(args, args.strategy), params_out=args.params_out)
