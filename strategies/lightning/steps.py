@@ -152,7 +152,9 @@ def deferred_logs(module: Any) -> Iterator[list[tuple[str, Any, tuple, dict]]]:
     calls: list[tuple[str, Any, tuple, dict]] = []
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        calls.append((name, value, args, kwargs))
+        # Detached: a logged loss keeps its graph, and through it the stage's received input and that input's
+        # gradient, alive to the step's end (two boundary tensors per microbatch on the last stage).
+        calls.append((name, value.detach() if isinstance(value, Tensor) else value, args, kwargs))
 
     module.log = log
     try:

@@ -44,11 +44,16 @@ class ZeroGradSync(GradSync):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.require_sync:  # accumulation micro-step: the gradient stays in param.grad
-            self.on_param_reduced(param)
-            return
         f, i = self._where[id(param)]
         flat = self.flats[f]
+        if not self.require_sync:  # accumulation micro-step: the gradient stays local
+            if self.stage == 1:  # in its slot of the persistent full gradient (no second copy), as `dp` does
+                slot = flat.slot(flat.grad_full, i)
+                if param.grad.data_ptr() != slot.data_ptr():
+                    slot.copy_(param.grad)
+                    param.grad = slot
+            self.on_param_reduced(param)  # ZeRO-2/3: in param.grad (their full gradient exists only in flight)
+            return
         if flat.grad_full is None:
             flat.grad_full = flat.new_grad_buffer()
         slot = flat.slot(flat.grad_full, i)
