@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from strategies.runs import MEMORY_CATEGORIES
 
 COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "host": "#B279A2",
-          "activations": "#E45756", "forward": "#4C78A8", "backward": "#F58518"}
+          "activations": "#E45756", "temporaries": "#9D755D", "forward": "#4C78A8", "backward": "#F58518"}
 MiB = 2**20
 
 

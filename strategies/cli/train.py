@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 NO_MKL_CACHE = "MKL_DISABLE_FAST_MM"
+# torch's own c10d flight recorder (gloo too) keeps its last calls, 0.5-2 KB each, in a ring of 2,000 by default: its
+# first 2,000 collectives grow the heap by megabytes, step after step (measured), then it stays. `--heap` measures the
+# steady state, so it runs without it (the pack's own recorder, `comm.recorder`, keeps 12 calls).
+HEAP_ENV = {NO_MKL_CACHE: "1", "TORCH_FR_BUFFER_SIZE": "0"}
 SINGLE = "single"  # one process, Lightning's default single-device strategy: the reference
 
 
@@ -85,7 +89,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     dataset = _check_batches(config, dataset)
     world = _world(config)
     model = _model_config(module)
-    predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate, config.precision)
+    predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate, config.precision,
+                            config.accelerator)
     trainer, monitor = _trainer(config, predicted)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -331,11 +336,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    if args.heap and os.environ.get(NO_MKL_CACHE) != "1":
+    if args.heap and any(os.environ.get(k) != v for k, v in HEAP_ENV.items()):
         # MKL's fast allocator keeps the GEMM buffers it frees (1-4 MiB at the demo's sizes): the first step's heap
-        # figure would count its cache (the steady peak starts above it anyway). MKL reads the switch once, when
-        # torch loads it: start again with it set (the launched ranks inherit it).
-        os.environ[NO_MKL_CACHE] = "1"
+        # figure would count its cache (the steady peak starts above it anyway); torch's flight recorder grows the
+        # heap for its first 2,000 calls (`HEAP_ENV`). Both read their switch once, when torch loads: start again with
+        # them set (the launched ranks inherit them).
+        os.environ.update(HEAP_ENV)
         os.execv(sys.executable, sys.orig_argv)
     result = run(config_from(args, args.strategy), params_out=args.params_out)
     if args.out:

@@ -99,6 +99,33 @@ def measure(world: int, hidden: int = 256, tokens: int = 2048, cache: bool = Tru
     return cal
 
 
+def kernel_workspace(rows: int, inner: int, cols: int, threads: int | None = None) -> float:
+    """Bytes the matrix library holds inside one float32 ``(rows, inner) @ (inner, cols)`` beyond its output, with
+    ``threads`` threads (MKL packs operands into buffers of its own and frees them at the end: the heap's peak is
+    that much above the output), measured on this host in a few milliseconds; the largest of three. 0 where the heap
+    cannot be read (`memory.HeapSampler` needs glibc), or where the library keeps its buffers (MKL's fast allocator,
+    on unless ``MKL_DISABLE_FAST_MM=1``: then they sit in the heap for good, not in the step's peak)."""
+    from strategies.measure.memory import HeapSampler
+
+    if not HeapSampler.available():
+        return 0.0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        a, b = torch.randn(rows, inner), torch.randn(cols, inner)
+        (a @ b.t()).sum()  # the first call sets the library up
+        best = 0
+        for _ in range(3):
+            with HeapSampler(interval_s=1e-5) as heap:
+                out = a @ b.t()
+                time.sleep(0.002)  # a sample after the matmul: the output alone
+                best = max(best, heap.peak - HeapSampler.in_use())
+            del out
+    finally:
+        torch.set_num_threads(before)
+    return float(best)
+
+
 def sent_bytes(kind: str, payload: float, world: int) -> float:
     """Bytes a rank sends for one ``kind`` of ``payload`` bytes (the full tensor) over ``world`` ranks."""
     if kind == "all_reduce":

@@ -16,11 +16,11 @@ the embeddings and head leave.
   norms, the row-split biases, the embeddings and the head stay whole (the shipped plans), unless ``vp``
   splits the token embedding and the head (weight and bias) over the vocabulary.
 - Pipeline parallel: stages cut as the pack cuts them (`pipeline.stages.partition` by parameter count).
-- Activations (Korthikanti et al. 2022), per block and microbatch with 2-byte activations,
-  s·b·h·(34 + 5·a·s/h); with tp s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallel s·b·h/t·(34 +
-  5·a·s/h); with recompute (``ac``) only each block's input, 2·s·b·h. Attention kernels that keep no
-  score matrix (flash / SDPA) drop the 5·a·s/h term. Under pp, the peak number of microbatches in flight
-  on the rank (from the schedule table) times its blocks.
+- The peak inside a step (`peak.walk`): each rank's actions in order (the schedule's table under pp, one
+  accumulation micro-step at a time), activations counted tensor by tensor for the demo's block (Korthikanti et
+  al. 2022 count the same tensors, with dropout masks the demo does not have), and the temporaries beside them: the
+  backward's working set, recompute, ZeRO-3's gathered blocks, gradients ZeRO-2/3 keep whole across a step's
+  backwards, messages in flight, and, by ``backend`` and ``workspace``, gloo's copies and the matrix library's buffers.
 - Communication, bytes sent per rank per optimizer step, keyed like `comm.CommStats.snapshot`
   (``"all_reduce/dp"``): DDP 2(N-1)/N·Ψ, ZeRO-1/2 (N-1)/N·Ψ reduce-scatter + all-gather, ZeRO-3 (N-1)/N·Ψ
   all-gathers twice + reduce-scatter (an upper bound: the last unit stays gathered into backward), the
@@ -32,11 +32,14 @@ the embeddings and head leave.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
+from strategies.data_parallel.bucketed import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
 from strategies.equivalents import equivalent_plan
-from strategies.pipeline import schedules
+from strategies.measure.peak import GLOO, Chunk, Pieces, Rules, step_actions, walk
+from strategies.pipeline import messages, schedules
 from strategies.pipeline.stages import partition
 from strategies.plan import DataMode, ParallelPlan
 from strategies.runs.schema import MODEL_STATE
@@ -46,6 +49,7 @@ PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (
               "bf16-true": (2, 2, 4, 2), "16-true": (2, 2, 4, 2)}
 _ALIASES = {"fp32": "32-true", "32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}  # as Lightning reads them
 DEFAULT_PRECISION = "bf16-mixed"  # what `stratpack plan` assumes: what a GPU run usually asks for
+BUCKET = DEFAULT_BUCKET_CAP_MB * 2**20  # DDP's buckets, which ZeRO-1/2's flats follow
 
 
 def layout(precision: str) -> tuple[int, int, int, int]:
@@ -129,6 +133,7 @@ class Estimate:
     comm: dict[str, float]
     bubble: float
     params_per_stage: list[int] = field(default_factory=list)
+    peak_at: list[str] = field(default_factory=list)  # per pipeline rank: the action its peak is in (`peak.walk`)
 
     def peak(self) -> float:
         """The largest per-rank device total (host excluded)."""
@@ -143,6 +148,12 @@ def _vocab_split(plan: ParallelPlan) -> int:
 def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Parameters each rank holds, per pipeline rank (tp-split blocks, embeddings on the first stage, norm
     and head on the last), cut the way `pipeline.PipelineParallel` cuts by parameter count."""
+    _, per_stage = _stages(shape, plan)
+    return [sum(per_stage[c * plan.pp + rank] for c in range(plan.virtual)) for rank in range(plan.pp)]
+
+
+def _stages(shape: ModelShape, plan: ParallelPlan) -> tuple[list[range], list[int]]:
+    """Each stage's blocks and its local parameters (all ``pp * v`` stages, in order)."""
     split, whole = shape.block()
     local_block = math.ceil(split / plan.tp) + whole
     stages, v = plan.pp * plan.virtual, _vocab_split(plan)
@@ -151,7 +162,7 @@ def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     per_stage = [len(r) * local_block for r in ranges]
     per_stage[0] += shape.embeddings(v)
     per_stage[-1] += shape.head(v)
-    return [sum(per_stage[c * plan.pp + rank] for c in range(plan.virtual)) for rank in range(plan.pp)]
+    return ranges, per_stage
 
 
 def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[str, float]:
@@ -170,18 +181,66 @@ def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[
     return out
 
 
-def activations(shape: ModelShape, plan: ParallelPlan, blocks: float, in_flight: int, act_bytes: int = 2) -> float:
-    """Bytes saved for backward on a rank holding ``blocks`` blocks with ``in_flight`` microbatches alive."""
-    s, h, a, t = shape.seq, shape.hidden, shape.heads, plan.tp
+def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_bytes: float,
+                backend: str = "nccl") -> Pieces:
+    """The bytes of one microbatch's step on a rank (`peak.Pieces`; the counts are in the module docstring there)."""
+    s, h, t = shape.seq, shape.hidden, plan.tp
     b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
-    scores = 0 if shape.flash_attention else 5 * a * s / h
-    if plan.ac:
-        per_block = 2 * s * b * h
-    elif plan.sp:
-        per_block = s * b * h / t * (34 + scores)
-    else:
-        per_block = s * b * h * (10 + 24 / t + scores / t)
-    return per_block * act_bytes / 2 * blocks * in_flight
+    u = b * s * h * act_bytes
+    boundary = u / t if plan.sp else u
+    scores = 0.0 if shape.flash_attention else shape.heads * s / h * u / t  # softmax's output, kept for backward
+    whole = ((2 + 14 / t) * u if plan.sp else (4 + 12 / t) * u) + scores
+    logits = b * s * shape.vocab * act_bytes / _vocab_split(plan)
+    split, kept = shape.block()
+    unit = (math.ceil(split / t) + kept) * weight_bytes if plan.data.stage == 3 else 0.0
+    # Recompute makes a block's activations again but not its output (the residual add, which it drops).
+    return Pieces(boundary=boundary, block=boundary if plan.ac else whole,
+                  recompute=whole - boundary if plan.ac else 0.0,
+                  embedding=boundary, head=u + logits, logits=logits,
+                  # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
+                  backward=boundary + (u if plan.sp else 0.0) + 4 * u / t, weight=4 * h * h / t * weight_bytes,
+                  mlp_grad=4 * u / t,
+                  unit=unit, gathers=unit if backend == GLOO else 0.0)
+
+
+def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,
+           held: bool) -> Chunk:
+    """A chunk of ``psi`` local parameters: the gradients kept whole in ``param.grad`` across the step's backwards
+    that are not its last (``held``: naive, ZeRO-2/3; `dp` and ZeRO-1 accumulate in their buffers), and what the last
+    one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
+    plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
+    grads, n = psi * grad_bytes, plan.dp
+    reduce = 0.0
+    if n > 1 and plan.data.is_zero:
+        flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
+        reduce = grads / n + ((1 + 1 / n) * flat if backend == GLOO else 0.0)
+    elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
+        reduce = min(grads, BUCKET) / n
+    elif n > 1 and plan.data is DataMode.NAIVE:
+        reduce = 2 * grads
+    keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2
+    return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if held and keeps else 0.0, reduce=reduce)
+
+
+def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int) -> Rules:
+    """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
+    model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all)."""
+    naive = plan.data is DataMode.NAIVE and plan.dp > 1
+    # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
+    # (first) training_step, before backward; under pp the schedule runs inside training_step, which first drops
+    # the module's .grad (naive's flat) but not the shards (the optimizer's own parameters).
+    release = states["grads"] if naive or (plan.data.stage >= 2 and plan.pp == 1) else 0.0
+    # ZeRO-2/3 make a flat's full gradient when its first parameter's gradient arrives in the reducing backward,
+    # beside the .grad not yet moved into it: ZeRO-2's flats follow DDP's buckets over all of the rank's chunks (the
+    # first one at most FIRST_BUCKET_BYTES), ZeRO-3's are one per block.
+    flats = 0.0
+    if plan.dp > 1 and plan.data.stage == 2:
+        flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
+    elif plan.dp > 1 and plan.data.stage == 3:
+        flats = sum(chunk_grads) / max(blocks, 1)
+    early = _lock_step(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
+    return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
+                 sends_wait_to_the_end=early is not None, early=tuple(early[rank]) if early else ())
 
 
 def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
@@ -227,32 +286,49 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
 
 
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
-             act_bytes: int | None = None) -> Estimate:
+             act_bytes: int | None = None, backend: str = "nccl", workspace: float = 0.0) -> Estimate:
     """Predict ``plan`` at ``world_size`` for ``shape`` under Lightning's ``precision``. ``act_bytes``: bytes per
-    activation element (default: the precision's, 4 or 2)."""
+    activation element (default: the precision's, 4 or 2). ``backend``: the collectives' (``gloo`` holds copies
+    that ``nccl`` does not); ``workspace``: the matrix library's working memory in one matmul (`peak`)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
     if shape.heads % plan.tp:
         raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
-    act_bytes = act_bytes or layout(precision)[3]
+    weight_bytes, grad_bytes = layout(precision)[:2]
+    pieces = step_pieces(shape, plan, act_bytes or layout(precision)[3], weight_bytes, backend)
+    ranges, per_stage = _stages(shape, plan)
+    stages = len(ranges)
+    tables = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
+    # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
+    held = plan.pp > 1 or shape.accumulate > 1
+    memory, where = [], []
     per_rank = stage_params(shape, plan)
-    stages = plan.pp * plan.virtual
-    ranges = partition([1] * shape.layers, stages) if stages > 1 else [range(shape.layers)]
-    table = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
-    memory = []
     for rank, psi in enumerate(per_rank):
-        blocks = sum(len(ranges[c * plan.pp + rank]) for c in range(plan.virtual))
-        in_flight = schedules.peak_in_flight(table[rank]) / plan.virtual if table else 1
+        mine = range(rank, stages, plan.pp)
+        chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, stages, grad_bytes, backend, held) for s in mine}
+        actions = step_actions(tables[rank] if tables else None, shape.accumulate, plan.microbatches or 1)
         states = model_states(psi, plan, precision)
-        states["activations"] = activations(shape, plan, blocks, in_flight, act_bytes)
-        memory.append(states)
-    first_blocks = sum(len(ranges[c * plan.pp]) for c in range(plan.virtual))
+        rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine))
+        peak = walk(pieces, chunks, actions, workspace, rules)
+        # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
+        memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
+                       "temporaries": peak.temporaries})
+        where.append(peak.at)
+    first_blocks = sum(len(ranges[s]) for s in range(0, stages, plan.pp))
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
     comm = communication(shape, plan, per_rank[0], first_blocks, kept)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else 0.0
-    return Estimate(str(plan), memory, comm, bubble, per_rank)
+    return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where)
+
+
+@functools.cache
+def _lock_step(schedule: str, pp: int, microbatches: int, virtual: int) -> list[list[int]] | None:
+    """For lock-step pipeline programs (interleaved: `messages.grouped`), per rank and action the messages received
+    ahead of use (`schedules.early_receives`); None for programs grouped per action."""
+    tables = schedules.build(schedule, pp, microbatches, virtual)
+    return schedules.early_receives(tables, pp) if messages.grouped(tables, pp)[1] == "lockstep" else None
 
 
 
@@ -260,18 +336,34 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
 
 
 def predict_run(label: str, world_size: int, model: dict, global_batch: int, accumulate: int = 1,
-                precision: str = "32-true") -> dict | None:
+                precision: str = "32-true", accelerator: str = "gpu") -> dict | None:
     """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
     same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble. None when
-    the label has no plan equivalent or the model config is not a transformer's."""
+    the label has no plan equivalent or the model config is not a transformer's. On ``accelerator="cpu"`` the ranks
+    talk over gloo, and the matrix library's workspace is measured on this host (`calibrate.kernel_workspace`, with
+    the threads Lightning gives each of the ranks)."""
     text = equivalent_plan(label) or label
     try:
         plan = ParallelPlan.parse(text).resolve(world_size)
         shape = dataclasses.replace(ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate),
                                     accumulate=accumulate)
-        est = estimate(shape, plan, world_size, precision)
+        cpu = accelerator == "cpu"
+        workspace = _cpu_workspace(shape, plan, world_size) if cpu else 0.0
+        est = estimate(shape, plan, world_size, precision, backend=GLOO if cpu else "nccl", workspace=workspace)
     except (KeyError, ValueError):
         return None
     per_rank = [est.memory[plan.coordinates(rank)["pp"]] for rank in range(world_size)]
-    return {"plan": est.plan, "memory": per_rank, "comm": est.comm, "bubble": est.bubble,
+    return {"plan": est.plan, "memory": per_rank, "comm": est.comm, "bubble": est.bubble, "peak_at": est.peak_at,
             "model_states": [sum(m[k] for k in MODEL_STATE) for m in per_rank]}
+
+
+def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int) -> float:
+    """The workspace of the backward's largest matmul (a microbatch's tokens by the MLP's 4h/t columns) with the
+    threads each rank gets (Lightning: the cores over the ranks, at least one)."""
+    import os
+
+    from strategies.measure.calibrate import kernel_workspace
+
+    tokens = max(1, round(shape.batch / shape.accumulate / (plan.microbatches or 1) * shape.seq))
+    threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
+    return kernel_workspace(tokens, shape.hidden, 4 * shape.hidden // plan.tp, threads)

@@ -145,11 +145,14 @@ class StrategyMonitor(L.Callback):
         self._heap_first, now = self._heap.restart()
         self._heap_floor = now - _memory(trainer, pl_module)["total"]
 
-    def _heap_figures(self) -> dict[str, int]:
-        """Stop the sampler: the steady peak (one step: none), the first step's and the set-up's (see ``heap``)."""
+    def _heap_figures(self, memory: dict[str, int]) -> dict[str, int]:
+        """Stop the sampler: the steady peak (one step: none) and what of it is neither ``memory``'s states nor its
+        saved activations (the estimator's temporaries), the first step's and the set-up's (see ``heap``)."""
         heap, self._heap = self._heap, None
         heap.__exit__(None, None, None)
         out = {"heap_peak": heap.peak - self._heap_floor} if self.steps > 1 else {}
+        if out:
+            out["temporaries"] = max(0, out["heap_peak"] - memory["total"] - memory.get("activations_peak", 0))
         first = self._heap_first if self.steps > 1 else heap.peak
         return {**out, "heap_first_step": first - self._heap_base, "heap_setup": self._heap_setup}
 
@@ -215,7 +218,7 @@ class StrategyMonitor(L.Callback):
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
         memory = _memory(trainer, pl_module, logits=self._logits)
         if self._heap is not None:
-            memory.update(self._heap_figures())
+            memory.update(self._heap_figures(memory))
         if self._logits is not None:
             self._logits.remove()
         self.summary = {

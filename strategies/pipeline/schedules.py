@@ -151,6 +151,20 @@ def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
     return out
 
 
+def early_receives(table: ScheduleTable, pp: int) -> list[list[int]]:
+    """Run in lock step (`messages`: each time step of `simulate`, then every message made in it goes out and in),
+    how many received messages each rank holds for later actions while it runs each of its actions: the buffers
+    lock step posts ahead of use. Per rank, one count per action in its order."""
+    start = {a: t for timeline in simulate(table, pp) for a, t in timeline}
+    last = max(a.stage for actions in table for a in actions)
+    counts = []
+    for actions in table:
+        # Each input of this rank's actions arrives right after its producer's time step.
+        arrivals = [(start[p], start[a]) for a in actions if (p := _producer(a, last)) is not None]
+        counts.append([sum(1 for made, used in arrivals if made < start[a] < used) for a in actions])
+    return counts
+
+
 def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
     """Offer each rank its next action, round after round, while any ``run(rank, action)`` returns
     True (it ran); the actions the ranks are stuck on at the end (none: the table completes)."""

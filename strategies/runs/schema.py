@@ -12,8 +12,9 @@ META, SUMMARY = "meta.json", "summary.json"
 
 MODEL_STATE = ("params", "grads", "optimizer", "host")
 """What a rank holds of the model's state, by memory category (measured from its tensors, and predicted)."""
-MEMORY_CATEGORIES = (*MODEL_STATE, "activations")
-"""What the estimator predicts for a rank and the dashboard draws beside the measurement."""
+MEMORY_CATEGORIES = (*MODEL_STATE, "activations", "temporaries")
+"""What the estimator predicts for a rank and the dashboard draws beside the measurement (temporaries: what a step
+holds at its peak beyond the states and the saved activations; measured where the heap was sampled)."""
 
 # The fields readers use, and their shapes: a file that differs is refused (meta.json) or left out (a record, the
 # summary) with a message saying where, instead of failing later in what draws it. A shape is "int", "num" (finite),

@@ -1,0 +1,168 @@
+"""What a rank holds at the peak of a training step: its actions walked in order, the memory each one holds.
+
+Model states (`estimate.model_states`) are what a rank keeps between steps. Inside a step it holds more, action by
+action: the schedule's table under pipeline parallel, else one forward and one backward per accumulation
+micro-step (the accumulation window's micro-steps one after the other, the table once per micro-step under pp):
+
+- **activations** saved for backward, per (chunk, microbatch), from its forward to its backward (`Pieces.saved`),
+  counted tensor by tensor for the block the estimator models (the demo GPT's: pre-norm, fused qkv, SDPA, a 4h GELU
+  MLP, no dropout masks), in units of one microbatch's hidden states u = b·s·h: per block 4 + 12/t (two norms' and
+  two residual adds' outputs whole, qkv 3/t, attention 1/t, fc 4/t, GELU 4/t), with sequence parallel 2 + 14/t (the
+  two gathered inputs of the column-parallel layers whole, the rest split), with recompute (``ac``) only its input;
+  the first chunk also the embedding's output, the last the final norm's output and the log-softmax (V/h), and each
+  chunk its input (received from the previous stage: kept until its backward). A stage's output is its last block's
+  residual add, counted with that block.
+- **temporaries**, the rest beyond the states: the loss's and a block backward's working set (the incoming gradient,
+  the MLP's input gradient, one weight gradient before it is accumulated), the block rebuilt by recompute,
+  ZeRO-3's gathered blocks (the current one and the one prefetched), gradients ZeRO-2/3 keep whole across the
+  backwards of a step that are not its last (under pp, or accumulation: they are reduce-scattered only in the
+  last), what the interleaved schedule leaves in flight until the step ends (the gradients it sends back), and
+  two costs of the machine: the communication backend's working memory (gloo copies a reduce-scatter's input and
+  gathers through a buffer the size of the output; NCCL does neither) and the matrix library's workspace inside one
+  matmul (`workspace`, measured on CPU by `calibrate.kernel_workspace`).
+
+`walk` returns the largest total, its split into activations and temporaries, and the action it happens in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.pipeline.schedules import Action, Phase
+
+GLOO = "gloo"
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Bytes of what one microbatch's step is made of on a rank (see the module's docstring)."""
+
+    boundary: float  # a stage's input or output: u, or u/t under sequence parallel
+    block: float  # saved for backward per block
+    recompute: float  # ac: the activations of one block made again in its backward (0 without ac)
+    embedding: float  # saved by the first chunk besides its blocks
+    head: float  # saved by the last chunk besides its blocks: the final norm's output, the log-softmax
+    logits: float  # one microbatch's logits (this rank's vocabulary slice under vp)
+    backward: float  # a block backward's working set at its start: the incoming gradient, the MLP's input gradient
+    weight: float = 0.0  # ... and one weight's gradient, made beside them before it is accumulated
+    mlp_grad: float = 0.0  # of ``backward``, the MLP's input gradient, freed once its first matmul is done
+    unit: float = 0.0  # ZeRO-3: one gathered block (0 without ZeRO-3)
+    gathers: float = 0.0  # ZeRO-3: what the backend holds while the prefetch gathers (gloo: its output's size)
+
+    def saved(self, blocks: int, first: bool, last: bool) -> float:
+        """Activations a chunk of ``blocks`` blocks saves for one microbatch."""
+        return blocks * self.block + (self.embedding if first else self.boundary) + (self.head if last else 0.0)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One of the rank's pipeline chunks (its only one without pp)."""
+
+    blocks: int
+    first: bool
+    last: bool
+    grads: float = 0.0  # gradients its backwards leave in param.grad until the step's last one (ZeRO-2/3)
+    reduce: float = 0.0  # what its last backward's reduction holds beyond the gradients (the backend's copies)
+
+
+@dataclass(frozen=True)
+class Peak:
+    activations: float
+    temporaries: float
+    at: str  # the action in which it happens ("B0.1"), or "" for a rank with no actions
+    released: float = 0.0  # of the gradients kept between steps, what was already freed then (`walk`'s ``release``)
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.temporaries - self.released
+
+
+def step_actions(table: list[Action] | None, accumulate: int, microbatches: int) -> list[Action]:
+    """The rank's actions in one optimizer step: its table once per accumulation micro-step (microbatches
+    numbered on), or without pp a forward and a backward per micro-step."""
+    one = table if table is not None else [Action(Phase.FORWARD, 0, 0), Action(Phase.BACKWARD, 0, 0)]
+    return [Action(a.phase, a.stage, a.microbatch + k * microbatches) for k in range(accumulate) for a in one]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How a plan's step treats its gradients and messages (see `walk`)."""
+
+    release: float = 0.0  # gradients kept between steps that the step frees (naive's flat, ZeRO-2/3's shards) ...
+    release_at_start: bool = False  # ... before its first action (pp: the window starts with no .grad), else
+    #                                     before its first backward (Lightning's zero_grad after training_step)
+    flats: float = 0.0  # ZeRO-2/3: the full-gradient flat made at the start of the rank's first reducing backward,
+    #                     beside the gradients not yet moved into it (freed once the last one has reduced) ...
+    flats_early: bool = True  # ... before the block's first matmul (ZeRO-2's buckets start at the chunk's last
+    #                           parameters), or after it (ZeRO-3's flat is its block's)
+    sends_wait_to_the_end: bool = False  # what a chunk sends (its output, the gradient of its input) stays in flight
+    #                                      until the step ends (lock-step programs, `pipeline.messages`) ...
+    early: tuple[int, ...] = ()  # ... which also receive ahead of use: per action, the messages held for later ones
+
+
+def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], workspace: float = 0.0,
+         rules: Rules = Rules()) -> Peak:
+    """The peak of ``actions`` run in order on a rank whose chunks (by stage) are ``chunks``. ``workspace``: the
+    matrix library's working memory inside a backward's matmul."""
+    walker = _Walk(pieces, rules, workspace, actions)
+    for index, action in enumerate(actions):
+        ahead = pieces.boundary * rules.early[index % len(rules.early)] if rules.early else 0.0
+        if action.phase is Phase.FORWARD:
+            walker.forward(action, chunks[action.stage], ahead)
+        else:
+            walker.backward(action, chunks[action.stage], ahead)
+    return walker.best
+
+
+class _Walk:
+    """`walk`'s state: the activations alive (``saved``), the temporaries that outlive an action (``held``: gradients
+    kept, flats, sends in flight), the kept gradients already freed (``released``), and the largest total so far."""
+
+    def __init__(self, pieces: Pieces, rules: Rules, workspace: float, actions: list[Action]) -> None:
+        self.pieces, self.rules, self.workspace = pieces, rules, workspace
+        self.last_backward = {a.stage: a for a in actions if a.phase is Phase.BACKWARD}
+        self.reducing = [a for a in actions if a in self.last_backward.values()]  # each chunk's last, in order
+        self.seen: set[int] = set()  # the stages a backward has run for
+        self.saved = self.held = 0.0
+        self.released = rules.release if rules.release_at_start else 0.0
+        self.best = Peak(0.0, 0.0, "")
+        self.zero3 = 2 * pieces.unit + pieces.gathers  # the current block, the one prefetched, the gather's buffer
+
+    def consider(self, activations: float, temporaries: float, action: Action) -> None:
+        peak = Peak(activations, temporaries, str(action), self.released)
+        if peak.total > self.best.total:
+            self.best = peak
+
+    def forward(self, action: Action, chunk: Chunk, ahead: float) -> None:
+        self.saved += self.pieces.saved(chunk.blocks, chunk.first, chunk.last)
+        # At the forward's end: the last chunk's logits beside their log-softmax.
+        self.consider(self.saved, self.held + ahead + self.zero3 + (self.pieces.logits if chunk.last else 0.0),
+                      action)
+
+    def backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
+        p, rules = self.pieces, self.rules
+        self.released = rules.release
+        flat = rules.flats if action == self.reducing[0] else 0.0
+        # The block's first matmul: the library's workspace, a weight's gradient beside the working set; ZeRO-2's
+        # first flat is made before it (at the first gradient of the chunk's last parameters), ZeRO-3's right after
+        # it, for that gradient, when the MLP's input gradient is gone.
+        start = self.zero3 + p.recompute + ahead + p.backward + self.workspace + p.weight
+        top = start + flat if rules.flats_early else max(start, start - p.mlp_grad + flat)
+        if chunk.last:  # the loss's gradient (two logits-sized tensors), then the last block's, its head freed
+            self.consider(self.saved, self.held + ahead + 2 * p.logits, action)
+            self.consider(self.saved - p.head, self.held + top, action)
+        else:
+            self.consider(self.saved, self.held + top, action)
+        self.held += flat
+        self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
+        kept = action.stage in self.seen
+        if action == self.last_backward[action.stage]:
+            # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
+            # what the reduction itself holds.
+            self.consider(self.saved, self.held + ahead + chunk.reduce + (0.0 if kept else chunk.grads), action)
+            self.held -= (chunk.grads if kept else 0.0) + (rules.flats if action == self.reducing[-1] else 0.0)
+        elif not kept:
+            self.held += chunk.grads
+        self.seen.add(action.stage)
+        if rules.sends_wait_to_the_end:  # its output and the gradient it sent back stay in flight
+            self.held += p.boundary * ((not chunk.last) + (not chunk.first))

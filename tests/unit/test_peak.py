@@ -1,0 +1,77 @@
+"""The memory walk over a rank's actions (`measure.peak`): where a step peaks and what it holds there.
+
+Hand-made pieces with distinct powers of two, so that each total says which terms it holds. The heap a real run used is
+compared with the same walk in tests/e2e/test_heap.py.
+"""
+
+from __future__ import annotations
+
+from strategies.measure.peak import Chunk, Pieces, Rules, step_actions, walk
+from strategies.pipeline.schedules import Action, Phase, gpipe, one_f_one_b
+
+PIECES = Pieces(boundary=1, block=16, recompute=0, embedding=2, head=4, logits=8, backward=32)
+
+
+def test_one_process_peaks_at_the_loss_gradient_or_the_last_blocks_backward():
+    chunk = {0: Chunk(blocks=2, first=True, last=True)}
+    saved = 2 * 16 + 2 + 4  # two blocks, the embedding's output, the head's
+    peak = walk(PIECES, chunk, step_actions(None, 1, 1))
+    # At the backward's start: everything saved, and either the loss's gradient (2 logits = 16) or the last block's
+    # working set (32) with the head's activations freed (4); the second is larger.
+    assert (peak.activations, peak.temporaries, peak.at) == (saved - 4, 32, "B0.0")
+    assert walk(PIECES, chunk, step_actions(None, 1, 1), workspace=64).total == saved - 4 + 32 + 64
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_at_most_pp():
+    def first_stage(table) -> float:
+        chunks = {0: Chunk(blocks=2, first=True, last=False)}
+        return walk(PIECES, chunks, step_actions(table[0], 1, 4)).activations
+    per_microbatch = 2 * 16 + 2
+    assert first_stage(gpipe(2, 4)) == 4 * per_microbatch
+    assert first_stage(one_f_one_b(2, 4)) == 2 * per_microbatch
+
+
+def test_gradients_kept_across_backwards_count_from_the_first_to_the_last():
+    # ZeRO-2/3 under pp keep param.grad whole after a chunk's first backward, until its last one reduces them.
+    table = one_f_one_b(2, 4)[1]  # the last stage: F B F B ...
+    kept = {1: Chunk(blocks=1, first=False, last=True, grads=1024)}
+    none = {1: Chunk(blocks=1, first=False, last=True)}
+    actions = step_actions(table, 1, 4)
+    assert walk(PIECES, kept, actions).total == walk(PIECES, none, actions).total + 1024
+    assert walk(PIECES, kept, actions).at != "B1.0"  # the first backward holds none yet
+
+
+def test_released_gradients_and_flats():
+    chunk = {0: Chunk(blocks=1, first=True, last=True)}
+    actions = step_actions(None, 1, 1)
+    base = walk(PIECES, chunk, actions)
+    assert base.at == "B0.0"
+    # Gradients the optimizer's zero_grad frees before backward (naive, ZeRO-2/3 without pp) are not at its peak...
+    freed = walk(PIECES, chunk, actions, rules=Rules(release=4))
+    assert freed.released == 4 and freed.total == base.total - 4
+    # ... so a large one moves the peak to the forward's end, where they are still held.
+    assert walk(PIECES, chunk, actions, rules=Rules(release=512)).at == "F0.0"
+    # A flat made at the reducing backward's start adds to it.
+    assert walk(PIECES, chunk, actions, rules=Rules(flats=256)).total == base.total + 256
+
+
+def test_lock_step_sends_stay_in_flight_to_the_end():
+    table = [Action(Phase.FORWARD, 1, m) for m in range(3)] + [Action(Phase.BACKWARD, 1, m) for m in range(3)]
+    chunks = {1: Chunk(blocks=0, first=False, last=False, reduce=100)}
+    actions = step_actions(table, 1, 3)
+    quiet = Pieces(boundary=1, block=0, recompute=0, embedding=0, head=0, logits=0, backward=0)
+    # The peak is the last backward's reduction: with the outputs and input gradients of the two microbatches before
+    # it still in flight (a middle chunk sends both), 4 more; with one message received ahead, 5.
+    assert walk(quiet, chunks, actions).total == 100
+    assert walk(quiet, chunks, actions, rules=Rules(sends_wait_to_the_end=True)).total == 104
+    ahead = Rules(sends_wait_to_the_end=True, early=(0, 0, 0, 0, 0, 1))
+    assert walk(quiet, chunks, actions, rules=ahead).total == 105
+
+
+def test_accumulation_runs_micro_steps_one_after_the_other():
+    actions = step_actions(None, 3, 1)
+    assert [str(a) for a in actions] == ["F0.0", "B0.0", "F0.1", "B0.1", "F0.2", "B0.2"]
+    chunk = {0: Chunk(blocks=1, first=True, last=True, grads=4096)}
+    # Only one micro-step's activations at a time; the kept gradients from the second on.
+    peak = walk(PIECES, chunk, actions)
+    assert peak.at in ("B0.1", "B0.2") and peak.temporaries >= 4096
