@@ -173,7 +173,7 @@ def page_pipeline(runs: list[dict], rows: list[dict]) -> None:
     _chart(charts.timeline_figure(timelines, "Measured (last step)"), "timeline")
     if pipeline.get("ideal"):
         ideal = charts.ideal_timelines(pipeline["ideal"])
-        _chart(charts.timeline_figure(ideal, "The schedule's table (unit-time stages)"),
+        _chart(charts.timeline_figure(ideal, "The schedule's table (stages of equal cost: F 1, B 2 or B 1 + W 1)"),
                "timeline-ideal")
 
 

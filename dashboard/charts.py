@@ -10,7 +10,8 @@ import plotly.graph_objects as go
 from strategies.runs import MEMORY_CATEGORIES
 
 COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "host": "#B279A2",
-          "activations": "#E45756", "temporaries": "#9D755D", "forward": "#4C78A8", "backward": "#F58518"}
+          "activations": "#E45756", "temporaries": "#9D755D", "forward": "#4C78A8", "backward": "#F58518",
+          "weight": "#54A24B"}
 MiB = 2**20
 
 
@@ -99,9 +100,10 @@ def _by_rank(item: tuple[str, Any]) -> tuple[int, int, str]:
 
 
 def timeline_figure(timelines: dict[str, list[dict[str, Any]]], title: str) -> go.Figure:
-    """Gantt of a pipeline step: one row per rank, a bar per forward (blue) / backward (orange) action."""
+    """Gantt of a pipeline step: one row per rank, a bar per forward (blue) / backward (orange) / weight-gradient
+    (green: the W a zero-bubble schedule splits off a backward) action."""
     fig = go.Figure()
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward", "weight"):
         bars = [(rank, e) for rank, events in sorted(timelines.items(), key=_by_rank)
                 for e in events if str(e.get("phase", "")).upper()[:1] == phase[0].upper()]  # "F" / "forward"
         if bars:
@@ -115,6 +117,8 @@ def timeline_figure(timelines: dict[str, list[dict[str, Any]]], title: str) -> g
 
 
 def ideal_timelines(ideal: dict[str, list[list[Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """The schedule's table on unit-time stages, as timeline events."""
-    return {rank: [{"action": a, "phase": "forward" if a.startswith("F") else "backward", "start": t, "end": t + 1}
-                   for a, t in actions] for rank, actions in ideal.items()}
+    """The schedule's table on stages of equal cost, as timeline events ([action, start, end]; runs stored before
+    the end was kept have [action, start] on unit-time stages)."""
+    phases = {"F": "forward", "B": "backward", "W": "weight"}
+    return {rank: [{"action": e[0], "phase": phases.get(e[0][:1], "backward"), "start": e[1],
+                    "end": e[2] if len(e) > 2 else e[1] + 1} for e in actions] for rank, actions in ideal.items()}

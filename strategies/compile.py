@@ -90,6 +90,8 @@ def _context_of(compiled: Callable) -> Callable | None:
 class CompiledBlocks(Technique):
     """Every element of ``blocks`` runs a compiled ``forward``; the original comes back at teardown."""
 
+    compiles_blocks = True
+
     def __init__(self, blocks: nn.Module, compile_fn: Callable[[Callable], Callable],
                  undo: Callable[[], None] = lambda: None) -> None:
         self.blocks, self._undo = list(blocks), undo

@@ -45,18 +45,35 @@ class DataMode(enum.Enum):
 
 
 class PipelineSchedule(enum.Enum):
-    """Pipeline schedule: the order in which each stage runs its microbatches."""
+    """Pipeline schedule: the order in which each stage runs its microbatches (`pipeline.schedules`). AUTO, what
+    ``pp<N>`` without a schedule token means: the one the estimator predicts fastest among those whose memory fits
+    (`measure.planner.choose_schedule`), picked when the pipeline is built."""
 
+    AUTO = "auto"
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    ZB1P = "zb1p"  # zero bubble ZB-H1: 1F1B with each backward split into B (input) and W (weights)
+    ZBV = "zbv"  # zero bubble ZB-V: two stages per rank placed as a V
+    DUALPIPEV = "dualpipev"  # DualPipeV: two stages per rank placed as a V, forward beside backward
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether each backward runs as B (the input's gradient) and a later W (the weights')."""
+        return self in (PipelineSchedule.ZB1P, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether each rank holds two stages placed as a V (stage r and 2pp-1-r)."""
+        return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
 
 _DEGREE = re.compile(r"^(dp|tp|pp|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
-    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, v<N>, mb<N>, sp, vp, ac, offload"
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, v<N>, mb<N>, "
+    "sp, vp, ac, offload"
 )
 
 
@@ -72,10 +89,10 @@ class ParallelPlan:
     """Tensor-parallel degree: each weight matrix is split over this many ranks (Megatron column/row)."""
     pp: int = 1
     """Pipeline-parallel degree: the layers are cut into this many stages."""
-    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    """Pipeline schedule; only meaningful with pp > 1."""
+    schedule: PipelineSchedule = PipelineSchedule.AUTO
+    """Pipeline schedule; only meaningful with pp > 1 (AUTO: chosen for the model when the pipeline is built)."""
     virtual: int = 1
-    """Virtual stages per rank (model chunks) for the interleaved schedule."""
+    """Virtual stages per rank (model chunks) for the interleaved schedule (zbv and dualpipev hold two: `chunks`)."""
     microbatches: int | None = None
     """Microbatches per batch in the pipeline; None means pp (see `resolve`)."""
     sp: bool = False
@@ -94,9 +111,9 @@ class ParallelPlan:
         if not isinstance(self.data, DataMode) or not isinstance(self.schedule, PipelineSchedule):
             raise TypeError("data must be a DataMode and schedule a PipelineSchedule (use ParallelPlan.parse for "
                             "strings)")
-        if self.pp == 1 and (self.schedule is not PipelineSchedule.ONE_F_ONE_B or self.microbatches is not None):
+        if self.pp == 1 and (self.schedule is not PipelineSchedule.AUTO or self.microbatches is not None):
             given = " and ".join(f"'{t}'" for t in (
-                self.schedule.value if self.schedule is not PipelineSchedule.ONE_F_ONE_B else "",
+                self.schedule.value if self.schedule is not PipelineSchedule.AUTO else "",
                 f"mb{self.microbatches}" if self.microbatches is not None else "") if t)
             raise ValueError(
                 f"{given}: a pipeline schedule and mb<N> need pipeline parallelism (pp<N> with N > 1); "
@@ -115,11 +132,14 @@ class ParallelPlan:
             if getattr(self, token) and self.tp == 1:
                 raise ValueError(f"{token} ({what} over the tensor-parallel ranks, so it needs tp<N> with N > 1 "
                                  f"(e.g. 'tp2_{token}')")
-        if (self.pp > 1 and self.schedule is PipelineSchedule.ONE_F_ONE_B and self.microbatches is not None
-                and self.microbatches < self.pp):
+        least = {PipelineSchedule.ONE_F_ONE_B: ("1F1B", 1), PipelineSchedule.ZB1P: ("zb1p", 1),
+                 PipelineSchedule.DUALPIPEV: ("dualpipev", 2)}.get(self.schedule)
+        if self.pp > 1 and least and self.microbatches is not None and self.microbatches < least[1] * self.pp:
+            name, times = least
             raise ValueError(
-                f"1F1B needs at least as many microbatches as stages: mb{self.microbatches} < pp{self.pp}; use "
-                f"mb{self.pp} or more, or the gpipe schedule"
+                f"{name} needs at least {'twice ' if times == 2 else ''}as many microbatches as stages: "
+                f"mb{self.microbatches} < {'2 * ' if times == 2 else ''}pp{self.pp}; use mb{times * self.pp} or "
+                "more, or the gpipe schedule"
             )
         if self.offload and not self.data.is_zero:
             raise ValueError(
@@ -181,7 +201,7 @@ class ParallelPlan:
             parts.append("vp")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
-        if self.schedule is not PipelineSchedule.ONE_F_ONE_B:
+        if self.schedule is not PipelineSchedule.AUTO:
             parts.append(self.schedule.value)
         if self.virtual > 1:
             parts.append(f"v{self.virtual}")
@@ -219,8 +239,14 @@ class ParallelPlan:
                     f"world_size {world_size}, so no data-parallel degree fits"
                 )
             dp = world_size // self.model_parallel_size
-        microbatches = self.microbatches if self.microbatches is not None or self.pp == 1 else self.pp
+        default = 2 * self.pp if self.schedule is PipelineSchedule.DUALPIPEV else self.pp  # its least
+        microbatches = self.microbatches if self.microbatches is not None or self.pp == 1 else default
         return dataclasses.replace(self, dp=dp, microbatches=microbatches)
+
+    @property
+    def chunks(self) -> int:
+        """Stages each pipeline rank holds: v for interleaved, two for the V-shaped schedules, else one."""
+        return 2 if self.schedule.v_shaped else self.virtual
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index on each axis of a resolved plan: rank = (pp_i * dp + dp_i) * tp + tp_i."""
@@ -236,7 +262,7 @@ def _parse_token(text: str, token: str, put) -> None:
     """Read one token into the plan's fields through ``put(field, value, token)``."""
     if token in ("naive", "dp", "zero1", "zero2", "zero3"):
         put("data", DataMode(token), token)
-    elif token in ("gpipe", "1f1b", "interleaved"):
+    elif token in {s.value for s in PipelineSchedule}:
         put("schedule", PipelineSchedule(token), token)
     elif token in ("sp", "vp", "ac", "offload"):
         put(token, True, token)

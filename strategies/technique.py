@@ -95,6 +95,10 @@ class Technique:
     """Model state: whether `local_model_state` loads some entries itself (or leaves them to other ranks), so the
     module loads the rest leniently; such a technique checks its own entries."""
 
+    compiles_blocks = False
+    """Whether the blocks run as compiled graphs, whose ``F.linear`` calls no Python patch reaches (the zero-bubble
+    schedules split their backwards there)."""
+
     # -- state: local layout <-> single-process layout (every rank calls these; they may be collectives) ----------
 
     def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:

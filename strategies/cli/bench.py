@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from strategies.cli import bench_report
+from strategies.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
 
 # (ours, peer) pairs by name; a peer whose package is missing is reported as skipped.
 PAIRS = {
@@ -27,14 +28,11 @@ PAIRS = {
     "zero3": ("zero3", "deepspeed3"),
     "zero3-fsdp2": ("zero3", "fsdp2"),
     "tp": ("tp", "dtensor_tp"),
-    "pp-1f1b": ("pp_1f1b", "torch_pp_1f1b"),
-    "pp-gpipe": ("pp_gpipe", "torch_pp_gpipe"),
-    "pp-interleaved": ("pp_interleaved", "torch_pp_interleaved"),
+    **{f"pp-{s}": (f"pp_{s}", f"torch_pp_{s}") for s in PIPELINE_SCHEDULES},
 }
 
 # Every rank works on the same batch: tensor-parallel peers, and pipeline stages (one batch flows through).
-TENSOR_PARALLEL = ("tp", "dtensor_tp", "pp_1f1b", "pp_gpipe", "pp_interleaved", "torch_pp_1f1b", "torch_pp_gpipe",
-                   "torch_pp_interleaved")
+TENSOR_PARALLEL = ("tp", "dtensor_tp", *(f"{side}pp_{s}" for side in ("", "torch_") for s in PIPELINE_SCHEDULES))
 MEMORY_STEPS = 3  # the optimizer states exist from the first step on; the peak is reached by the second
 MEMORY_RUNS = 3  # the backward's peak moves by a few hundred KiB with the timing of async frees: median of 3
 
@@ -156,8 +154,8 @@ def model_config(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def predict(impl: str, cfg: BenchConfig) -> dict | None:
-    """What `measure.estimate.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
-    from strategies.measure.estimate import predict_run
+    """What `measure.predict.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
+    from strategies.measure.predict import predict_run
 
     return predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg),
                        cfg.batch_per_rank * replicas(impl, cfg.world_size))

@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from strategies.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
+
 Step = Callable[[Any], None]
 
-MICROBATCHES = 4
+MICROBATCHES = 4  # per step in the pipeline pairs (at least 2 x pp: DualPipeV's least)
 VIRTUAL = 2  # stages per rank in the interleaved pair
 
 
@@ -86,10 +88,15 @@ def ours_pipeline(schedule: str) -> Callable[..., Step]:
     return build
 
 
+def microbatches(world_size: int) -> int:
+    return max(MICROBATCHES, 2 * world_size)
+
+
 def pipeline_plan(schedule: str, world_size: int) -> str:
-    """The plan of our pipeline side (and the peer's twin): every rank a stage, `MICROBATCHES` microbatches."""
+    """The plan of our pipeline side (and the peer's twin): every rank a stage (two for interleaved and the V
+    schedules), `microbatches` of them per step."""
     virtual = f"_v{VIRTUAL}" if schedule == "interleaved" else ""
-    return f"pp{world_size}_{schedule}{virtual}_mb{MICROBATCHES}"
+    return f"pp{world_size}_{schedule}{virtual}_mb{microbatches(world_size)}"
 
 
 def plan_of(impl: str, world_size: int) -> str:
@@ -161,23 +168,28 @@ def deepspeed_zero(stage: int) -> Callable[..., Step]:
 
 def torch_pipeline(schedule: str) -> Callable[..., Step]:
     """``torch.distributed.pipelining`` on the same cut as ours: the blocks split as our planner splits them, the
-    workload's stage modules around them, stage s on rank s mod world (looped)."""
+    workload's stage modules around them, each stage on the rank our schedule's table puts it (looped, or a V)."""
     def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed import pipelining as tp
 
+        from strategies.pipeline.schedules import build as table_of
+        from strategies.pipeline.schedules import owners
         from strategies.pipeline.stages import plan_stages
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        stages = world * (VIRTUAL if schedule == "interleaved" else 1)
+        where = owners(table_of(schedule, world, microbatches(world), VIRTUAL if schedule == "interleaved" else 1))
+        stages = len(where)
         layout = plan_stages(model, stages)
-        indices = range(rank, stages, world)
+        indices = sorted(s for s, r in where.items() if r == rank)
+        if schedule == "zbv":
+            indices = [rank, 2 * world - 1 - rank]  # torch's ZB-V takes the V's two stages in this order
         mine = [workload.pipeline_stage(model, layout.ranges[s], s == 0, s == stages - 1) for s in indices]
-        pipe = [PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(mine, indices)]
-        if schedule == "interleaved":
-            runner = ScheduleInterleaved1F1B(pipe, n_microbatches=MICROBATCHES, loss_fn=workload.loss)
-        else:
-            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            runner = cls(pipe[0], n_microbatches=MICROBATCHES, loss_fn=workload.loss)
+        pipe = [tp.PipelineStage(m, s, stages, torch.device("cpu")) for m, s in zip(mine, indices)]
+        kind = {"1f1b": tp.Schedule1F1B, "gpipe": tp.ScheduleGPipe, "interleaved": tp.ScheduleInterleaved1F1B,
+                "zb1p": tp.ScheduleInterleavedZeroBubble, "zbv": tp.ScheduleZBVZeroBubble,
+                "dualpipev": getattr(tp, "ScheduleDualPipeV", None)}[schedule]
+        single = schedule in ("1f1b", "gpipe")
+        runner = kind(pipe[0] if single else pipe, n_microbatches=microbatches(world), loss_fn=workload.loss)
         opt = torch.optim.AdamW([p for m in mine for p in m.parameters()], **opt_kwargs)
         holds_first, holds_last = 0 in indices, stages - 1 in indices
 
@@ -192,11 +204,11 @@ def torch_pipeline(schedule: str) -> Callable[..., Step]:
 
 ENGINES: dict[str, Callable[..., Step]] = {
     "dp": ours_data_parallel(0), "zero1": ours_data_parallel(1), "zero2": ours_data_parallel(2),
-    "zero3": ours_data_parallel(3), "tp": ours_tensor_parallel, "pp_1f1b": ours_pipeline("1f1b"),
-    "pp_gpipe": ours_pipeline("gpipe"), "pp_interleaved": ours_pipeline("interleaved"),
+    "zero3": ours_data_parallel(3), "tp": ours_tensor_parallel,
     "torch_ddp": torch_ddp, "fsdp2": fsdp2, "dtensor_tp": dtensor_tp, "deepspeed1": deepspeed_zero(1),
-    "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3), "torch_pp_1f1b": torch_pipeline("1f1b"),
-    "torch_pp_gpipe": torch_pipeline("gpipe"), "torch_pp_interleaved": torch_pipeline("interleaved"),
+    "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3),
+    **{f"pp_{s}": ours_pipeline(s) for s in PIPELINE_SCHEDULES},
+    **{f"torch_pp_{s}": torch_pipeline(s) for s in PIPELINE_SCHEDULES},
 }
 
 

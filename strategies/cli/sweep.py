@@ -24,28 +24,55 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plans", default=None, help="comma-separated (default: the planner's candidates, no offload)")
     p.add_argument("--report", default=None, help="write the markdown here (default docs/sweep-<date>.md)")
     add_run_options(p)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs per plan, in alternating order (the median is measured: one run is noisy here)")
     p.set_defaults(func=command, devices=4, steps=12, warmup_steps=4, wandb="off")
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import run_in_subprocess, write_report
+    from strategies.cli.compare import write_report
     from strategies.cli.plan import calibrated_hardware
     from strategies.cli.train import config_from
 
     base = config_from(args, "dp")
     shape = workload_shape(base)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / base.devices
-    hw = calibrated_hardware(base.devices, memory)
+    hw = replace(calibrated_hardware(base.devices, memory), costs=workload_costs(shape, base.devices))
     ranked = predicted_plans(shape, hw, base, args.plans)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="stratpack_sweep_") as tmp:
-        for index, (label, seconds) in enumerate(ranked):
-            print(f"[{index + 1}/{len(ranked)}] {label}...", file=sys.stderr, flush=True)
-            result = run_in_subprocess(replace(base, strategy=label), tmp, index)
-            rows.append((label, seconds, result.get("step_time_s") if "error" not in result else None))
-    text = report(rows, base, hw)
+    measured = measure_plans([label for label, _ in ranked], base, args.repeat)
+    text = report([(label, seconds, measured[label]) for label, seconds in ranked], base, hw, args.repeat)
     write_report(text, args.report, "sweep")
     return 0
+
+
+def workload_costs(shape: Any, devices: int) -> Any:
+    """The step's pieces measured at the workload's shape (`measure.costs`), once per machine and shape."""
+    from strategies.measure import costs
+
+    found = costs.load(devices, shape.hidden, shape.heads, shape.seq, shape.vocab)
+    if found is None:
+        print(f"measuring a step's pieces at {devices} ranks (once; cached)...", file=sys.stderr, flush=True)
+        found = costs.measure(devices, shape.hidden, shape.heads, shape.seq, shape.vocab)
+    return found
+
+
+def measure_plans(labels: list[str], base: Any, repeat: int) -> dict[str, float | None]:
+    """Each plan's median step time over ``repeat`` runs, the order reversed on every other round (None: failed)."""
+    from statistics import median
+
+    from strategies.cli.compare import run_in_subprocess
+
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    with tempfile.TemporaryDirectory(prefix="stratpack_sweep_") as tmp:
+        for round_ in range(repeat):
+            order = labels if round_ % 2 == 0 else labels[::-1]
+            for index, label in enumerate(order):
+                print(f"[round {round_ + 1}/{repeat}, {index + 1}/{len(order)}] {label}...", file=sys.stderr,
+                      flush=True)
+                result = run_in_subprocess(replace(base, strategy=label), tmp, round_ * len(labels) + index)
+                if "error" not in result and result.get("step_time_s"):
+                    times[label].append(result["step_time_s"])
+    return {label: median(t) if t else None for label, t in times.items()}
 
 
 def workload_shape(config: Any) -> Any:
@@ -68,7 +95,7 @@ def predicted_plans(shape: Any, hw: Any, config: Any, plans: str | None) -> list
             if (wanted is None and "offload" not in r.label) or (wanted is not None and r.label in wanted)]
 
 
-def report(rows: list[tuple[str, float, float | None]], config: Any, hw: Any) -> str:
+def report(rows: list[tuple[str, float, float | None]], config: Any, hw: Any, repeat: int = 1) -> str:
     """Markdown: predicted beside measured per plan, then the pick against the fastest."""
     measured = [r for r in rows if r[2]]
     fastest = min(measured, key=lambda r: r[2]) if measured else None
@@ -79,7 +106,10 @@ def report(rows: list[tuple[str, float, float | None]], config: Any, hw: Any) ->
              f"Calibrated: {hw.flops / 1e9:.1f} GFLOP/s per rank; "
              + ", ".join(f"{k} {lat * 1e3:.2f} ms + {bw / 1e6:.0f} MB/s"
                          for k, (lat, bw) in hw.calibration.links.items())
-             + f". Measured: the mean step of "
+             + (f"; per step: Lightning's loop {hw.costs.loop * 1e3:.1f} ms, a block "
+                f"{hw.costs.block[1][0] * 1e3:.2f} ms + {hw.costs.block[1][1] * 1e6:.1f} us per token (tp1)"
+                if hw.costs else "")
+             + f". Measured: the median over {repeat} runs (alternating order) of the mean step of "
              f"{config.steps} steps, the first {config.warmup_steps} left out.", "",
              "| predicted rank | plan | predicted s/step | measured s/step | error | measured rank |",
              "|---|---|---|---|---|---|"]

@@ -78,7 +78,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
 
     import strategies  # noqa: F401  (registers the plan names)
     from strategies.cli.workload import find_workload
-    from strategies.measure.estimate import predict_run
+    from strategies.measure.predict import predict_run
 
     L.seed_everything(config.seed, workers=True, verbose=False)
     module, dataset = find_workload(config.workload).lightning(config)

@@ -32,6 +32,7 @@ from strategies.tensor_parallel.families import vocab_plan
 from strategies.zero import shard_model
 from strategies.zero.flat import check_optimizer
 
+UNSPLIT = ("1f1b", "interleaved", "gpipe")  # the schedules without W actions
 
 def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
                      options: PlanOptions) -> list[Technique]:
@@ -92,6 +93,50 @@ def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, op
             comm.all_reduce(agreed, mesh.world, op=ReduceOp.MAX)
             weights = (agreed[:-2].tolist(), float(agreed[-2]), float(agreed[-1]))
         return PipelineParallel(model, plan, mesh, trace.blocks, weights, trace)
+
+
+def choose_schedule(module: Any, batch: Any, plan: ParallelPlan, mesh: ParallelMesh, device: torch.device,
+                    trainer: Any, techniques: list[Technique]) -> tuple[ParallelPlan, str]:
+    """``plan`` (``pp<N>`` without a schedule) with the schedule the estimator predicts fastest among those whose
+    memory fits this device (`planner.choose_schedule`), and why; chosen on rank 0 and sent to every rank, so all
+    cut the same way. Without a model config to estimate from: 1F1B, saying so."""
+    import dataclasses
+
+    from strategies.measure.planner import SCHEDULE_CANDIDATES, Hardware
+    from strategies.measure.planner import choose_schedule as choose
+    from strategies.measure.predict import device_memory, model_shape
+    from strategies.plan import PipelineSchedule
+
+    chosen: tuple[str, str] | None = None
+    if mesh.world.index == 0:
+        shape = model_shape(module, batch, trainer.accumulate_grad_batches)
+        if shape is None:
+            chosen = ("1f1b", "1f1b: no model config to estimate from (a `config` with the model's layers, width, "
+                              "heads and vocabulary), so the default; name a schedule in the plan to pick another")
+        else:
+            cpu = device.type == "cpu"
+            hw = Hardware(gpus=mesh.world.size, memory=device_memory("cpu" if cpu else "gpu", mesh.world.size))
+            split = not any(t.compiles_blocks for t in techniques)  # compiled blocks keep W in B (`check_split`)
+            try:
+                picked = choose(shape, plan, hw, str(trainer.precision), backend="gloo" if cpu else "nccl",
+                                names=SCHEDULE_CANDIDATES if split else UNSPLIT)
+                chosen = (picked.plan.schedule.value, picked.why)
+            except ValueError as err:  # sent on, so that every rank stops with it (not waits for rank 0)
+                chosen = ("", str(err))
+    name, why = comm.broadcast_object(chosen, mesh.world, src=0)
+    if not name:
+        raise ValueError(why)
+    rank_zero_info(f"pipeline schedule for '{plan}': {why}")
+    return dataclasses.replace(plan, schedule=PipelineSchedule(name), virtual=2 if name == "interleaved" else 1), why
+
+
+def check_split(plan: ParallelPlan, techniques: list[Technique]) -> None:
+    """Zero-bubble schedules split each backward at the blocks' ``F.linear`` calls, which compiled blocks hide."""
+    if plan.schedule.splits_backward and any(t.compiles_blocks for t in techniques):
+        raise ValueError(
+            f"plan '{plan}': {plan.schedule.value} splits each backward into B and W at the blocks' F.linear calls, "
+            "which torch.compile'd blocks run inside their graphs; use compile=False (and an uncompiled model), or a "
+            f"schedule without W: {', '.join(UNSPLIT)}")
 
 
 @contextlib.contextmanager

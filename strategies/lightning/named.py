@@ -57,10 +57,11 @@ class TensorParallelStrategy(PlanStrategy):
 
 
 class PipelineStrategy(PlanStrategy):
-    """Pipeline parallel over ``pp`` stages (the plan ``pp<N>``): ``schedule`` ``"1f1b"`` (default), ``"gpipe"`` or
-    ``"interleaved"`` (with ``virtual_stages`` per rank, 2 by default), ``microbatches`` per batch (default pp)."""
+    """Pipeline parallel over ``pp`` stages (the plan ``pp<N>``): ``schedule`` ``"auto"`` (the default: the one the
+    estimator predicts fastest that fits), ``"1f1b"``, ``"gpipe"``, ``"interleaved"`` (with ``virtual_stages`` per
+    rank, 2 by default), ``"zb1p"``, ``"zbv"`` or ``"dualpipev"``; ``microbatches`` per batch (default pp)."""
 
-    def __init__(self, pp: int, *, schedule: str | PipelineSchedule = PipelineSchedule.ONE_F_ONE_B,
+    def __init__(self, pp: int, *, schedule: str | PipelineSchedule = PipelineSchedule.AUTO,
                  microbatches: int | None = None, virtual_stages: int | None = None, **options: Any) -> None:
         valid = [s.value for s in PipelineSchedule]
         if not isinstance(schedule, PipelineSchedule) and schedule not in valid:

@@ -45,7 +45,7 @@ from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import split_microbatches
-from strategies.plan import DataMode, ParallelPlan
+from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.technique import HeldGrad, OptimizerState, Technique, optimizer_names
 
 
@@ -79,6 +79,7 @@ class PlanStrategy(ParallelStrategy):
         self._open_no_sync: contextlib.ExitStack | None = None  # the no_sync in force, which new techniques join
         self._pending_optimizer: dict[str, Any] | None = None  # a resumed optimizer state, until the pipeline is cut
         self.activation_bytes = self.peak_activation_bytes = 0
+        self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -188,6 +189,11 @@ class PlanStrategy(ParallelStrategy):
                              self._build_pipeline, self.options.stop_on_nonfinite_loss)
 
     def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
+        if self.resolved_plan.schedule is PipelineSchedule.AUTO:
+            self.resolved_plan, self.schedule_choice = assemble.choose_schedule(
+                self.lightning_module, batch, self.resolved_plan, self.mesh, self.root_device,
+                self.lightning_module.trainer, self.techniques)
+        assemble.check_split(self.resolved_plan, self.techniques)
         micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
 
         def run_forward() -> None:  # set-up, not a step: what it logs is dropped, what it draws is given back
@@ -251,7 +257,10 @@ class PlanStrategy(ParallelStrategy):
         # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
         # Under pipeline parallel the backwards run inside too, so this is the peak held across the schedule.
         buffers = lambda: [b for technique in self.techniques for b in technique.parameter_buffers()]  # noqa: E731
+        store = getattr(getattr(self._steps, "pipeline", None), "weights", None)  # a zero-bubble schedule's W stash
         with SavedTensorsMeter(self.lightning_module, buffers) as meter:
+            if store is not None:
+                store.keeper = meter.keep
             output = self._steps.training_step(*args, **kwargs)
         self.activation_bytes = meter.bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)

@@ -24,25 +24,23 @@ the embeddings and head leave.
 - Communication, bytes sent per rank per optimizer step, keyed like `comm.CommStats.snapshot`
   (``"all_reduce/dp"``): DDP 2(N-1)/N·Ψ, ZeRO-1/2 (N-1)/N·Ψ reduce-scatter + all-gather, ZeRO-3 (N-1)/N·Ψ
   all-gathers twice + reduce-scatter (an upper bound: the last unit stays gathered into backward), the
-  naive server (N-1)·Ψ; tp 4 all-reduces of b·s·h per block and microbatch (5 with recompute), or with
-  sp all-gathers and reduce-scatters of 1/tp of it; ``vp`` one more b·s·h all-reduce for the embedding,
-  and where the head is, one for its input's gradient and three values per token for the loss.
+  naive server (N-1)·Ψ; tp 4 all-reduces of b·s·h per block and microbatch (5 with recompute, which stops
+  before the MLP's), or with sp 4 all-gathers and 4 reduce-scatters of 1/tp of it (6 and 5 with recompute);
+  ``vp`` one more b·s·h all-reduce for the embedding, and where the head is, one for its input's gradient and
+  three values per token for the loss.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
 from strategies.data_parallel.bucketed import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
-from strategies.equivalents import equivalent_plan
 from strategies.measure.peak import GLOO, Chunk, Pieces, Rules, step_actions, walk
 from strategies.pipeline import messages, schedules
 from strategies.pipeline.stages import partition
-from strategies.plan import DataMode, ParallelPlan
-from strategies.runs.schema import MODEL_STATE
+from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
@@ -134,6 +132,7 @@ class Estimate:
     bubble: float
     params_per_stage: list[int] = field(default_factory=list)
     peak_at: list[str] = field(default_factory=list)  # per pipeline rank: the action its peak is in (`peak.walk`)
+    states: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank: model states between steps
 
     def peak(self) -> float:
         """The largest per-rank device total (host excluded)."""
@@ -149,14 +148,15 @@ def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Parameters each rank holds, per pipeline rank (tp-split blocks, embeddings on the first stage, norm
     and head on the last), cut the way `pipeline.PipelineParallel` cuts by parameter count."""
     _, per_stage = _stages(shape, plan)
-    return [sum(per_stage[c * plan.pp + rank] for c in range(plan.virtual)) for rank in range(plan.pp)]
+    where = _placement(plan)
+    return [sum(n for s, n in enumerate(per_stage) if where[s] == rank) for rank in range(plan.pp)]
 
 
 def _stages(shape: ModelShape, plan: ParallelPlan) -> tuple[list[range], list[int]]:
     """Each stage's blocks and its local parameters (all ``pp * v`` stages, in order)."""
     split, whole = shape.block()
     local_block = math.ceil(split / plan.tp) + whole
-    stages, v = plan.pp * plan.virtual, _vocab_split(plan)
+    stages, v = plan.pp * plan.chunks, _vocab_split(plan)
     ranges = partition([local_block] * shape.layers, stages, shape.embeddings(v), shape.head(v)) if stages > 1 \
         else [range(shape.layers)]
     per_stage = [len(r) * local_block for r in ranges]
@@ -200,7 +200,11 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
                   backward=boundary + (u if plan.sp else 0.0) + 4 * u / t, weight=4 * h * h / t * weight_bytes,
                   mlp_grad=4 * u / t,
-                  unit=unit, gathers=unit if backend == GLOO else 0.0)
+                  unit=unit, gathers=unit if backend == GLOO else 0.0,
+                  # Split backwards: B keeps each linear's input (qkv's and fc's whole, proj's 1/t, fc2's 4/t) and
+                  # output gradient (qkv's 3/t, proj's whole, fc's 4/t, fc2's whole) for W, with sp too (gathered).
+                  stash=(4 + 12 / t) * u if plan.schedule.splits_backward else 0.0,
+                  head_stash=u + logits if plan.schedule.splits_backward else 0.0)
 
 
 def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,
@@ -219,7 +223,8 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     elif n > 1 and plan.data is DataMode.NAIVE:
         reduce = 2 * grads
     keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2
-    return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if held and keeps else 0.0, reduce=reduce)
+    return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if held and keeps else 0.0, reduce=reduce,
+                 weights=grads if plan.schedule.splits_backward else 0.0)
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int) -> Rules:
@@ -271,8 +276,10 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     if t > 1:
         activation = shape.batch * shape.seq * shape.hidden * 4  # the step's b·s·h, over all microbatches
         if plan.sp:  # + entering the region (backward) and leaving it (forward): stage 0 only enters under pp
-            out["all_gather/tp"] = (t - 1) / t * activation * (4 * blocks + (2 if plan.pp == 1 else 1))
-            out["reduce_scatter/tp"] = (t - 1) / t * activation * 4 * blocks
+            # Recompute runs a block's forward again up to its last saved tensor: both gathers, the first scatter.
+            gathers, scatters = (6, 5) if plan.ac else (4, 4)
+            out["all_gather/tp"] = (t - 1) / t * activation * (gathers * blocks + (2 if plan.pp == 1 else 1))
+            out["reduce_scatter/tp"] = (t - 1) / t * activation * scatters * blocks
         else:
             out["all_reduce/tp"] = 2 * (t - 1) / t * activation * (5 if plan.ac else 4) * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
@@ -281,7 +288,10 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
             vocab = activation + (activation + 3 * tokens if plan.pp == 1 else 0)
             out["all_reduce/tp"] = out.get("all_reduce/tp", 0.0) + 2 * (t - 1) / t * vocab
     if plan.pp > 1:  # rank 0 sends activations on from each of its v chunks, gradients back from v-1 of them
-        out["send/pp"] = (2 * plan.virtual - 1) * shape.batch * shape.seq * shape.hidden * 4 / (t if plan.sp else 1)
+        where = _placement(plan)  # rank 0 sends on each chunk's output and its input's gradient, to other ranks
+        last = len(where) - 1
+        sends = sum((s < last and where[s + 1] != 0) + (s > 0 and where[s - 1] != 0) for s in where if where[s] == 0)
+        out["send/pp"] = sends * shape.batch * shape.seq * shape.hidden * 4 / (t if plan.sp else 1)
     return out
 
 
@@ -291,6 +301,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     activation element (default: the precision's, 4 or 2). ``backend``: the collectives' (``gloo`` holds copies
     that ``nccl`` does not); ``workspace``: the matrix library's working memory in one matmul (`peak`)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
+    if plan.pp > 1 and plan.schedule is PipelineSchedule.AUTO:
+        raise ValueError(f"plan '{plan}' has no pipeline schedule yet: choose one first (`planner.choose_schedule`)")
     if shape.heads % plan.tp:
         raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
     weight_bytes, grad_bytes = layout(precision)[:2]
@@ -300,10 +312,10 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     tables = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = plan.pp > 1 or shape.accumulate > 1
-    memory, where = [], []
+    memory, where, between = [], [], []
     per_rank = stage_params(shape, plan)
     for rank, psi in enumerate(per_rank):
-        mine = range(rank, stages, plan.pp)
+        mine = [s for s, r in _placement(plan).items() if r == rank]
         chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, stages, grad_bytes, backend, held) for s in mine}
         actions = step_actions(tables[rank] if tables else None, shape.accumulate, plan.microbatches or 1)
         states = model_states(psi, plan, precision)
@@ -313,14 +325,28 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
                        "temporaries": peak.temporaries})
         where.append(peak.at)
-    first_blocks = sum(len(ranges[s]) for s in range(0, stages, plan.pp))
+        between.append(states)
+    first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
     comm = communication(shape, plan, per_rank[0], first_blocks, kept)
-    bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else 0.0
-    return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where)
+    bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
+        else 0.0
+    return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where, states=between)
+
+
+def _placement(plan: ParallelPlan) -> dict[int, int]:
+    """Stage -> pipeline rank, as the plan's schedule places its stages (looped while none is chosen yet)."""
+    if plan.pp == 1 or plan.schedule is PipelineSchedule.AUTO:
+        return {s: s % plan.pp for s in range(plan.pp * plan.virtual)}
+    return _owners(plan.schedule.value, plan.pp, plan.microbatches or 1, plan.virtual)
+
+
+@functools.cache
+def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int, int]:
+    return schedules.owners(schedules.build(schedule, pp, microbatches, virtual))
 
 
 @functools.cache
@@ -329,41 +355,3 @@ def _lock_step(schedule: str, pp: int, microbatches: int, virtual: int) -> list[
     ahead of use (`schedules.early_receives`); None for programs grouped per action."""
     tables = schedules.build(schedule, pp, microbatches, virtual)
     return schedules.early_receives(tables, pp) if messages.grouped(tables, pp)[1] == "lockstep" else None
-
-
-
-# -- a run's prediction, as the run store keeps it ---------------------------------------------------------
-
-
-def predict_run(label: str, world_size: int, model: dict, global_batch: int, accumulate: int = 1,
-                precision: str = "32-true", accelerator: str = "gpu") -> dict | None:
-    """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
-    same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble. None when
-    the label has no plan equivalent or the model config is not a transformer's. On ``accelerator="cpu"`` the ranks
-    talk over gloo, and the matrix library's workspace is measured on this host (`calibrate.kernel_workspace`, with
-    the threads Lightning gives each of the ranks)."""
-    text = equivalent_plan(label) or label
-    try:
-        plan = ParallelPlan.parse(text).resolve(world_size)
-        shape = dataclasses.replace(ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate),
-                                    accumulate=accumulate)
-        cpu = accelerator == "cpu"
-        workspace = _cpu_workspace(shape, plan, world_size) if cpu else 0.0
-        est = estimate(shape, plan, world_size, precision, backend=GLOO if cpu else "nccl", workspace=workspace)
-    except (KeyError, ValueError):
-        return None
-    per_rank = [est.memory[plan.coordinates(rank)["pp"]] for rank in range(world_size)]
-    return {"plan": est.plan, "memory": per_rank, "comm": est.comm, "bubble": est.bubble, "peak_at": est.peak_at,
-            "model_states": [sum(m[k] for k in MODEL_STATE) for m in per_rank]}
-
-
-def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int) -> float:
-    """The workspace of the backward's largest matmul (a microbatch's tokens by the MLP's 4h/t columns) with the
-    threads each rank gets (Lightning: the cores over the ranks, at least one)."""
-    import os
-
-    from strategies.measure.calibrate import kernel_workspace
-
-    tokens = max(1, round(shape.batch / shape.accumulate / (plan.microbatches or 1) * shape.seq))
-    threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
-    return kernel_workspace(tokens, shape.hidden, 4 * shape.hidden // plan.tp, threads)

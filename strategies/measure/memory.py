@@ -109,6 +109,11 @@ class SavedTensorsMeter:
         entry[0] += 1
         return _Held(t, self, key)
 
+    def keep(self, tensors: tuple[torch.Tensor, ...]) -> list[_Held]:
+        """Count ``tensors`` as held for backward until the returned handles are dropped: what a zero-bubble
+        schedule's B keeps for its W (the linears' inputs and output gradients) after autograd let go of them."""
+        return [held for t in tensors if isinstance(held := self._pack(t), _Held)]
+
     def _release(self, key: tuple[str, int]) -> None:
         entry = self._live[key]
         entry[0] -= 1

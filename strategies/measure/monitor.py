@@ -278,15 +278,17 @@ class StrategyMonitor(L.Callback):
         plan = trainer.strategy.resolved_plan
         table = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)
         return {
+            "schedule": plan.schedule.value,
+            "schedule_choice": getattr(trainer.strategy, "schedule_choice", None),  # why, where the plan named none
             "bubble_ideal": pipeline.ideal_bubble,
             "bubble_measured": float(measured),
             "partition": pipeline.layout.describe().splitlines(),
             "timeline": mine_timeline,  # this rank's last step
             "timelines": {str(rank): events for rank, events in enumerate(every)},  # every rank's
-            # The schedule's table run on unit-time stages: what the measured timelines would be with equal
-            # stage times and free communication (pp rank -> [action, start]).
-            "ideal": {str(r): [[str(a), t] for a, t in actions] for r, actions in
-                      enumerate(schedules.simulate(table, plan.pp))},
+            # The schedule's table run on stages of equal cost (F 1, B 2 or, split from its W, 1, W 1) and free
+            # communication: what the measured timelines would be (pp rank -> [action, start, end]).
+            "ideal": {str(r): [[str(a), start, end] for a, start, end in actions] for r, actions in
+                      enumerate(schedules.timeline(table))},
         }
 
 

@@ -21,6 +21,11 @@ micro-step (the accumulation window's micro-steps one after the other, the table
   gathers through a buffer the size of the output; NCCL does neither) and the matrix library's workspace inside one
   matmul (`workspace`, measured on CPU by `calibrate.kernel_workspace`).
 
+Split backwards (the zero-bubble schedules): B frees the chunk's activations but keeps, per block, each linear's input
+and output gradient (`Pieces.stash`, 4 + 12/t: as much as a block saves without recompute, so ZB-H1 holds what 1F1B
+does; with recompute far more than the block's input) until its W, which makes the chunk's weight gradients at once
+and then reduces them as a full backward would.
+
 `walk` returns the largest total, its split into activations and temporaries, and the action it happens in.
 """
 
@@ -48,10 +53,16 @@ class Pieces:
     mlp_grad: float = 0.0  # of ``backward``, the MLP's input gradient, freed once its first matmul is done
     unit: float = 0.0  # ZeRO-3: one gathered block (0 without ZeRO-3)
     gathers: float = 0.0  # ZeRO-3: what the backend holds while the prefetch gathers (gloo: its output's size)
+    stash: float = 0.0  # split backwards: what B keeps per block for W, each linear's input and output gradient
+    head_stash: float = 0.0  # ... and for the head's linear (the final norm's output, the logits' gradient)
 
     def saved(self, blocks: int, first: bool, last: bool) -> float:
         """Activations a chunk of ``blocks`` blocks saves for one microbatch."""
         return blocks * self.block + (self.embedding if first else self.boundary) + (self.head if last else 0.0)
+
+    def stashed(self, blocks: int, last: bool) -> float:
+        """What a split backward (B) of a chunk of ``blocks`` blocks keeps for its W."""
+        return blocks * self.stash + (self.head_stash if last else 0.0)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class Chunk:
     last: bool
     grads: float = 0.0  # gradients its backwards leave in param.grad until the step's last one (ZeRO-2/3)
     reduce: float = 0.0  # what its last backward's reduction holds beyond the gradients (the backend's copies)
+    weights: float = 0.0  # split backwards: the gradients W makes at once, before autograd accumulates them
 
 
 @dataclass(frozen=True)
@@ -105,12 +117,11 @@ def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], worksp
     """The peak of ``actions`` run in order on a rank whose chunks (by stage) are ``chunks``. ``workspace``: the
     matrix library's working memory inside a backward's matmul."""
     walker = _Walk(pieces, rules, workspace, actions)
+    run = {Phase.FORWARD: walker.forward, Phase.BACKWARD: walker.input_backward if walker.split else walker.backward,
+           Phase.WEIGHT: walker.weight_backward}
     for index, action in enumerate(actions):
         ahead = pieces.boundary * rules.early[index % len(rules.early)] if rules.early else 0.0
-        if action.phase is Phase.FORWARD:
-            walker.forward(action, chunks[action.stage], ahead)
-        else:
-            walker.backward(action, chunks[action.stage], ahead)
+        run[action.phase](action, chunks[action.stage], ahead)
     return walker.best
 
 
@@ -120,10 +131,13 @@ class _Walk:
 
     def __init__(self, pieces: Pieces, rules: Rules, workspace: float, actions: list[Action]) -> None:
         self.pieces, self.rules, self.workspace = pieces, rules, workspace
-        self.last_backward = {a.stage: a for a in actions if a.phase is Phase.BACKWARD}
+        # Zero-bubble tables split each backward: B frees the activations and keeps the stash, W makes the gradients.
+        self.split = any(a.phase is Phase.WEIGHT for a in actions)
+        grads = Phase.WEIGHT if self.split else Phase.BACKWARD
+        self.last_backward = {a.stage: a for a in actions if a.phase is grads}
         self.reducing = [a for a in actions if a in self.last_backward.values()]  # each chunk's last, in order
         self.seen: set[int] = set()  # the stages a backward has run for
-        self.saved = self.held = 0.0
+        self.saved = self.held = self.stash = 0.0
         self.released = rules.release if rules.release_at_start else 0.0
         self.best = Peak(0.0, 0.0, "")
         self.zero3 = 2 * pieces.unit + pieces.gathers  # the current block, the one prefetched, the gather's buffer
@@ -136,33 +150,71 @@ class _Walk:
     def forward(self, action: Action, chunk: Chunk, ahead: float) -> None:
         self.saved += self.pieces.saved(chunk.blocks, chunk.first, chunk.last)
         # At the forward's end: the last chunk's logits beside their log-softmax.
-        self.consider(self.saved, self.held + ahead + self.zero3 + (self.pieces.logits if chunk.last else 0.0),
-                      action)
+        logits = self.pieces.logits if chunk.last else 0.0
+        self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + logits, action)
 
     def backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
         p, rules = self.pieces, self.rules
-        self.released = rules.release
         flat = rules.flats if action == self.reducing[0] else 0.0
         # The block's first matmul: the library's workspace, a weight's gradient beside the working set; ZeRO-2's
         # first flat is made before it (at the first gradient of the chunk's last parameters), ZeRO-3's right after
         # it, for that gradient, when the MLP's input gradient is gone.
         start = self.zero3 + p.recompute + ahead + p.backward + self.workspace + p.weight
         top = start + flat if rules.flats_early else max(start, start - p.mlp_grad + flat)
-        if chunk.last:  # the loss's gradient (two logits-sized tensors), then the last block's, its head freed
-            self.consider(self.saved, self.held + ahead + 2 * p.logits, action)
-            self.consider(self.saved - p.head, self.held + top, action)
-        else:
-            self.consider(self.saved, self.held + top, action)
+        self._working(action, chunk, ahead, top)
         self.held += flat
         self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
+        self._gradients(action, chunk, ahead)
+        self._sent(chunk)
+
+    def input_backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
+        """B of a split backward: the working set without the weights' gradients; the chunk's activations are
+        freed but what W needs is kept (`Pieces.stashed`)."""
+        p = self.pieces
+        top = self.zero3 + p.recompute + ahead + p.backward + self.workspace
+        self._working(action, chunk, ahead, top)
+        # Its last block: the blocks done have swapped what they saved for their stash (more under ac).
+        self.consider(self.saved + self.stash + (chunk.blocks - 1) * max(p.stash - p.block, 0.0), self.held + top,
+                      action)
+        self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
+        self.stash += p.stashed(chunk.blocks, chunk.last)
+        self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + p.backward, action)
+        self._sent(chunk)
+
+    def weight_backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
+        """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
+        reductions."""
+        p, rules = self.pieces, self.rules
+        flat = rules.flats if action == self.reducing[0] else 0.0
+        self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + self.workspace + chunk.weights + flat,
+                      action)
+        self.held += flat
+        self.stash -= p.stashed(chunk.blocks, chunk.last)
+        self._gradients(action, chunk, ahead)
+
+    def _working(self, action: Action, chunk: Chunk, ahead: float, top: float) -> None:
+        """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first."""
+        p = self.pieces
+        self.released = self.rules.release
+        if chunk.last:  # the loss's gradient (two logits-sized tensors), then the last block's, its head freed
+            self.consider(self.saved + self.stash, self.held + ahead + 2 * p.logits, action)
+            self.consider(self.saved + self.stash - p.head, self.held + top, action)
+        else:
+            self.consider(self.saved + self.stash, self.held + top, action)
+
+    def _gradients(self, action: Action, chunk: Chunk, ahead: float) -> None:
+        """The gradients a backward (or W) leaves: kept whole until the chunk's last, which reduces them."""
         kept = action.stage in self.seen
         if action == self.last_backward[action.stage]:
             # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
             # what the reduction itself holds.
-            self.consider(self.saved, self.held + ahead + chunk.reduce + (0.0 if kept else chunk.grads), action)
-            self.held -= (chunk.grads if kept else 0.0) + (rules.flats if action == self.reducing[-1] else 0.0)
+            self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + (0.0 if kept else chunk.grads),
+                          action)
+            self.held -= (chunk.grads if kept else 0.0) + (self.rules.flats if action == self.reducing[-1] else 0.0)
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)
-        if rules.sends_wait_to_the_end:  # its output and the gradient it sent back stay in flight
-            self.held += p.boundary * ((not chunk.last) + (not chunk.first))
+
+    def _sent(self, chunk: Chunk) -> None:
+        if self.rules.sends_wait_to_the_end:  # its output and the gradient it sent back stay in flight
+            self.held += self.pieces.boundary * ((not chunk.last) + (not chunk.first))

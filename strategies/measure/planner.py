@@ -12,12 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from strategies.measure.estimate import DEFAULT_PRECISION, Estimate, ModelShape, estimate
-from strategies.plan import DataMode, ParallelPlan
+from strategies.measure.estimate import BUCKET, DEFAULT_PRECISION, Estimate, ModelShape, estimate
+from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.runs.schema import MEMORY_CATEGORIES
 
 if TYPE_CHECKING:
     from strategies.measure.calibrate import Calibration
+    from strategies.measure.costs import Costs
 
 GiB = 2**30
 
@@ -35,6 +36,7 @@ class Hardware:
     usable: float = 0.9  # fraction of the memory a plan may fill (allocator, buffers, fragmentation)
     overlap: float = 0.5  # share of dp communication hidden behind backward (DDP / ZeRO buckets)
     calibration: Calibration | None = None  # measured links (`calibrate`): when set, every axis uses them
+    costs: Costs | None = None  # measured pieces of a step at the shape planned for (`costs`): compute from them
 
     @classmethod
     def calibrated(cls, cal: Calibration, memory: float) -> Hardware:
@@ -87,13 +89,16 @@ class Ranked:
 
 
 def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
-    """A rough step time split into compute, bubble, recompute and exposed communication (seconds)."""
-    tokens = shape.batch * plan.dp * shape.seq
-    per_token = 6 * shape.total() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
-    compute = per_token * tokens / hw.gpus / hw.flops
-    parts = {"compute": compute, "bubble": compute * est.bubble / (1 - est.bubble) if est.bubble < 1 else math.inf}
-    if plan.ac:
-        parts["recompute"] = compute / 3  # one more forward
+    """A rough step time split into compute, bubble, recompute, the optimizer and the loop (with measured `costs`),
+    and exposed communication (seconds)."""
+    if hw.costs is not None:
+        parts = costed_compute(shape, est, plan, hw)
+    else:
+        tokens = shape.batch * plan.dp * shape.seq
+        per_token = 6 * shape.total() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
+        compute = per_token * tokens / hw.gpus / hw.flops
+        parts = {"compute": compute, "recompute": compute / 3 if plan.ac else 0.0}  # ac: one more forward
+    parts["bubble"] = parts["compute"] * est.bubble / (1 - est.bubble) if est.bubble < 1 else math.inf
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
     for axis in ("dp", "tp", "pp"):
@@ -105,19 +110,57 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
     return parts
 
 
+def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
+    """Compute, recompute, optimizer and loop from the measured pieces (`costs.Costs`): each microbatch through the
+    slowest pipeline rank's blocks (and the embedding on the first, the head and loss on the last), recompute's
+    forwards again, AdamW over this rank's tensors (ZeRO steps a few flats of 1/N of the parameters), and Lightning's
+    own work per step, with the broadcast its loop makes every step on several ranks."""
+    c = hw.costs
+    micro = (plan.microbatches or 1) * shape.accumulate
+    tokens = shape.batch / micro * shape.seq
+    blocks = shape.layers / plan.pp
+    block = blocks * c.block_seconds(plan.tp, tokens)
+    ends = [c.embedding[0] + c.embedding[1] * tokens, c.head[0] + c.head[1] * tokens]
+    stage = block + (sum(ends) if plan.pp == 1 else max(ends))  # per microbatch, on the slowest rank
+    psi = est.params_per_stage[0]
+    if plan.data.stage == 3:
+        tensors = blocks + 4  # a flat per unit: the blocks, embeddings, final norm, head
+    elif plan.data.is_zero:
+        tensors = math.ceil(psi * 4 / BUCKET) + 1
+    else:
+        tensors = 12 * blocks + 4
+    elements = psi / plan.dp if plan.data.is_zero else psi
+    world = plan.dp * plan.tp * plan.pp
+    broadcast = hw.seconds("all_reduce/world", 4, 1, world) if world > 1 and hw.calibration is not None else 0.0
+    # Recompute: what checkpointing measured per block (its forward again, and the checkpoint's own work), the block's
+    # forward share where it was not measured.
+    again = blocks * (c.recompute[0] + c.recompute[1] * tokens) if any(c.recompute) else block * c.forward
+    return {"compute": micro * stage, "recompute": micro * again if plan.ac else 0.0,
+            "optimizer": tensors * c.optimizer[0] + elements * c.optimizer[1], "loop": c.loop + broadcast}
+
+
 def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> dict[str, float]:
     """About how many collectives of each ``kind/axis`` rank 0 issues a step (each costs a latency): buckets
     for dp and ZeRO-1/2, units per microbatch forward and backward for ZeRO-3's gathers, four per block per
-    microbatch for tp (two in forward, two in backward), two sends per microbatch and chunk for pp."""
-    from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB  # DDP's buckets, and ZeRO-1/2's flats
-
+    microbatch for tp (two in forward, two in backward; with sp four gathers and four scatters; recompute repeats
+    the forward's up to its last saved tensor), and for pp the sends on the critical path (`send/pp` below)."""
     m = (plan.microbatches or 1) * shape.accumulate
     blocks = shape.layers / plan.pp  # rank 0's, over its virtual chunks
-    buckets = math.ceil(est.params_per_stage[0] * 4 / (DEFAULT_BUCKET_CAP_MB * 2**20)) if est.params_per_stage else 1
-    calls = {"all_reduce/dp": buckets, "reduce_scatter/dp": buckets, "send/dp": plan.dp - 1,
-             "all_gather/dp": 2 * m * (blocks + 2) if plan.data.stage == 3 else buckets,
-             "all_reduce/tp": 4 * blocks * m, "all_gather/tp": 2 * blocks * m + 1, "reduce_scatter/tp": 2 * blocks * m,
-             "send/pp": 2 * m * plan.virtual}
+    buckets = math.ceil(est.params_per_stage[0] * 4 / BUCKET) if est.params_per_stage else 1
+    # ZeRO-3's units: the blocks, and the token and position embeddings, final norm and head where they are; each is
+    # gathered for every microbatch's forward and again for its backward (but the last one, kept), and
+    # reduce-scattered once, from its own flat.
+    units = blocks + (4 if plan.pp == 1 else 2)
+    calls = {"all_reduce/dp": buckets, "reduce_scatter/dp": units if plan.data.stage == 3 else buckets,
+             "send/dp": plan.dp - 1, "all_gather/dp": m * (2 * units - 1) if plan.data.stage == 3 else buckets,
+             # sp: each block's two gathers and two scatters forward, and their conjugates backward; entering and
+             # leaving the sequence split one gather each (forward at the end, backward at the start)
+             "all_reduce/tp": (5 if plan.ac else 4) * blocks * m,
+             "all_gather/tp": ((6 if plan.ac else 4) * blocks + (2 if plan.pp == 1 else 1)) * m,
+             "reduce_scatter/tp": (5 if plan.ac else 4) * blocks * m,
+             # A pipeline's sends overlap the other stages' work: one hop per microbatch and chunk is on the
+             # critical path, and the fill and the drain's hops, 2(pp-1)
+             "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
     return {k: v for k, v in calls.items() if k in est.comm}
 
 
@@ -137,7 +180,8 @@ def candidates(shape: ModelShape, gpus: int) -> list[str]:
 
 def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: str = DEFAULT_PRECISION) -> list[Ranked]:
     """Every candidate plan for ``global_batch`` samples per step, predicted; those that fit first, fastest
-    first (plans whose dp or microbatches do not divide the batch are left out)."""
+    first (plans whose dp or microbatches do not divide the batch are left out). A pipeline plan gets the schedule
+    `choose_schedule` picks, as a run of it would."""
     ranked = []
     for text in candidates(shape, hw.gpus):
         plan = ParallelPlan.parse(text).resolve(hw.gpus)
@@ -145,7 +189,53 @@ def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: st
         if global_batch % plan.dp or per_rank % (plan.microbatches or 1):
             continue
         local = dataclasses.replace(shape, batch=per_rank)
-        est = estimate(local, plan, hw.gpus, precision)
-        parts = step_time(local, est, plan, hw)
-        ranked.append(Ranked(text, est, sum(parts.values()), parts, est.peak() <= hw.usable * hw.memory))
+        chosen = choose_schedule(local, plan, hw, precision)
+        label = text if plan.pp == 1 else str(dataclasses.replace(  # canonical, with the schedule it chose
+            ParallelPlan.parse(text), schedule=chosen.plan.schedule, virtual=chosen.plan.virtual))
+        ranked.append(Ranked(label, chosen.estimate, sum(chosen.parts.values()), chosen.parts,
+                             chosen.estimate.peak() <= hw.usable * hw.memory))
     return sorted(ranked, key=lambda r: (not r.fits, r.seconds))
+
+
+# The schedules `choose_schedule` weighs, where the plan and the model allow them.
+SCHEDULE_CANDIDATES = ("1f1b", "zb1p", "zbv", "dualpipev", "interleaved", "gpipe")
+
+
+@dataclass(frozen=True)
+class Choice:
+    plan: ParallelPlan  # resolved, with a schedule
+    estimate: Estimate
+    parts: dict[str, float]  # the predicted step time's parts
+    why: str
+
+
+def choose_schedule(shape: ModelShape, plan: ParallelPlan, hw: Hardware, precision: str = DEFAULT_PRECISION,
+                    backend: str = "nccl", workspace: float = 0.0,
+                    names: tuple[str, ...] = SCHEDULE_CANDIDATES) -> Choice:
+    """``plan`` (resolved) with a schedule: its own, or for ``pp<N>`` without one (AUTO), the candidate of ``names``
+    with the smallest predicted step time whose peak memory fits ``hw`` (the one holding least if none fits), and
+    why."""
+    options, refusals = [], []
+    auto = plan.pp > 1 and plan.schedule is PipelineSchedule.AUTO
+    for name in names if auto else ("",):
+        try:
+            cand = dataclasses.replace(plan, schedule=PipelineSchedule(name), virtual=2 if name == "interleaved"
+                                       else 1) if auto else plan
+            est = estimate(shape, cand, hw.gpus, precision, backend=backend, workspace=workspace)
+        except ValueError as err:  # a schedule the microbatches or the blocks do not allow
+            refusals.append(f"{name or plan.schedule.value}: {err}")
+            continue
+        options.append(Choice(cand, est, step_time(shape, est, cand, hw), ""))
+    if not options:
+        raise ValueError(f"plan '{plan}': no pipeline schedule fits the model; " + "; ".join(refusals))
+    fitting = [o for o in options if o.estimate.peak() <= hw.usable * hw.memory] or \
+        [min(options, key=lambda o: o.estimate.peak())]
+    best = min(fitting, key=lambda o: sum(o.parts.values()))
+    if not auto:
+        return best
+    seconds = sum(best.parts.values())
+    others = ", ".join(f"{o.plan.schedule.value} {sum(o.parts.values()):.3g}" for o in options if o is not best)
+    why = (f"{best.plan.schedule.value}: the fastest predicted of the schedules that fit ({seconds:.3g} s/step, "
+           f"bubble {best.estimate.bubble:.0%}, peak {best.estimate.peak() / GiB:.3g} GiB of "
+           f"{hw.usable * hw.memory / GiB:.3g}); others, s/step: {others}")
+    return dataclasses.replace(best, why=why)

@@ -31,6 +31,7 @@ from strategies.pipeline.runner import PipelineRunner, StepResult
 from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
 from strategies.pipeline.tied import TiedWeights
 from strategies.pipeline.trace import ForwardTrace
+from strategies.pipeline.weights import WeightStore
 from strategies.plan import ParallelPlan
 from strategies.technique import HeldGrad, OptimizerState, Technique
 
@@ -42,34 +43,35 @@ class _TopDone(Exception):
 
 
 class PipelineParallel(Technique):
-    """``module`` cut into ``plan.pp * plan.virtual`` stages over the mesh's pp axis; this rank runs its own."""
+    """``module`` cut into the schedule's stages (``plan.pp * plan.virtual``) over the mesh's pp axis, placed as the
+    schedule's table places them; this rank runs its own."""
 
     def __init__(self, module: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, blocks: str | None = None,
                  weights: tuple[list[float], float, float] | None = None, trace: ForwardTrace | None = None):
         self.module, self.axis = module, mesh.pp
-        pp, self.virtual, self.microbatches = plan.pp, plan.virtual, plan.microbatches
-        self.stages = pp * self.virtual
+        pp, self.microbatches = plan.pp, plan.microbatches
+        tables = schedules.build(plan.schedule.value, pp, self.microbatches, plan.virtual)
+        self.where = schedules.owners(tables)  # stage -> pp rank, as the schedule places them (looped, or a V)
+        self.stages = len(self.where)
         self.layout = plan_stages(module, self.stages, blocks, weights, trace)
-        self.my_stages = [c * pp + self.axis.index for c in range(self.virtual)]
+        self.my_stages = sorted(s for s, r in self.where.items() if r == self.axis.index)
         self.runner_stages = StageRunner(module, self.layout, self.my_stages)
         # One collective on the axis before its first grouped p2p: on nccl, the first batch_isend_irecv of a group
         # must involve every rank of it (it creates the communicator); later ones may involve a pair.
         comm.barrier(self.axis)
-        self.tied = TiedWeights(module, list(self.layout.shared), self.axis, mesh.dp, 0,
-                                schedules.owner(self.stages - 1, pp))
-        tables = schedules.build(plan.schedule.value, pp, self.microbatches, self.virtual)
+        self.tied = TiedWeights(module, list(self.layout.shared), self.axis, mesh.dp, self.where[0],
+                                self.where[self.stages - 1])
         self.table = tables[self.axis.index]
-        self.ideal_bubble = schedules.ideal_bubble(pp, self.microbatches, self.virtual)
+        self.ideal_bubble = schedules.table_bubble(tables)
         # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use.
         progs, how = messages.grouped(tables, pp)
         self.program = progs[self.axis.index]
-        self.eval_program = messages.evaluation(pp, self.stages)[self.axis.index]
-        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis))
-        last_backward: dict[int, schedules.Action] = {}
-        for action in self.table:
-            if action.phase is schedules.Phase.BACKWARD:
-                last_backward[action.stage] = action
-        self._last_backward = set(last_backward.values())
+        self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
+        # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
+        self.weights = WeightStore() if schedules.is_split(tables) else None
+        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
+                                     where=self.where, weights=self.weights)
+        self._last_backward = _reducing(self.table)
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
         top, _, _ = self.layout.blocks_name.partition(".")
@@ -82,7 +84,7 @@ class PipelineParallel(Technique):
 
     @property
     def last_rank(self) -> int:
-        return schedules.owner(self.stages - 1, self.axis.size)
+        return self.where[self.stages - 1]
 
     # -- training ------------------------------------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class PipelineParallel(Technique):
         owners = {name: self.layout.stage_of(name) for name, _ in self.module.named_parameters()}
         owners |= {name: self.layout.buffer_stage(name) for name, _ in self.module.named_buffers() if name in state}
         for name, stage in owners.items():
-            src = schedules.owner(stage, self.axis.size)
+            src = self.where[stage]
             mine = state[name]
             value = mine.clone() if src == self.axis.index else torch.empty(mine.shape, dtype=mine.dtype,
                                                                             device=mine.device)
@@ -235,6 +237,16 @@ class PipelineParallel(Technique):
         self.tied.remove()
         if healthy:
             self.restore_full_model()  # every parameter back from its stage: a whole module again
+
+
+def _reducing(actions: list[schedules.Action]) -> set[schedules.Action]:
+    """The actions whose backward reduces over dp: each parameter once, complete, in its stage's last backward (with W
+    split off, the last B for what B finishes, the last W for the weights)."""
+    last: dict[tuple[schedules.Phase, int], schedules.Action] = {}
+    for action in actions:
+        if action.phase is not schedules.Phase.FORWARD:
+            last[(action.phase, action.stage)] = action
+    return set(last.values())
 
 
 def _on_gloo(axis: Axis) -> bool:

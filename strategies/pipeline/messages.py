@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from strategies.pipeline.schedules import Action, Phase, ScheduleTable, owner, simulate
+from strategies.pipeline.schedules import Action, Phase, ScheduleTable, owners, simulate
 
 
 class PipelineOrderError(RuntimeError):
@@ -72,14 +72,16 @@ def grouped(table: ScheduleTable, pp: int, share_loss: bool = True,
     "lockstep" (interleaved, as torch's multi-stage ones do); ``how`` forces one. ``share_loss``: end with the
     last stage's loss sent to every other rank. Per action, a receive is posted just before the action that needs
     it; in lock step, after the receiver's own compute of that time step (so a sender that waited for its send
-    would wait for that compute: the runner leaves sends in flight there)."""
-    last = max(a.stage for actions in table for a in actions)
+    would wait for that compute: the runner leaves sends in flight there). Where the table puts two consecutive
+    stages on one rank (the V placement's bottom), the activation and its gradient pass in memory: no message."""
+    where = owners(table)
+    last = max(where)
     headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
               for s in range(last + 1)}  # the microbatch whose activation goes with a header: the first one
-    tail = _loss_steps(pp, last) if share_loss and pp > 1 else [[] for _ in range(pp)]
+    tail = _loss_steps(pp, where) if share_loss and pp > 1 else [[] for _ in range(pp)]
     kinds = [how] if how else ["action", "lockstep"]
     for kind in kinds:
-        built = _per_action(table, pp, last, headed) if kind == "action" else _lockstep(table, pp, last, headed)
+        built = _per_action(table, where, headed) if kind == "action" else _lockstep(table, pp, where, headed)
         progs = [steps + tail[r] for r, steps in enumerate(built)]
         try:
             check(progs)
@@ -91,13 +93,14 @@ def grouped(table: ScheduleTable, pp: int, share_loss: bool = True,
     raise AssertionError("unreachable: the last kind returns or raises")
 
 
-def evaluation(pp: int, stages: int) -> list[Program]:
-    """Each rank's program for evaluation: every stage once, in order, on the whole batch (microbatch 0)."""
-    chain = [[Action(Phase.FORWARD, s, 0) for s in range(r, stages, pp)] for r in range(pp)]
+def evaluation(pp: int, where: dict[int, int]) -> list[Program]:
+    """Each rank's program for evaluation: every stage once, in order, on the whole batch (microbatch 0); ``where``:
+    stage -> rank, as the training table places them."""
+    chain = [[Action(Phase.FORWARD, s, 0) for s in sorted(where) if where[s] == r] for r in range(pp)]
     return programs(chain, pp, share_loss=False)
 
 
-def _per_action(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]) -> list[Program]:
+def _per_action(table: ScheduleTable, where: dict[int, int], headed: dict[int, int]) -> list[Program]:
     """Before each action, one group: the previous action's output out, this action's input in. (Receiving the
     next action's input earlier, as the runner once did on gloo, cannot be made safe: on one in-order stream a
     receive posted early holds back the rank's own later sends: the checker finds 1F1B and most GPipe tables hang
@@ -107,10 +110,10 @@ def _per_action(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]
         steps: Program = []
         pending: list[Transfer] = []  # the previous action's output
         for action in actions:
-            incoming = _input(action, last, pp, headed)
+            incoming = _input(action, where, headed)
             steps += _header_steps(pending + incoming)
             steps.append(Step(_payloads(pending + incoming), action))
-            pending = _output(action, last, pp, headed)
+            pending = _output(action, where, headed)
         steps += _header_steps(pending)
         if _payloads(pending):
             steps.append(Step(_payloads(pending), None))
@@ -118,7 +121,7 @@ def _per_action(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]
     return out
 
 
-def _lockstep(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]) -> list[Program]:
+def _lockstep(table: ScheduleTable, pp: int, where: dict[int, int], headed: dict[int, int]) -> list[Program]:
     """Time step by time step of the unit-time simulation (`schedules.simulate`): each rank computes its action
     of the step, then every message made in that step goes out and in, one group per rank. A group of step t
     holds only messages whose other end is in a group of step t, so every step completes: no order can hang."""
@@ -131,7 +134,7 @@ def _lockstep(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]) 
         moving: list[list[Transfer]] = [[] for _ in range(pp)]
         for r, action in by_time[t]:
             out[r].append(Step((), action))
-            for sent in _output(action, last, pp, headed):
+            for sent in _output(action, where, headed):
                 moving[r].append(sent)
                 moving[sent.peer].append(Transfer(False, r, sent.message))
         for r in range(pp):
@@ -141,8 +144,9 @@ def _lockstep(table: ScheduleTable, pp: int, last: int, headed: dict[int, int]) 
     return out
 
 
-def _loss_steps(pp: int, last: int) -> list[Program]:
-    loss, mine = Message("loss", last, 0), owner(last, pp)
+def _loss_steps(pp: int, where: dict[int, int]) -> list[Program]:
+    last = max(where)
+    loss, mine = Message("loss", last, 0), where[last]
     return [[Step(tuple(Transfer(True, p, loss) for p in range(pp) if p != mine) if r == mine
                   else (Transfer(False, mine, loss),), None)] for r in range(pp)]
 
@@ -158,26 +162,28 @@ def _header_steps(transfers: list[Transfer]) -> list[Step]:
     return [Step(headers, None)] if headers else []
 
 
-def _input(action: Action, last: int, pp: int, headed: dict[int, int]) -> list[Transfer]:
-    s, m = action.stage, action.microbatch
-    if action.phase is Phase.FORWARD:
-        if s == 0:
-            return []
-        src = owner(s - 1, pp)
+def _input(action: Action, where: dict[int, int], headed: dict[int, int]) -> list[Transfer]:
+    """What ``action`` receives from another rank: its input activation (F) or output gradient (B); none when the
+    neighbouring stage is on the same rank, or for W."""
+    s, m, last = action.stage, action.microbatch, max(where)
+    if action.phase is Phase.FORWARD and s > 0 and where[s - 1] != where[s]:
+        src = where[s - 1]
         header = [Transfer(False, src, Message("h", s - 1, m))] if m == headed[s - 1] else []
         return header + [Transfer(False, src, Message("a", s - 1, m))]
-    return [] if s == last else [Transfer(False, owner(s + 1, pp), Message("g", s + 1, m))]
+    if action.phase is Phase.BACKWARD and s < last and where[s + 1] != where[s]:
+        return [Transfer(False, where[s + 1], Message("g", s + 1, m))]
+    return []
 
 
-def _output(action: Action, last: int, pp: int, headed: dict[int, int]) -> list[Transfer]:
-    s, m = action.stage, action.microbatch
-    if action.phase is Phase.FORWARD:
-        if s == last:
-            return []
-        dst = owner(s + 1, pp)
+def _output(action: Action, where: dict[int, int], headed: dict[int, int]) -> list[Transfer]:
+    s, m, last = action.stage, action.microbatch, max(where)
+    if action.phase is Phase.FORWARD and s < last and where[s + 1] != where[s]:
+        dst = where[s + 1]
         header = [Transfer(True, dst, Message("h", s, m))] if m == headed[s] else []
         return header + [Transfer(True, dst, Message("a", s, m))]
-    return [] if s == 0 else [Transfer(True, owner(s - 1, pp), Message("g", s, m))]
+    if action.phase is Phase.BACKWARD and s > 0 and where[s - 1] != where[s]:
+        return [Transfer(True, where[s - 1], Message("g", s, m))]
+    return []
 
 
 def check(progs: list[Program]) -> int:

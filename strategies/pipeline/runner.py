@@ -27,6 +27,7 @@ from strategies import comm
 from strategies.comm import Axis
 from strategies.pipeline.messages import Message, Program, Step
 from strategies.pipeline.schedules import Action, Phase
+from strategies.pipeline.weights import WeightStore
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # ndim, dtype, up to 6 dims
@@ -69,16 +70,22 @@ class _Step:
     outbox: dict = field(default_factory=dict)  # Message -> tensor to send
     arriving: dict = field(default_factory=dict)  # Message -> (group handle, buffer): issued, waited when needed
     sending: list = field(default_factory=list)  # (group handle, tensors) of sends not yet waited for
+    local: dict = field(default_factory=dict)  # ("a"|"g", stage, microbatch) -> tensor passed to a stage on this rank
     result: StepResult = field(default_factory=lambda: StepResult(losses=[]))
 
 
 class PipelineRunner:
     """Runs programs on the pp axis. ``forward(stage, microbatch, received)`` runs the user's code as that stage
     and returns its output (the scaled loss on the last stage). ``wait_sends``: in training, complete the sends
-    before each compute (on gloo, where that is faster; see the module's docstring), else at the step's end."""
+    before each compute (on gloo, where that is faster; see the module's docstring), else at the step's end.
+    ``where``: stage -> pp rank (two neighbouring stages on this rank pass activations and gradients in memory);
+    ``weights``: the store that splits weight gradients off B for the table's W actions (None: no W actions)."""
 
-    def __init__(self, axis: Axis, stages: int, wait_sends: bool = True) -> None:
+    def __init__(self, axis: Axis, stages: int, wait_sends: bool = True, where: dict[int, int] | None = None,
+                 weights: WeightStore | None = None) -> None:
         self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
+        self.where = where if where is not None else {s: s % axis.size for s in range(stages)}
+        self.weights = weights
         self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # this step's activation of each stage
 
     def run(self, program: Program, forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
@@ -93,11 +100,15 @@ class PipelineRunner:
                 continue
             if self.wait_sends:
                 _complete(step.sending)
+            context = contextlib.nullcontext()
+            if item.action.phase is not Phase.FORWARD and backward_context is not None:
+                context = backward_context(item.action)
             if item.action.phase is Phase.FORWARD:
                 start, end = self._forward(item.action, forward, step)
-            else:
-                context = backward_context(item.action) if backward_context is not None else contextlib.nullcontext()
+            elif item.action.phase is Phase.BACKWARD:
                 start, end = self._backward(item.action, step, context)
+            else:
+                start, end = self._weights(item.action, context)
             step.result.timeline.append(TimelineEntry(str(item.action), item.action.phase.value, item.action.stage,
                                                       item.action.microbatch, start - step.t0, end - step.t0))
         _complete(step.sending)
@@ -181,14 +192,24 @@ class PipelineRunner:
             step.outbox[Message("h", stage, m)] = header
         step.outbox[Message("a", stage, m)] = out.detach().contiguous()
 
+    def _local(self, stage: int, other: int) -> bool:
+        """Whether ``other``, a neighbour of ``stage``, runs on this rank too (no message between them)."""
+        return self.where[stage] == self.where[other]
+
     def _forward(self, action: Action, forward: Callable, step: _Step) -> tuple[float, float]:
         s, m = action.stage, action.microbatch
-        received = _receive(Message("a", s - 1, m), step).requires_grad_() if s > 0 else None
+        received = None
+        if s > 0:
+            received = (step.local.pop(("a", s - 1, m)) if self._local(s, s - 1)
+                        else _receive(Message("a", s - 1, m), step)).requires_grad_()
         start = time.perf_counter()
-        out = forward(s, m, received)
+        with self.weights.linears() if self.weights is not None else contextlib.nullcontext():
+            out = forward(s, m, received)
         end = time.perf_counter()
         if s == self.stages - 1:
             step.result.losses.append(out.detach())
+        elif self._local(s, s + 1):
+            step.local[("a", s, m)] = out.detach()
         else:
             self._outgoing(out, s, m, step)
         step.kept[(s, m)] = (out, received)
@@ -197,15 +218,29 @@ class PipelineRunner:
     def _backward(self, action: Action, step: _Step, context: contextlib.AbstractContextManager) -> tuple[float, float]:
         s, m = action.stage, action.microbatch
         out, received = step.kept.pop((s, m))
-        grad = _receive(Message("g", s + 1, m), step) if s < self.stages - 1 else None
+        grad = None
+        if s < self.stages - 1:
+            grad = step.local.pop(("g", s + 1, m)) if self._local(s, s + 1) else _receive(Message("g", s + 1, m), step)
+        split = self.weights.backward_input((s, m)) if self.weights is not None else contextlib.nullcontext()
         start = time.perf_counter()
         if out.requires_grad:
-            with context:
+            with context, split:
                 torch.autograd.backward(out, grad)
         end = time.perf_counter()
         if s > 0:
-            step.outbox[Message("g", s, m)] = received.grad if received.grad is not None else torch.zeros_like(received)
+            sent = received.grad if received.grad is not None else torch.zeros_like(received)
+            if self._local(s, s - 1):
+                step.local[("g", s, m)] = sent
+            else:
+                step.outbox[Message("g", s, m)] = sent
         return start, end
+
+    def _weights(self, action: Action, context: contextlib.AbstractContextManager) -> tuple[float, float]:
+        """W: the weight gradients B of this (stage, microbatch) left for later."""
+        start = time.perf_counter()
+        with context:
+            self.weights.weights((action.stage, action.microbatch))
+        return start, time.perf_counter()
 
 
 def _start(program: Program) -> _Step:

@@ -17,43 +17,45 @@ interleaved (`ideal_bubble`).
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+import functools
 
+from strategies.pipeline import zero_bubble
+from strategies.pipeline.actions import Action, Phase, ScheduleTable, check_counts
 
-class Phase(enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-
-
-@dataclass(frozen=True)
-class Action:
-    phase: Phase
-    stage: int
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.phase.value}{self.stage}.{self.microbatch}"
-
-
-ScheduleTable = list[list[Action]]  # one ordered list of actions per pipeline rank
+__all__ = ["Action", "Phase", "ScheduleTable", "check_counts"]
 
 
 def owner(stage: int, pp: int) -> int:
-    """The pipeline rank that holds ``stage``."""
+    """The pipeline rank that holds ``stage`` in the looped placement (GPipe, 1F1B, interleaved, ZB-H1)."""
     return stage % pp
+
+
+def v_owner(stage: int, pp: int) -> int:
+    """The pipeline rank that holds ``stage`` in the V placement (ZB-V, DualPipeV): down the ranks and back up, so
+    rank r holds stages r and 2pp-1-r."""
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+def owners(table: ScheduleTable) -> dict[int, int]:
+    """Stage -> the rank whose actions run it: where a table places its stages."""
+    return {a.stage: r for r, actions in enumerate(table) for a in actions}
+
+
+def is_split(table: ScheduleTable) -> bool:
+    """Whether the table runs weight gradients as actions of their own (then every B is the input's gradient only)."""
+    return any(a.phase is Phase.WEIGHT for actions in table for a in actions)
 
 
 def gpipe(pp: int, microbatches: int) -> ScheduleTable:
     """All forwards, then all backwards (in the same microbatch order)."""
-    _check(pp, microbatches, 1)
+    check_counts(pp, microbatches, 1)
     return [[Action(Phase.FORWARD, r, m) for m in range(microbatches)]
             + [Action(Phase.BACKWARD, r, m) for m in range(microbatches)] for r in range(pp)]
 
 
 def one_f_one_b(pp: int, microbatches: int) -> ScheduleTable:
     """Warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
-    _check(pp, microbatches, 1)
+    check_counts(pp, microbatches, 1)
     if microbatches < pp:
         raise ValueError(
             f"1F1B needs at least as many microbatches as stages: mb{microbatches} < pp{pp}; use mb{pp} or more, "
@@ -75,7 +77,7 @@ def one_f_one_b(pp: int, microbatches: int) -> ScheduleTable:
 
 def interleaved(pp: int, microbatches: int, virtual: int) -> ScheduleTable:
     """Interleaved 1F1B with ``virtual`` chunks per rank: stage c*pp + r is rank r's chunk c."""
-    _check(pp, microbatches, virtual)
+    check_counts(pp, microbatches, virtual)
     if microbatches % pp:
         raise ValueError(f"interleaved needs the microbatches to be a multiple of pp: mb{microbatches} % pp{pp} != 0")
     total = microbatches * virtual
@@ -102,28 +104,87 @@ def interleaved(pp: int, microbatches: int, virtual: int) -> ScheduleTable:
     return out
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+V_PLACED = ("zbv", "dualpipev")  # two stages per rank, placed as a V (`v_owner`)
+
+
 def build(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> ScheduleTable:
-    """The table for a plan's schedule name (``gpipe``, ``1f1b``, ``interleaved``)."""
+    """The table for a plan's schedule name (`SCHEDULES`); ``virtual``: chunks per rank for interleaved."""
+    return [list(actions) for actions in _built(schedule, pp, microbatches, virtual)]
+
+
+@functools.lru_cache(maxsize=256)
+def _built(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(actions) for actions in _build(schedule, pp, microbatches, virtual))
+
+
+def _build(schedule: str, pp: int, microbatches: int, virtual: int) -> ScheduleTable:
     if schedule == "gpipe":
         return gpipe(pp, microbatches)
     if schedule == "1f1b":
         return one_f_one_b(pp, microbatches)
     if schedule == "interleaved":
         return interleaved(pp, microbatches, virtual)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: gpipe, 1f1b, interleaved")
+    if schedule in ("zb1p", "zbv", "dualpipev"):
+        return getattr(zero_bubble, schedule)(pp, microbatches)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
 
 
-def ideal_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
-    """The idle fraction of each rank with equal stage times: (pp-1) / (mb + pp-1), divided by v."""
-    return (pp - 1) / virtual / (microbatches + (pp - 1) / virtual)
+def chunks_per_rank(schedule: str, virtual: int = 1) -> int:
+    """Stages each rank holds under ``schedule``: v for interleaved, two for the V-placed ones, else one."""
+    return 2 if schedule in V_PLACED else virtual
+
+
+def ideal_bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+    """The idle fraction of a rank with equal stages (`timeline`'s costs): (pp-1) / (mb + pp-1) for GPipe and 1F1B,
+    divided by v for interleaved; for the zero-bubble schedules, from their tables."""
+    if schedule in ("gpipe", "1f1b", "interleaved"):
+        return (pp - 1) / virtual / (microbatches + (pp - 1) / virtual)
+    return table_bubble(build(schedule, pp, microbatches, virtual))
+
+
+def table_bubble(table: ScheduleTable) -> float:
+    """1 - (a rank's busy time) / (the step's span) on `timeline`'s costs, averaged over the ranks."""
+    runs = timeline(table)
+    span = max(end for actions in runs for _, _, end in actions)
+    return sum(1 - sum(end - start for _, start, end in actions) / span for actions in runs) / len(runs)
+
+
+def timeline(table: ScheduleTable) -> list[list[tuple[Action, float, float]]]:
+    """Each rank's actions with their start and end when every stage costs the same: F 1, B 2 (1 when its W is an
+    action of its own), W 1, each action starting once the rank is free and its inputs exist. Raises on deadlock."""
+    split = is_split(table)
+    cost = {Phase.FORWARD: 1.0, Phase.BACKWARD: 1.0 if split else 2.0, Phase.WEIGHT: 1.0}
+    done: dict[Action, float] = {}
+    clock = [0.0] * len(table)
+    out: list[list[tuple[Action, float, float]]] = [[] for _ in table]
+    last = max(a.stage for actions in table for a in actions)
+
+    def run(r: int, action: Action) -> bool:
+        needs = _dependencies(action, last)
+        if not all(n in done for n in needs):
+            return False
+        start = max([clock[r]] + [done[n] for n in needs])
+        done[action] = clock[r] = start + cost[action.phase]
+        out[r].append((action, start, clock[r]))
+        return True
+
+    stuck = _as_far_as_possible(table, len(table), run)
+    if stuck:
+        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on {[str(a) for a in stuck]}")
+    return out
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most microbatches whose forward ran and whose backward has not, at any point of ``actions``: the
-    activations the rank holds at its peak (in units of one chunk's activations)."""
+    """Most microbatches whose forward ran and whose backward has not (whose W has not, where W is split off), at
+    any point of ``actions``: the activations the rank holds at its peak (in units of one chunk's activations)."""
+    split = any(a.phase is Phase.WEIGHT for a in actions)
     live = peak = 0
     for action in actions:
-        live += 1 if action.phase is Phase.FORWARD else -1
+        if action.phase is Phase.FORWARD:
+            live += 1
+        elif action.phase is (Phase.WEIGHT if split else Phase.BACKWARD):
+            live -= 1
         peak = max(peak, live)
     return peak
 
@@ -182,23 +243,21 @@ def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
 
 
 def _producer(action: Action, last_stage: int) -> Action | None:
-    """The action on another stage whose output ``action`` receives."""
+    """The action on another stage whose output ``action`` receives (a W receives nothing)."""
     s, m = action.stage, action.microbatch
+    if action.phase is Phase.WEIGHT:
+        return None
     if action.phase is Phase.FORWARD:
         return Action(Phase.FORWARD, s - 1, m) if s > 0 else None
     return Action(Phase.BACKWARD, s + 1, m) if s < last_stage else None
 
 
 def _dependencies(action: Action, last_stage: int) -> list[Action]:
-    """What must have run before ``action``: its input's producer, and a backward's own forward."""
+    """What must have run before ``action``: its input's producer, a backward's own forward, a W its own B."""
+    if action.phase is Phase.WEIGHT:
+        return [Action(Phase.BACKWARD, action.stage, action.microbatch)]
     producer = _producer(action, last_stage)
     needs = [] if producer is None else [producer]
     if action.phase is Phase.BACKWARD:
         needs.insert(0, Action(Phase.FORWARD, action.stage, action.microbatch))
     return needs
-
-
-def _check(pp: int, microbatches: int, virtual: int) -> None:
-    for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -30,7 +30,8 @@ class TiedWeights:
         self.axis, self.dp = axis, dp
         self.params = [module.get_parameter(name) for name in names]
         self.is_first = axis.index == first
-        self.peer = last if self.is_first else first if axis.index == last else None
+        # One rank holding both stages (a V placement) holds one copy, whose gradient sums both shares already.
+        self.peer = None if first == last else last if self.is_first else first if axis.index == last else None
         self.shares: dict[int, torch.Tensor] = {}
         self._hooks = [p.register_hook(self._keep(k)) for k, p in enumerate(self.params)] if self.peer is not None \
             else []

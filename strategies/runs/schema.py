@@ -33,7 +33,7 @@ RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time"
 SUMMARY_SHAPE = {
     "losses": [_NUM], "tokens_per_s": _NUM, "mfu": _NUM, "comm_per_step": {"*": {"bytes_sent": _NUM, "wait_s": _NUM}},
     "pipeline": ({"bubble_ideal": _NUM, "bubble_measured": _NUM, "partition": ["str"], "timeline": [_EVENT],
-                  "timelines": {"*": [_EVENT]}, "ideal": {"*": [["str", "num"]]}}, None),
+                  "timelines": {"*": [_EVENT]}, "ideal": {"*": [(["str", "num", "num"], ["str", "num"])]}}, None),
 }
 _NAMES = {"int": "an integer", "num": "a number", "str": "a string", None: "null", list: "a list", dict: "an object"}
 
@@ -66,10 +66,16 @@ def _fits(value: Any, shape: Any) -> bool:
 def misfit(value: Any, shape: Any, where: str = "") -> str | None:
     """Where ``value`` is not of ``shape`` (see META_SHAPE), in words; None when it is."""
     shapes = shape if isinstance(shape, tuple) else (shape,)
-    shape = next((s for s in shapes if _fits(value, s)), ...)
-    if shape is ...:
+    candidates = [s for s in shapes if _fits(value, s)]
+    if not candidates:
         expected = " or ".join(_NAMES[type(s) if isinstance(s, (list, dict)) else s] for s in shapes)
         return f"{where or 'it'} is {kind_of(value)}, not {expected}"
+    problems = [_misfit_inside(value, s, where) for s in candidates]  # any one shape that fits inside too will do
+    return None if None in problems else problems[0]
+
+
+def _misfit_inside(value: Any, shape: Any, where: str) -> str | None:
+    """Where ``value``, whose outside is of ``shape``'s kind, is not of it inside."""
     if isinstance(shape, list):
         if len(shape) > 1 and len(value) != len(shape):
             return f"{where or 'it'} has {len(value)} items, not {len(shape)}"

@@ -23,13 +23,15 @@ GLOBAL, STEPS, LR = 24, 2, 0.5  # samples per optimizer step: divides over dp (1
 CONFIG = GPTConfig(vocab_size=32, n_layer=4, n_head=2, n_embd=16, seq_len=8)  # 4 blocks: pp2 x v2
 MODES = ("naive", "dp", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload")
 MODELS = ("tp2", "pp2_gpipe_mb1", "pp2_mb4")
+ZERO_BUBBLE = ("pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4")  # B and W split; the V's on a rank's two stages
 # CI: every data mode x accumulation at 2 ranks; tp and pp (mb 1 and 4) x accumulation at 2 ranks, and composed
 # with dp at 4 under ZeRO-2 (the mode whose reduce-scatter follows the backward); two 3D plans at 8. The whole
 # cross (every data mode with each of them, at 4 and 8) under `-m matrix`.
-CASES = {2: [(m, a) for m in MODES + MODELS for a in (1, 3)],
+CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)],
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
          + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")],
-         8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1)]}
+         8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1), ("dp_tp2_pp2_zb1p_mb4", 3),
+             ("zero3_tp2_pp2_zbv_mb4", 1), ("zero1_tp2_pp2_dualpipev_mb4", 3)]}
 # bf16-mixed against a bf16-mixed single process (`test_sgd_matrix`: tolerance from the measured spread), and the
 # same runs with an error planted in the pack, which that tolerance must catch: ZeRO's reduce-scatter summing where
 # it averages (x dp), and the pipeline dropping one microbatch's gradient (1 of 4).

@@ -3,10 +3,10 @@ the estimator's predicted peak (model states, the activations and temporaries it
 `measure.peak`) within 5%.
 
 The model is large enough (4 x 128, sequence 128) that model states and activations are most of the heap: at the
-demo's test size (2 x 32) the interpreter's and gloo's own allocations would be as large as the model. CI runs three
+demo's test size (2 x 32) the interpreter's and gloo's own allocations would be as large as the model. CI runs four
 plans that between them take every path of the walk (no pp and ZeRO-2's released shards; interleaved lock step with
-ZeRO-1; ZeRO-3 with recompute, tp and pp on 8 ranks); `pytest -m matrix` runs the whole 3D matrix of
-`stratpack heap` (docs/heap-*.md).
+ZeRO-1; ZB-H1's split backwards, B keeping a stash for W; ZeRO-3 with recompute, tp and pp on 8 ranks);
+`pytest -m matrix` runs the whole 3D matrix of `stratpack heap` (docs/heap-*.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from strategies.runs import MEMORY_CATEGORIES
 from tests.helpers import train_demo
 
 SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
-CI = [("zero2_tp2", 4), ("zero1_pp2_interleaved_v2_mb4", 4), ("zero3_tp2_pp2_ac", 8)]
+CI = [("zero2_tp2", 4), ("zero1_pp2_interleaved_v2_mb4", 4), ("zero1_pp2_zb1p_mb4", 4), ("zero3_tp2_pp2_1f1b_ac", 8)]
 MATRIX = [(p, 8) for p in EIGHT] + [(p, 4) for p in FOUR]
 
 

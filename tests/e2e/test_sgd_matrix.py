@@ -1,8 +1,10 @@
 """Equivalence that a wrong gradient scale cannot pass (issue 20): plain SGD without momentum or clipping, so that a
 wrong 1/mb, 1/accumulate or a sum over dp where a mean belongs moves every parameter by that factor on the first
 step. Every data mode (naive, dp, ZeRO-1/2/3, with and without offload) x accumulation (1 and 3) at 2 ranks; tp2
-and pp2 (GPipe mb1, 1F1B mb4) x accumulation at 2 ranks and composed with ZeRO-2 over dp at 4; `zero3_tp2_pp2_mb4`
-(accumulating) and `zero2_tp2_pp2_interleaved_v2_mb4` at 8. Under ``-m matrix``: each data mode x {tp2, pp2 mb1,
+and pp2 (GPipe mb1, 1F1B mb4, and the zero-bubble zb1p, zbv, dualpipev at mb4) x accumulation at 2 ranks and the
+first three composed with ZeRO-2 over dp at 4; `zero3_tp2_pp2_mb4` (accumulating), `zero2_tp2_pp2_interleaved_v2_mb4`
+and the zero-bubble schedules composed with dp, ZeRO-3 and ZeRO-1 (`dp_tp2_pp2_zb1p_mb4`, `zero3_tp2_pp2_zbv_mb4`,
+`zero1_tp2_pp2_dualpipev_mb4`) at 8. Under ``-m matrix``: each data mode x {tp2, pp2 mb1,
 pp2 mb4} x accumulation at 4, and x {tp2_pp2 1F1B, interleaved} x accumulation at 8. The parameters after 2
 steps are compared, not only the losses. One set of processes per world size (`_sgd_job`); one single-process
 reference for all.

@@ -125,6 +125,16 @@ def test_pipeline_bubble_and_activations_gpipe_vs_1f1b(tmp_path):
         assert all(e["end"] >= e["start"] >= 0 for e in pipeline["timeline"])
 
 
+def test_a_pipeline_without_a_schedule_runs_the_one_predicted_fastest_and_says_why(tmp_path):
+    result, _ = _train(tmp_path, "pp2_mb4", 2, *DEEP)
+    pipeline, predicted = result["pipeline"], result["predicted"]
+    # The run chose on its first batch what `stratpack train` predicted before it, among the schedules the plan allows.
+    assert pipeline["schedule"] in ("1f1b", "zb1p", "zbv", "dualpipev", "interleaved", "gpipe")
+    assert f"_{pipeline['schedule']}_" in predicted["plan"] + "_"
+    assert pipeline["schedule_choice"].startswith(pipeline["schedule"] + ": the fastest predicted")
+    assert "others, s/step:" in pipeline["schedule_choice"] and predicted["schedule_choice"]
+
+
 def test_activation_checkpointing_keeps_less_for_backward(tmp_path):
     plain, _ = _train(tmp_path, "dp", 2)
     checkpointed, _ = _train(tmp_path, "dp_ac", 2)

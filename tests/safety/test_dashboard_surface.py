@@ -230,8 +230,8 @@ CASES = {
     "s-pipeline-list": (_with_summary(pipeline=[1]), "pipeline is a list, not an object or null", True),
     "s-pipeline-event": (_with_summary(pipeline={**PIPELINE, "timelines": {"0": [{"action": "F", "start": 0}]}}),
                          "pipeline.timelines.0[0] has no 'end'", True),
-    "s-pipeline-ideal": (_with_summary(pipeline={**PIPELINE, "ideal": {"0": [["F0.0", 0, 9]]}}),
-                         "pipeline.ideal.0[0] has 3 items, not 2", True),
+    "s-pipeline-ideal": (_with_summary(pipeline={**PIPELINE, "ideal": {"0": [["F0.0", 0, 9, 1]]}}),
+                         "pipeline.ideal.0[0] has 4 items, not 3", True),
     "s-pipeline-partition": (_with_summary(pipeline={**PIPELINE, "partition": [{"stage": 0}]}),
                              "pipeline.partition[0] is an object, not a string", True),
     # names the page must show as text, not as Markdown or HTML

@@ -45,8 +45,10 @@ st = pytest.importorskip("hypothesis.strategies")
 EXAMPLES = 300
 SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
 # Independent of plan.py: what a single token of the grammar looks like.
-GRAMMAR = re.compile(r"naive|dp|zero[123]|gpipe|1f1b|interleaved|sp|ac|offload|(dp|tp|pp|v|mb)[0-9]+")
-WORDS = ["naive", "dp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "interleaved", "sp", "ac", "offload"]
+GRAMMAR = re.compile(
+    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|ac|offload|(dp|tp|pp|v|mb)[0-9]+")
+WORDS = ["naive", "dp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev", "sp",
+         "ac", "offload"]
 NEAR_MISSES = [
     "tp0", "pp-1", "zer03", "mb", "dp2_dp2", "zero4", "zero0", "zero30", "zero34", "naive2", "tp", "v", "v0", "v1",
     "tpx", "TP2", "Zero3", "tp 2", " tp2", "tp2 ", "tp\u0663", "\uff54\uff502", "tp\u00b2", "\u0130", "\u00df",
@@ -70,12 +72,14 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
     degrees = st.integers(1, 64) | st.integers(1, MAX_DEGREE)
     data, dp, tp, pp = (draw(st.sampled_from(list(DataMode))), draw(st.none() | degrees), draw(degrees),
                         draw(st.integers(1, 16)))
-    schedule = draw(st.sampled_from(list(PipelineSchedule))) if pp > 1 else PipelineSchedule.ONE_F_ONE_B
+    schedule = draw(st.sampled_from(list(PipelineSchedule))) if pp > 1 else PipelineSchedule.AUTO
     virtual = draw(st.integers(2, 8)) if schedule is PipelineSchedule.INTERLEAVED else 1
     microbatches = None
     if pp > 1 and draw(st.booleans()):
         by_schedule = {PipelineSchedule.INTERLEAVED: pp * draw(st.integers(1, 8)),
-                       PipelineSchedule.ONE_F_ONE_B: draw(st.integers(pp, pp + 64))}
+                       PipelineSchedule.ONE_F_ONE_B: draw(st.integers(pp, pp + 64)),
+                       PipelineSchedule.ZB1P: draw(st.integers(pp, pp + 64)),
+                       PipelineSchedule.DUALPIPEV: draw(st.integers(2 * pp, 2 * pp + 64))}
         microbatches = by_schedule.get(schedule, draw(st.integers(1, 64)))
     fields = dict(data=data, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual=virtual, microbatches=microbatches,
                   sp=tp > 1 and draw(st.booleans()), ac=draw(st.booleans()),
@@ -84,7 +88,7 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
     for head, value, default in (("dp", dp, None), ("tp", tp, 1), ("pp", pp, 1), ("mb", microbatches, None)):
         if value is not None and (value != default or draw(st.booleans())):
             tokens.append(degree_token(draw, head, value))
-    if schedule is not PipelineSchedule.ONE_F_ONE_B or draw(st.booleans()):
+    if schedule is not PipelineSchedule.AUTO or draw(st.booleans()):  # "auto" may be spelled out
         tokens.append(schedule.value)
     if virtual > 2 or (virtual == 2 and draw(st.booleans())):
         tokens.append(degree_token(draw, "v", virtual))

@@ -7,13 +7,14 @@ import pytest
 
 from strategies.pipeline import messages
 from strategies.pipeline.messages import Message, PipelineOrderError, Step, Transfer, check, evaluation, programs
-from strategies.pipeline.schedules import build
+from strategies.pipeline.schedules import build, owners
 
 
 def _shipped():
     for pp in range(2, 9):
         for mb in range(1, 17):
-            for name, virtuals in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4])):
+            for name, virtuals in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4]), ("zb1p", [1]),
+                                   ("zbv", [1]), ("dualpipev", [1])):
                 for v in virtuals:
                     try:
                         yield name, pp, mb, v, build(name, pp, mb, v)
@@ -27,18 +28,22 @@ def test_every_shipped_schedule_is_proven_under_nccl_rules():
         progs = programs(table, pp)
         assert check(progs) > 0, (name, pp, mb, v)
         sent = [t.message for prog in progs for step in prog for t in step.group if t.send]
-        # every activation and gradient once, one header per stage, the loss to each other rank
+        # every activation and gradient once between two ranks (the V's bottom passes in memory), one header per
+        # such stage, the loss to each other rank
+        where = owners(table)
+        crossing = [s for s in range(len(where) - 1) if where[s] != where[s + 1]]
         payload = [m for m in sent if m.kind in ("a", "g")]
-        assert len(payload) == len(set(payload)) == 2 * (pp * v - 1) * mb, (name, pp, mb, v)
-        assert sorted(str(m) for m in sent if m.kind == "h") == sorted(f"h{s}.0" for s in range(pp * v - 1))
+        assert len(payload) == len(set(payload)) == 2 * len(crossing) * mb, (name, pp, mb, v)
+        assert sorted(str(m) for m in sent if m.kind == "h") == sorted(f"h{s}.0" for s in crossing)
         assert sum(m.kind == "loss" for m in sent) == pp - 1
         actions = [step.action for prog in progs for step in prog if step.action is not None]
         assert sorted(map(str, actions)) == sorted(str(a) for rank in table for a in rank)
         checked += 1
-    assert checked > 250
+    assert checked > 500
     for pp in range(2, 9):
         for v in range(1, 5):
-            assert check(evaluation(pp, pp * v)) > 0
+            assert check(evaluation(pp, owners(build("interleaved" if v > 1 else "1f1b", pp, 2 * pp, v)))) > 0
+        assert check(evaluation(pp, owners(build("zbv", pp, pp)))) > 0
 
 
 def test_1f1b_groups_like_torch_and_interleaved_runs_in_lock_step():
@@ -50,14 +55,13 @@ def test_1f1b_groups_like_torch_and_interleaved_runs_in_lock_step():
     # Interleaved on pp2: grouped per action, a rank would send g2.0 while its peer sends g3.1 first; the
     # checker finds it, and the programs fall back to lock step (torch's multi-stage schedules do the same).
     table = build("interleaved", 2, 4, 2)
-    last = 3
     headed = dict.fromkeys(range(4), 0)
     with pytest.raises(PipelineOrderError, match="would hang under NCCL's in-order rule"):
-        check(messages._per_action(table, 2, last, headed))
+        check(messages._per_action(table, owners(table), headed))
     assert check(programs(table, 2)) > 0
-    cases = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+    cases = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 1), ("dualpipev", 1))
     kinds = [messages.grouped(build(name, 2, 4, v), 2)[1] for name, v in cases]
-    assert kinds == ["action", "action", "lockstep"]
+    assert kinds == ["action", "action", "lockstep", "action", "lockstep", "lockstep"]
 
 
 def _prog(*groups):

@@ -46,7 +46,8 @@ def test_options_pass_through_unchanged():
     (lambda: strategies.TensorParallelStrategy(tp=2, sequence_parallel=1), "sequence_parallel"),
     (lambda: strategies.TensorParallelStrategy(tp=1, sequence_parallel=True), "sp"),
     (lambda: strategies.PipelineStrategy(pp=2, schedule="zb"), "schedule"),
-    (lambda: strategies.PipelineStrategy(pp=2, microbatches=1), "1F1B needs at least as many microbatches"),
+    (lambda: strategies.PipelineStrategy(pp=2, schedule="1f1b", microbatches=1),
+     "1F1B needs at least as many microbatches"),
     (lambda: strategies.PipelineStrategy(pp=2, schedule="gpipe", virtual_stages=2), "interleaved"),
     (lambda: strategies.DataParallelStrategy(bucket_cap_mb=0), "bucket_cap_mb"),
 ])

@@ -75,3 +75,23 @@ def test_accumulation_runs_micro_steps_one_after_the_other():
     # Only one micro-step's activations at a time; the kept gradients from the second on.
     peak = walk(PIECES, chunk, actions)
     assert peak.at in ("B0.1", "B0.2") and peak.temporaries >= 4096
+
+
+def test_a_split_backward_swaps_activations_for_the_stash_until_w():
+    from strategies.measure.estimate import ModelShape, estimate
+    from strategies.pipeline.zero_bubble import zb1p
+
+    # By hand: one chunk, F B W of one microbatch; B keeps a stash of 64 per block, W makes 128 of gradients at once.
+    pieces = Pieces(boundary=1, block=16, recompute=0, embedding=2, head=4, logits=8, backward=32, stash=64)
+    chunk = {0: Chunk(blocks=2, first=True, last=False, weights=128)}
+    peak = walk(pieces, chunk, zb1p(1, 1)[0])
+    assert (peak.activations, peak.temporaries, peak.at) == (2 * 64, 128, "W0.0")
+    # The demo's block: ZB-H1 holds at most 1F1B's peak activations (rank r: p - r microbatches in flight, r
+    # stashes of the same size; the head's stash adds its logits' gradient); with recompute, B keeps far more than
+    # the block's input.
+    shape = ModelShape.from_config(dict(vocab_size=65, seq_len=128, n_layer=8, n_embd=128, n_head=4), batch=32)
+
+    def most(plan: str) -> float:
+        return max(m["activations"] for m in estimate(shape, plan, 4, "32-true").memory)
+    assert most("pp4_1f1b_mb8") <= most("pp4_zb1p_mb8") <= 1.02 * most("pp4_1f1b_mb8")
+    assert most("pp4_zb1p_mb8_ac") > 5 * most("pp4_1f1b_mb8_ac")

@@ -63,7 +63,8 @@ def test_examples_parse_to_the_intended_fields():
         ("ZERO3_TP2", "zero3_tp2"),  # upper case accepted
         ("Dp4", "dp4"),
         ("  zero2_tp2  ", "zero2_tp2"),  # surrounding whitespace ignored
-        ("pp2_1f1b", "pp2"),  # 1f1b is the default schedule
+        ("pp2_1f1b", "pp2_1f1b"),  # a schedule given stays (pp2 alone: the run chooses one)
+        ("pp2_auto", "pp2"),
         ("tp1_pp1", "dp"),  # degree 1 is the default
         ("mb4_pp2_zero1", "zero1_pp2_mb4"),
         ("offload_ac_pp2_tp2_dp2_zero3", "zero3_dp2_tp2_pp2_ac_offload"),
@@ -134,14 +135,16 @@ def test_round_trip_with_hypothesis():
         # Draw only plans the constructor's rules allow, so no input is filtered out.
         data = draw(st.sampled_from(list(DataMode)))
         pp = draw(degrees)
-        schedule = draw(st.sampled_from(list(PipelineSchedule))) if pp > 1 else PipelineSchedule.ONE_F_ONE_B
+        schedule = draw(st.sampled_from(list(PipelineSchedule))) if pp > 1 else PipelineSchedule.AUTO
         virtual = draw(st.integers(min_value=2, max_value=8)) if schedule is PipelineSchedule.INTERLEAVED else 1
         if pp == 1:
             microbatches = None
         elif schedule is PipelineSchedule.INTERLEAVED:
             microbatches = draw(st.none() | st.integers(1, 8).map(lambda k: k * pp))
-        elif schedule is PipelineSchedule.ONE_F_ONE_B:
+        elif schedule in (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.ZB1P):
             microbatches = draw(st.none() | st.integers(pp, pp + 64))
+        elif schedule is PipelineSchedule.DUALPIPEV:
+            microbatches = draw(st.none() | st.integers(2 * pp, 2 * pp + 64))
         else:
             microbatches = draw(st.none() | degrees)
         tp = draw(degrees)
@@ -214,7 +217,7 @@ def test_interleaved_microbatches_must_be_a_multiple_of_pp():
     assert str(ParallelPlan.parse("pp4_interleaved_mb8")) == "pp4_interleaved_v2_mb8"
 
 
-@pytest.mark.parametrize("text", ["pp4_mb2", "pp4_1f1b_mb3", "zero1_pp8_mb4"])
+@pytest.mark.parametrize("text", ["pp4_1f1b_mb2", "pp4_1f1b_mb3", "zero1_pp8_1f1b_mb4"])
 def test_1f1b_needs_at_least_pp_microbatches(text):
     with pytest.raises(ValueError, match=r"1F1B needs at least as many microbatches as stages: mb\d < pp\d"):
         ParallelPlan.parse(text)

@@ -14,13 +14,18 @@ from strategies.pipeline.schedules import (
     interleaved,
     one_f_one_b,
     owner,
+    owners,
     peak_in_flight,
     simulate,
+    table_bubble,
+    timeline,
+    v_owner,
 )
 
 CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 4, 1),
          ("1f1b", 3, 7, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3),
-         ("gpipe", 1, 3, 1)]
+         ("gpipe", 1, 3, 1), ("zb1p", 2, 4, 1), ("zb1p", 4, 8, 1), ("zb1p", 3, 5, 1), ("zbv", 2, 4, 1),
+         ("zbv", 4, 8, 1), ("zbv", 3, 2, 1), ("dualpipev", 2, 4, 1), ("dualpipev", 4, 8, 1), ("dualpipev", 3, 9, 1)]
 IDS = [f"{s}-pp{p}-mb{m}-v{v}" for s, p, m, v in CASES]
 
 
@@ -28,15 +33,22 @@ IDS = [f"{s}-pp{p}-mb{m}-v{v}" for s, p, m, v in CASES]
 def test_every_forward_and_backward_once_on_its_owner(name: str, pp: int, mb: int, v: int):
     table = build(name, pp, mb, v)
     assert len(table) == pp
-    expected = {Action(phase, s, m) for phase in Phase for s in range(pp * v) for m in range(mb)}
+    v_shaped, split = name in ("zbv", "dualpipev"), name in ("zb1p", "zbv", "dualpipev")
+    chunks = 2 if v_shaped else v
+    phases = list(Phase) if split else [Phase.FORWARD, Phase.BACKWARD]  # a W for every B, or none
+    expected = {Action(phase, s, m) for phase in phases for s in range(pp * chunks) for m in range(mb)}
     seen = [a for actions in table for a in actions]
     assert len(seen) == len(set(seen)) == len(expected) and set(seen) == expected
+    where = owners(table)
+    assert where == {s: (v_owner(s, pp) if v_shaped else owner(s, pp)) for s in range(pp * chunks)}
     for r, actions in enumerate(table):
-        assert all(owner(a.stage, pp) == r for a in actions)
+        assert all(where[a.stage] == r for a in actions)
         position = {a: i for i, a in enumerate(actions)}
-        for a in actions:  # a stage's own forward comes before its backward
+        for a in actions:  # a stage's own forward comes before its backward, its backward before its W
             if a.phase is Phase.BACKWARD:
                 assert position[Action(Phase.FORWARD, a.stage, a.microbatch)] < position[a]
+            if a.phase is Phase.WEIGHT:
+                assert position[Action(Phase.BACKWARD, a.stage, a.microbatch)] < position[a]
 
 
 @pytest.mark.parametrize("name,pp,mb,v", CASES, ids=IDS)
@@ -110,3 +122,33 @@ def test_lock_step_receives_ahead_only_what_a_later_action_uses():
     assert early_receives(one_f_one_b(2, 4), 2) == [[0] * 8, [0, 1, 0, 0, 0, 0, 0, 0]]
     counts = early_receives(interleaved(2, 4, 2), 2)
     assert counts[0] == [0] * 16 and max(counts[1]) == 2 and sum(counts[1]) == 14
+
+
+@pytest.mark.parametrize("pp,mb", [(2, 4), (4, 8), (4, 16), (3, 6)])
+def test_zero_bubble_schedules_shrink_the_bubble_at_1f1bs_memory(pp: int, mb: int):
+    # On stages of equal cost (F 1, B 2; split: B 1, W 1). ZB-H1: the bubble of (p-1)/(3m+p-1), a third of 1F1B's
+    # in time units, and rank 0 holds no more microbatches than under 1F1B (the last rank holds back p-1 W's).
+    one = table_bubble(one_f_one_b(pp, mb))
+    assert one == pytest.approx(ideal_bubble(pp, mb))
+    assert table_bubble(build("zb1p", pp, mb)) == pytest.approx((pp - 1) / (3 * mb + pp - 1))
+    assert peak_in_flight(build("zb1p", pp, mb)[0]) == peak_in_flight(one_f_one_b(pp, mb)[0]) == pp
+    # ZB-V and DualPipeV (V placement, two half-size chunks per rank): at most half of 1F1B's bubble; ZB-V holds at
+    # most 2p chunk-microbatches (p full ones, 1F1B's rank 0).
+    zbv = build("zbv", pp, mb)
+    assert table_bubble(zbv) <= one / 2 and max(peak_in_flight(a) for a in zbv) <= 2 * pp
+    if mb >= 2 * pp:
+        assert table_bubble(build("dualpipev", pp, mb)) <= one / 2
+
+
+def test_timeline_costs_split_and_full_backwards():
+    full = {a: end - start for rank in timeline(one_f_one_b(2, 2)) for a, start, end in rank}
+    split = {a: end - start for rank in timeline(build("zb1p", 2, 2)) for a, start, end in rank}
+    assert full[Action(Phase.BACKWARD, 0, 0)] == 2 and split[Action(Phase.BACKWARD, 0, 0)] == 1
+    assert split[Action(Phase.WEIGHT, 0, 0)] == 1 and full[Action(Phase.FORWARD, 0, 0)] == 1
+
+
+def test_zero_bubble_refuses_too_few_microbatches():
+    with pytest.raises(ValueError, match="zb1p needs at least as many microbatches as stages"):
+        build("zb1p", 4, 2)
+    with pytest.raises(ValueError, match="dualpipev needs at least twice as many microbatches"):
+        build("dualpipev", 4, 6)

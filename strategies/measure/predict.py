@@ -1,0 +1,90 @@
+"""A run's prediction, as the run store keeps it: the estimator's figures for a strategy string at a world size, with
+a pipeline plan's schedule chosen as the run will choose it (`planner.choose_schedule`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from strategies.equivalents import equivalent_plan
+from strategies.measure.estimate import ModelShape
+from strategies.measure.peak import GLOO
+from strategies.measure.planner import GiB, Hardware, choose_schedule
+from strategies.plan import ParallelPlan
+from strategies.runs.schema import MODEL_STATE
+
+
+def predict_run(label: str, world_size: int, model: dict, global_batch: int, accumulate: int = 1,
+                precision: str = "32-true", accelerator: str = "gpu", memory: float | None = None) -> dict | None:
+    """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
+    same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble, and for a
+    pipeline plan without a schedule the one chosen and why. None when the label has no plan equivalent or the model
+    config is not a transformer's. On ``accelerator="cpu"`` the ranks talk over gloo, and the matrix library's
+    workspace is measured on this host (`calibrate.kernel_workspace`, with the threads Lightning gives each rank).
+    ``memory``: bytes per device the schedule must fit in (default: `device_memory`)."""
+    text = equivalent_plan(label) or label
+    try:
+        plan = ParallelPlan.parse(text).resolve(world_size)
+        shape = dataclasses.replace(ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate),
+                                    accumulate=accumulate)
+        cpu = accelerator == "cpu"
+        workspace = _cpu_workspace(shape, plan, world_size) if cpu else 0.0
+        hw = Hardware(gpus=world_size, memory=memory if memory is not None else device_memory(accelerator, world_size))
+        choice = choose_schedule(shape, plan, hw, precision, backend=GLOO if cpu else "nccl", workspace=workspace)
+    except (KeyError, ValueError):
+        return None
+    est, plan = choice.estimate, choice.plan
+    stage = [plan.coordinates(rank)["pp"] for rank in range(world_size)]
+    out = {"plan": est.plan, "memory": [est.memory[s] for s in stage], "comm": est.comm, "bubble": est.bubble,
+           "peak_at": est.peak_at, "model_states": [sum(est.states[s][k] for k in MODEL_STATE) for s in stage]}
+    return {**out, "schedule_choice": choice.why} if choice.why else out
+
+
+def device_memory(accelerator: str, ranks_per_host: int) -> float:
+    """Bytes a rank may use: its GPU's, or on CPU this host's memory shared by its ranks."""
+    import os
+
+    import torch
+
+    if accelerator != "cpu" and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks_per_host, 1)
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int) -> float:
+    """The workspace of the backward's largest matmul (a microbatch's tokens by the MLP's 4h/t columns) with the
+    threads each rank gets (Lightning: the cores over the ranks, at least one)."""
+    import os
+
+    from strategies.measure.calibrate import kernel_workspace
+
+    tokens = max(1, round(shape.batch / shape.accumulate / (plan.microbatches or 1) * shape.seq))
+    threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
+    return kernel_workspace(tokens, shape.hidden, 4 * shape.hidden // plan.tp, threads)
+
+
+def model_shape(module, batch, accumulate: int = 1) -> ModelShape | None:
+    """The transformer shape the estimator needs, from a model's config (a ``config`` attribute on the module or a
+    child: the demo's dataclass, a Hugging Face config) and one training ``batch`` (its first tensor: samples, then
+    tokens); None where there is no such config."""
+    import torch
+
+    from strategies.pipeline.trace import tensors_of
+
+    for child in module.modules():
+        config = getattr(child, "config", None)
+        fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else (
+            config.to_dict() if hasattr(config, "to_dict") else None)
+        if not fields:
+            continue
+        tensors = [t for t in tensors_of(batch) if isinstance(t, torch.Tensor)]
+        if tensors and tensors[0].dim() >= 2:
+            fields = {**fields, "seq_len": int(tensors[0].shape[1])}
+        try:
+            shape = ModelShape.from_config(fields, batch=int(tensors[0].shape[0]) * accumulate if tensors else 1)
+        except (KeyError, TypeError, ValueError):
+            continue
+        return dataclasses.replace(shape, accumulate=accumulate)
+    return None

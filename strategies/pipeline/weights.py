@@ -1,0 +1,133 @@
+"""Weight gradients split off a backward, for the zero-bubble schedules: B computes the gradient of the stage's input
+(what the previous stage waits for) now, W the gradients of its weights (what nobody waits for) later.
+
+The design (Megatron's zero-bubble implementation does the same for its linear layers): the matmul weights are where
+a backward's second half of the work is, so while a split schedule runs a stage, ``F.linear`` is `deferred_linear`,
+an autograd function whose backward returns the input's and the bias's gradients and, instead of the weight's, puts
+``(weight, input, output gradient)`` in the `WeightStore` under the (stage, microbatch) whose B is running. Every
+other parameter (norms, embeddings, biases, a GPT-2 ``Conv1D``) gets its gradient in B as usual. W then computes
+``dW = dY^T X`` for each stored triple and hands all of them to autograd at once (`_Accumulate`), so each weight's
+gradient is accumulated by autograd's own ``AccumulateGrad``, and every hook on it runs as it would in a full
+backward: data parallel's buckets, ZeRO's flats and shards, the tied-weight shares. Which backward syncs over dp
+follows the actions: a stage's last B for the parameters B finishes, its last W for the weights.
+
+Mixed precision: under autocast the matmuls run in autocast's dtype, as ``F.linear`` would, and the weight's
+gradient is cast back to its own dtype before it is accumulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_ORIGINAL_LINEAR = F.linear
+Key = tuple[int, int]  # (stage, microbatch)
+
+
+class WeightStore:
+    """The weight gradients B deferred, by (stage, microbatch), until their W."""
+
+    def __init__(self) -> None:
+        self.pending: dict[Key, list[tuple[Tensor, Tensor, Tensor, Any]]] = {}
+        self.key: Key | None = None  # the B running now, whose linears defer their weights' gradients
+        # Set by whoever measures activations: told of the tensors kept for W, it returns a handle held beside them.
+        self.keeper: Callable[[tuple[Tensor, ...]], Any] | None = None
+
+    @contextlib.contextmanager
+    def linears(self) -> Iterator[None]:
+        """While F or B of a split schedule runs: ``F.linear`` is `deferred_linear` (recompute happens in B)."""
+        F.linear = _deferring(self)
+        try:
+            yield
+        finally:
+            F.linear = _ORIGINAL_LINEAR
+
+    @contextlib.contextmanager
+    def backward_input(self, key: Key) -> Iterator[None]:
+        """B of ``key``: the linears it runs through keep their weights' gradients for W."""
+        self.key = key
+        try:
+            with self.linears():
+                yield
+        finally:
+            self.key = None
+
+    def held_bytes(self) -> int:
+        """What the stored inputs and output gradients hold (activations kept for W)."""
+        seen: dict[int, int] = {}
+        for triples in self.pending.values():
+            for _, x, dy, _ in triples:
+                for t in (x, dy):
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def weights(self, key: Key) -> None:
+        """W of ``key``: compute its deferred weight gradients and let autograd accumulate them."""
+        triples = self.pending.pop(key, [])
+        if not triples:
+            return
+        weights = [w for w, _, _, _ in triples]
+        grads = [(dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w.dtype) for w, x, dy, _ in triples]
+        out = _Accumulate.apply(grads, *weights)
+        torch.autograd.backward(out)
+
+
+def _deferring(store: WeightStore):
+    def deferred_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if not (weight.requires_grad and torch.is_grad_enabled()):
+            return _ORIGINAL_LINEAR(input, weight, bias)
+        # The weight enters detached: autograd would otherwise run its AccumulateGrad (and the hooks on it, with no
+        # gradient) in B; W accumulates into it instead.
+        return _Linear.apply(input, weight.detach(), bias, store, [weight])  # (in a list: not an autograd input)
+    return deferred_linear
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` whose backward defers the weight's gradient to the store's current key (when one is set)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightStore,
+                param: list[Tensor]) -> Tensor:
+        ctx.param = param[0]  # the parameter itself (``weight`` is it detached): W accumulates into it
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        if dtype is not None:  # what autocast does to F.linear: compute in its dtype
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            out = _ORIGINAL_LINEAR(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.has_bias = store, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        store = ctx.store
+        if store.key is None:
+            raise RuntimeError("a linear layer made under a zero-bubble schedule's forward ran its backward outside "
+                               "the schedule's B: its weight's gradient would be lost")
+        kept = store.keeper((x, dy)) if store.keeper is not None else None
+        store.pending.setdefault(store.key, []).append((ctx.param, x, dy, kept))
+        return dx, None, db.to(ctx.param.dtype) if db is not None else None, None, None
+
+
+class _Accumulate(torch.autograd.Function):
+    """Hands precomputed gradients to autograd for ``weights``, so that its AccumulateGrad (and every hook on the
+    parameters) runs as in a full backward."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[Tensor], *weights: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.zeros((), device=weights[0].device, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor):
+        grads, ctx.grads = ctx.grads, None
+        return (None, *grads)
