@@ -71,14 +71,19 @@ def load(world: int) -> Calibration | None:
 
 
 def save(cal: Calibration) -> None:
-    path = cache_path()
+    write_entry(cache_path(), _key(cal.world), asdict(cal))
+
+
+def write_entry(path: str, key: str, entry: dict[str, Any]) -> None:
+    """Put ``entry`` under ``key`` in the JSON cache at ``path`` (its other entries kept), replaced whole at once so
+    that a reader never sees half a file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         with open(path) as f:
             entries = json.load(f)
     except (OSError, ValueError):
         entries = {}
-    entries[_key(cal.world)] = asdict(cal)
+    entries[key] = entry
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(entries, f, indent=1)

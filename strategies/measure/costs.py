@@ -88,18 +88,9 @@ def _key(world: int, shape: tuple[int, ...]) -> str:
 
 
 def _save(costs: Costs) -> None:
-    path = _path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        with open(path) as f:
-            entries = json.load(f)
-    except (OSError, ValueError):
-        entries = {}
-    entries[_key(costs.world, costs.shape)] = asdict(costs)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(entries, f, indent=1)
-    os.replace(tmp, path)
+    from strategies.measure.calibrate import write_entry
+
+    write_entry(_path(), _key(costs.world, costs.shape), asdict(costs))
 
 
 # -- on each rank --------------------------------------------------------------------------------------------------

@@ -154,10 +154,15 @@ def timeline(table: ScheduleTable) -> list[list[tuple[Action, float, float]]]:
     """Each rank's actions with their start and end when every stage costs the same: F 1, B 2 (1 when its W is an
     action of its own), W 1, each action starting once the rank is free and its inputs exist. Raises on deadlock."""
     split = is_split(table)
-    cost = {Phase.FORWARD: 1.0, Phase.BACKWARD: 1.0 if split else 2.0, Phase.WEIGHT: 1.0}
+    return _play(table, len(table), {Phase.FORWARD: 1.0, Phase.BACKWARD: 1.0 if split else 2.0, Phase.WEIGHT: 1.0})
+
+
+def _play(table: ScheduleTable, pp: int, cost: dict[Phase, float]) -> list[list[tuple[Action, float, float]]]:
+    """Each rank's actions with their start and end at these costs per phase, each action starting once the rank is
+    free and its inputs exist (`timeline`, `simulate`). Raises on deadlock."""
     done: dict[Action, float] = {}
-    clock = [0.0] * len(table)
-    out: list[list[tuple[Action, float, float]]] = [[] for _ in table]
+    clock = [0.0] * pp
+    out: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     last = max(a.stage for actions in table for a in actions)
 
     def run(r: int, action: Action) -> bool:
@@ -169,7 +174,7 @@ def timeline(table: ScheduleTable) -> list[list[tuple[Action, float, float]]]:
         out[r].append((action, start, clock[r]))
         return True
 
-    stuck = _as_far_as_possible(table, len(table), run)
+    stuck = _as_far_as_possible(table, pp, run)
     if stuck:
         raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on {[str(a) for a in stuck]}")
     return out
@@ -192,24 +197,8 @@ def peak_in_flight(actions: list[Action]) -> int:
 def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
     """Run ``table`` on unit-time stages, each rank in its own order, an action starting once its inputs
     exist: the (action, start time) per rank. Raises if the table deadlocks (some action can never run)."""
-    done: dict[Action, int] = {}
-    clock = [0] * pp
-    out: list[list[tuple[Action, int]]] = [[] for _ in range(pp)]
-    last_stage = max(a.stage for actions in table for a in actions)
-
-    def run(r: int, action: Action) -> bool:
-        needs = _dependencies(action, last_stage)
-        if not all(n in done for n in needs):
-            return False
-        start = max([clock[r]] + [done[n] for n in needs])
-        done[action] = clock[r] = start + 1
-        out[r].append((action, start))
-        return True
-
-    stuck = _as_far_as_possible(table, pp, run)
-    if stuck:
-        raise RuntimeError(f"pipeline schedule deadlocks: ranks wait on {[str(a) for a in stuck]}")
-    return out
+    unit = dict.fromkeys(Phase, 1.0)
+    return [[(action, int(start)) for action, start, _ in actions] for actions in _play(table, pp, unit)]
 
 
 def early_receives(table: ScheduleTable, pp: int) -> list[list[int]]:
