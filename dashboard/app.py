@@ -12,7 +12,7 @@ import os
 
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import answer, charts, data
 
 PAGES = ("Compare", "Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner")
 
@@ -114,15 +114,32 @@ def _loaded_runs() -> list[dict]:
     return runs
 
 
+def _answer(runs: list[dict], rows: list[dict]) -> None:
+    """Which strategy was fastest, which used least memory, which to pick under the budget the user sets."""
+    peaks = [r["peak MiB/rank (measured)"] for r in rows if r.get("peak MiB/rank (measured)")]
+    if not peaks:
+        return
+    budget = st.number_input("Memory budget per rank (MiB) for the pick", 0.0, value=float(max(peaks)),
+                             help="the pick is the fastest strategy whose measured peak per rank fits")
+    lines = answer.answer(runs, rows, budget)
+    st.subheader("The answer")
+    st.markdown("\n".join(f"- **{key}**: {_plain(text)}" for key, text in lines.items()))
+
+
 def page_compare(runs: list[dict], rows: list[dict]) -> None:
     st.header("Side by side")
+    _answer(runs, rows)
     st.dataframe(rows, use_container_width=True)
     st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
     bench = data.bench_rows(runs)
     if bench:
         st.subheader("stratpack bench: ours against the peer, same model, data and ranks")
         st.dataframe(bench, use_container_width=True)
-    _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
+    differences = answer.loss_differences(runs, data.label)
+    if differences:
+        _chart(charts.loss_difference_figure(differences, answer.LOSS_RTOL), "loss-difference")
+    else:
+        _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
 
 
 def page_memory(runs: list[dict], rows: list[dict]) -> None:

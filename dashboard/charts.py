@@ -47,10 +47,12 @@ def heatmap_figure(rows: list[dict[str, Any]]) -> go.Figure:
 def throughput_figure(rows: list[dict[str, Any]]) -> go.Figure:
     """Tokens/s per run, and MFU where the device's peak is known."""
     fig = go.Figure()
-    fig.add_bar(name="tokens/s", x=[r["run"] for r in rows], y=[r["tokens/s"] for r in rows],
-                marker_color=COLORS["params"])
+    # Strategy names on the axis (ranks, and the run id's end to keep repeats apart); the run id in the hover text.
+    names = [f"{r.get('strategy') or r['run']} ({r.get('world size', '?')}) #{r['run'][-4:]}" for r in rows]
+    fig.add_bar(name="tokens/s", x=names, y=[r["tokens/s"] for r in rows], marker_color=COLORS["params"],
+                hovertext=[r["run"] for r in rows])
     if any(r.get("MFU") is not None for r in rows):
-        fig.add_scatter(name="MFU", x=[r["run"] for r in rows], y=[r.get("MFU") for r in rows], yaxis="y2",
+        fig.add_scatter(name="MFU", x=names, y=[r.get("MFU") for r in rows], yaxis="y2",
                         mode="markers", marker_size=12)
         fig.update_layout(yaxis2={"overlaying": "y", "side": "right", "title": "MFU", "tickformat": ".0%"})
     fig.update_layout(title="Throughput", yaxis_title="tokens/s")
@@ -90,6 +92,22 @@ def loss_figure(rows: list[dict[str, Any]], x: str = "step") -> go.Figure:
         picked = [r for r in rows if r["run"] == run]
         fig.add_scatter(name=run, x=[r[x] for r in picked], y=[r["loss"] for r in picked], mode="lines+markers")
     fig.update_layout(title=f"Loss against {x}", xaxis_title=x, yaxis_title="loss")
+    return fig
+
+
+FLOOR = 1e-10  # a log axis has no zero: an exactly equal loss is drawn here
+
+
+def loss_difference_figure(rows: list[dict[str, Any]], tolerance: float) -> go.Figure:
+    """Each run's relative loss difference from its baseline per step, log scale, with the stated tolerance."""
+    fig = go.Figure()
+    for run in sorted({r["run"] for r in rows}):
+        picked = [r for r in rows if r["run"] == run]
+        fig.add_scatter(name=run, x=[r["step"] for r in picked], mode="lines+markers",
+                        y=[max(r["relative difference"], FLOOR) for r in picked])
+    fig.add_hline(y=tolerance, line_dash="dash", annotation_text=f"stated tolerance (fp32): {tolerance:g}")
+    fig.update_layout(title=f"Loss: relative difference from the single-process run (exactly equal drawn at "
+                            f"{FLOOR:g})", xaxis_title="step", yaxis_title="|loss - single| / single", yaxis_type="log")
     return fig
 
 

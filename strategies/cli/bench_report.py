@@ -15,6 +15,9 @@ NAMES = {
     "deepspeed1": "DeepSpeed ZeRO-1", "deepspeed2": "DeepSpeed ZeRO-2", "deepspeed3": "DeepSpeed ZeRO-3",
     "fsdp2": "torch FSDP2", "dtensor_tp": "torch DTensor TP", "torch_pp_1f1b": "torch Schedule1F1B",
     "torch_pp_gpipe": "torch ScheduleGPipe", "torch_pp_interleaved": "torch ScheduleInterleaved1F1B",
+    "pp_zb1p": "pp ZB-H1", "pp_zbv": "pp ZB-V", "pp_dualpipev": "pp DualPipeV",
+    "torch_pp_zb1p": "torch ScheduleInterleavedZeroBubble", "torch_pp_zbv": "torch ScheduleZBVZeroBubble",
+    "torch_pp_dualpipev": "torch ScheduleDualPipeV",
 }
 CSV_COLUMNS = ["ours", "peer", "pairs", "ours_tokens_per_s", "peer_tokens_per_s", "median_ratio", "ratios",
                "ours_peak_MiB_per_rank", "peer_peak_MiB_per_rank", "predicted_peak_MiB_per_rank", "skipped"]
@@ -31,7 +34,7 @@ def format_report(results: list[dict[str, Any]]) -> str:
     lines = ["| ours | peer | ours tokens/s | peer tokens/s | median ratio | pairs | peak MiB/rank ours | peer | "
              "estimate |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        names = f"| {NAMES[r['ours']]} | {NAMES[r['peer']]} |"
+        names = f"| {NAMES.get(r['ours'], r['ours'])} | {NAMES.get(r['peer'], r['peer'])} |"
         if "skipped" in r:
             lines.append(f"{names} - | - | skipped: {r['skipped']} | 0 | - | - | - |")
             continue
@@ -89,7 +92,7 @@ def _write_side(result: dict[str, Any], role: str, cfg: Any, root: str | None, c
     run_id = runs.new_run_id(f"bench-{impl}")
     writers = [runs.RunWriter(root, run_id, rank) for rank in range(cfg.world_size)]
     writers[0].write_meta(runs.run_meta(
-        run_id=run_id, label=NAMES[impl], comparison=comparison, world_size=cfg.world_size,
+        run_id=run_id, label=NAMES.get(impl, impl), comparison=comparison, world_size=cfg.world_size,
         devices=[platform.processor() or "cpu"], plan=plan if role == "ours" else None, degrees_of=plan,
         seed=cfg.seed, predicted=result["predicted"], bench={**bench, "role": role, "config": asdict(cfg)}, **meta))
     peaks = result[f"{role}_peak_bytes"]

@@ -201,10 +201,10 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   backward=boundary + (u if plan.sp else 0.0) + 4 * u / t, weight=4 * h * h / t * weight_bytes,
                   mlp_grad=4 * u / t,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
-                  # Split backwards: B keeps each linear's input (qkv's and fc's whole, proj's 1/t, fc2's 4/t) and
+                  # Split backwards: B keeps each block linear's input (qkv's and fc's whole, proj's 1/t, fc2's 4/t) and
                   # output gradient (qkv's 3/t, proj's whole, fc's 4/t, fc2's whole) for W, with sp too (gathered).
-                  stash=(4 + 12 / t) * u if plan.schedule.splits_backward else 0.0,
-                  head_stash=u + logits if plan.schedule.splits_backward else 0.0)
+                  # The head's weight gradient is made in B (`pipeline.weights`): nothing kept for it.
+                  stash=(4 + 12 / t) * u if plan.schedule.splits_backward else 0.0)
 
 
 def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,

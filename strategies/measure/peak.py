@@ -54,15 +54,15 @@ class Pieces:
     unit: float = 0.0  # ZeRO-3: one gathered block (0 without ZeRO-3)
     gathers: float = 0.0  # ZeRO-3: what the backend holds while the prefetch gathers (gloo: its output's size)
     stash: float = 0.0  # split backwards: what B keeps per block for W, each linear's input and output gradient
-    head_stash: float = 0.0  # ... and for the head's linear (the final norm's output, the logits' gradient)
+    #                     (the head's weight gradient is made in B: nothing kept for it)
 
     def saved(self, blocks: int, first: bool, last: bool) -> float:
         """Activations a chunk of ``blocks`` blocks saves for one microbatch."""
         return blocks * self.block + (self.embedding if first else self.boundary) + (self.head if last else 0.0)
 
-    def stashed(self, blocks: int, last: bool) -> float:
+    def stashed(self, blocks: int) -> float:
         """What a split backward (B) of a chunk of ``blocks`` blocks keeps for its W."""
-        return blocks * self.stash + (self.head_stash if last else 0.0)
+        return blocks * self.stash
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class _Walk:
         self.consider(self.saved + self.stash + (chunk.blocks - 1) * max(p.stash - p.block, 0.0), self.held + top,
                       action)
         self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
-        self.stash += p.stashed(chunk.blocks, chunk.last)
+        self.stash += p.stashed(chunk.blocks)
         self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + p.backward, action)
         self._sent(chunk)
 
@@ -189,7 +189,7 @@ class _Walk:
         self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + self.workspace + chunk.weights + flat,
                       action)
         self.held += flat
-        self.stash -= p.stashed(chunk.blocks, chunk.last)
+        self.stash -= p.stashed(chunk.blocks)
         self._gradients(action, chunk, ahead)
 
     def _working(self, action: Action, chunk: Chunk, ahead: float, top: float) -> None:

@@ -68,7 +68,9 @@ class PipelineParallel(Technique):
         self.program = progs[self.axis.index]
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
-        self.weights = WeightStore() if schedules.is_split(tables) else None
+        # Only the blocks' linears wait for W (the head's logits-sized output gradient is not kept).
+        blocks = module.get_submodule(self.layout.blocks_name)
+        self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
         self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
                                      where=self.where, weights=self.weights)
         self._last_backward = _reducing(self.table)

@@ -39,7 +39,19 @@ def test_compare_page_table_export_and_messages(store):
     warnings = " ".join(w.value for w in at.warning)
     assert "r5-corrupt: meta.json is not JSON" in warnings and "r6-old: schema 0" in warnings
     assert "Incomplete" in warnings and "r4-crashed" in warnings
-    assert len(_figures(at)) == 1 and any(b.label == "Download table (CSV)" for b in at.get("download_button"))
+    assert any(b.label == "Download table (CSV)" for b in at.get("download_button"))
+    # The answer first: the fixture's dp and pp2 run 2000 tokens/s against single's 1000; single holds least.
+    text = at.markdown[0].value
+    assert "**fastest**: dp: 2,000 tokens/s" in text and "5% of its step is waiting in all_reduce/dp" not in text
+    assert "**least memory**: single" in text and "**pick**: dp: the fastest of the 3 of 3" in text
+    # Correctness at a glance: each run's loss difference from single, log scale, the tolerance as a line.
+    (figure,) = _figures(at)
+    assert figure["layout"]["yaxis"]["type"] == "log" and figure["layout"]["shapes"][0]["y0"] == 1e-5
+    assert {t["name"] for t in figure["data"]} == {data.label({"id": i, "meta": {"label": s, "world_size": 2}})
+                                                   for i, s in (("r2-dp", "dp"), ("r3-pp2", "pp2"))}
+    # A budget below dp's and pp2's peak (rank 1's 560 bytes) leaves single (460 bytes) as the pick.
+    at.number_input[0].set_value(500 / 2**20).run()
+    assert "**pick**: single" in at.markdown[0].value
 
 
 @pytest.mark.parametrize("page,titles", [

@@ -87,11 +87,11 @@ def test_a_split_backward_swaps_activations_for_the_stash_until_w():
     peak = walk(pieces, chunk, zb1p(1, 1)[0])
     assert (peak.activations, peak.temporaries, peak.at) == (2 * 64, 128, "W0.0")
     # The demo's block: ZB-H1 holds at most 1F1B's peak activations (rank r: p - r microbatches in flight, r
-    # stashes of the same size; the head's stash adds its logits' gradient); with recompute, B keeps far more than
-    # the block's input.
+    # stashes of the same size; the head's weight gradient is made in B, so nothing logits-sized is kept); with
+    # recompute, B keeps far more than the block's input.
     shape = ModelShape.from_config(dict(vocab_size=65, seq_len=128, n_layer=8, n_embd=128, n_head=4), batch=32)
 
     def most(plan: str) -> float:
         return max(m["activations"] for m in estimate(shape, plan, 4, "32-true").memory)
-    assert most("pp4_1f1b_mb8") <= most("pp4_zb1p_mb8") <= 1.02 * most("pp4_1f1b_mb8")
+    assert 0.98 * most("pp4_1f1b_mb8") <= most("pp4_zb1p_mb8") <= most("pp4_1f1b_mb8")
     assert most("pp4_zb1p_mb8_ac") > 5 * most("pp4_1f1b_mb8_ac")
