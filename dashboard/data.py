@@ -92,6 +92,7 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "bubble": _num((summary.get("pipeline") or {}).get("bubble_measured")),
             "final loss": _num(losses[-1]) if losses else None, "loss match vs single": match,
             "comparison": meta.get("comparison"), "model params": meta.get("num_params"),
+            "wandb run": meta.get("wandb_run"),  # `wandb sync` this folder to upload an offline run
         })
     return rows
 

@@ -260,6 +260,7 @@ class StrategyMonitor(L.Callback):
             model=vars(config) if config is not None and hasattr(config, "__dict__") else None,
             num_params=sum(p.numel() for p in pl_module.parameters()),
             accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision))
+        meta["wandb_run"] = _wandb_run_dir(trainer)  # where `wandb sync` finds this run (None: not logged)
         meta.update(self.extra_meta)  # the caller's fields win, but for the count made before the split and the id
         if hasattr(self, "_num_params"):  # counted in `setup`, before the strategy split the model
             meta["num_params"] = self._num_params
@@ -371,6 +372,17 @@ def start_heap_sampler(module: torch.nn.Module) -> tuple[int, Any]:
     own = count_bytes({"model": [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]})
     sampler = HeapSampler().__enter__()
     return sampler.start - own["model"], sampler
+
+
+def _wandb_run_dir(trainer: L.Trainer) -> str | None:
+    """The folder of the Trainer's wandb run (``.../wandb/offline-run-...``), on the rank that logs; else None."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and trainer.global_rank == 0:
+            files = getattr(logger.experiment, "dir", None)  # the run's files/ folder; its parent is the run's
+            return os.path.dirname(os.path.abspath(files)) if isinstance(files, str) and files else None
+    return None
 
 
 def _to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ _EVENT = {"!": ("action", "start", "end"), "action": "str", "phase": "str", "sta
 META_SHAPE = {
     "!": ("schema", "run_id", "label"), "schema": "int", "run_id": "str", "label": "str", "comparison": ("str", None),
     "plan": ("str", None), "degrees": ({"*": ("int", None)}, None), "world_size": ("int", None), "devices": ["str"],
-    "num_params": ("int", None), "predicted": ({"memory": [_MEMORY]}, None),
+    "num_params": ("int", None), "predicted": ({"memory": [_MEMORY]}, None), "wandb_run": ("str", None),
 }
 RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time": _NUM, "step_time_s": _NUM,
                 "loss": _NUM, "tokens_per_s": _NUM, "memory": (_MEMORY, None)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from strategies import runs as runstore
 from tests.helpers import train_demo
 
@@ -29,6 +31,7 @@ def test_a_two_rank_run_writes_meta_records_and_summary_and_wandb_offline(tmp_pa
     # The same figures in wandb's offline run (its .wandb file is internal; the keys are stored as text).
     wandb_runs = [p for p in (tmp_path / "runs" / "wandb").iterdir() if p.name.startswith("offline-run-")]
     assert len(wandb_runs) == 1
+    assert Path(meta["wandb_run"]).resolve() == wandb_runs[0].resolve()  # the dashboard shows it; `wandb sync` takes it
     data = next(wandb_runs[0].glob("run-*.wandb")).read_bytes()
     for key in (b"memory/params", b"memory/optimizer", b"comm/reduce_scatter/dp/bytes_sent", b"tokens_per_s"):
         assert key in data, key
