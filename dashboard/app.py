@@ -9,11 +9,13 @@ from __future__ import annotations
 import csv
 import io
 import os
+from collections.abc import Callable
 
 import streamlit as st
 
 from dashboard import answer, charts, data
 
+LIVE_SECONDS = 5  # how often a live page reads the run store again
 PAGES = ("Compare", "Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner")
 
 st.set_page_config(page_title="stratpack: strategies compared", layout="wide")
@@ -43,23 +45,29 @@ def _chart(fig, name: str) -> None:
                        mime="text/html", key=f"html-{name}")
 
 
-def _select(runs: list[dict]) -> list[dict]:
-    """The sidebar's filters: comparison, model size, world size, device."""
+def _select(runs: list[dict]) -> Callable[[list[dict]], list[dict]]:
+    """The sidebar's filters (comparison, model size, world size, device, runs) as a function over the runs read
+    now or later: a run that starts after the choice, in a chosen comparison, is shown too (live pages)."""
     comparisons = sorted({r["meta"].get("comparison") or "(none)" for r in runs})
     chosen = st.sidebar.multiselect("Comparison", comparisons, default=comparisons[-1:])
-    picked = [r for r in runs if (r["meta"].get("comparison") or "(none)") in chosen]
+    tests: list[Callable[[dict], bool]] = [lambda r: (r["meta"].get("comparison") or "(none)") in chosen]
+    picked = [r for r in runs if tests[0](r)]
     for title, key in (("Model parameters", "num_params"), ("World size", "world_size")):
         values = sorted({r["meta"].get(key) for r in picked if r["meta"].get(key) is not None})
         if len(values) > 1:
             keep = st.sidebar.multiselect(title, values, default=values)
-            picked = [r for r in picked if r["meta"].get(key) in keep]
+            tests.append(lambda r, key=key, keep=keep: r["meta"].get(key) in keep)
+            picked = [r for r in picked if tests[-1](r)]
     devices = sorted({", ".join(r["meta"].get("devices") or []) for r in picked})
     if len(devices) > 1:
-        keep = st.sidebar.multiselect("Device", devices, default=devices)
-        picked = [r for r in picked if ", ".join(r["meta"].get("devices") or []) in keep]
+        keep_devices = st.sidebar.multiselect("Device", devices, default=devices)
+        tests.append(lambda r: ", ".join(r["meta"].get("devices") or []) in keep_devices)
+        picked = [r for r in picked if tests[-1](r)]
     names = [r["id"] for r in picked]
-    keep = st.sidebar.multiselect("Runs", names, default=names, help="any set of runs of the comparisons above")
-    return [r for r in picked if r["id"] in keep]
+    keep_runs = st.sidebar.multiselect("Runs", names, default=names, help="any set of runs of the comparisons above")
+    known = {r["id"] for r in runs}
+    tests.append(lambda r: r["id"] in keep_runs or r["id"] not in known)
+    return lambda current: [r for r in current if all(test(r) for test in tests)]
 
 
 def page_planner() -> None:
@@ -89,25 +97,34 @@ def main() -> None:
     if page == "Planner":
         page_planner()
         return
-    runs = _loaded_runs()
-    if runs:
-        VIEWS[page](runs, data.summary_rows(runs))
-
-
-def _loaded_runs() -> list[dict]:
-    """The runs the filters select, saying what was skipped, what is incomplete, or that there is nothing."""
     runs, problems = data.load_runs(root)
+    if not runs:
+        for problem in problems:
+            st.warning(_plain(problem))
+        st.info(f"No runs in `{root}` yet. Run `stratpack compare` (it writes there), or point "
+                f"${data.runstore.RUNS_ENV} at a run store.")
+        return
+    pick = _select(runs)
+    live = st.sidebar.toggle(f"Live: read the run store again every {LIVE_SECONDS} s",
+                             help="for a comparison in progress: the page's figures refresh, the sidebar stays")
+
+    def body() -> None:
+        current, issues = data.load_runs(root) if live else (runs, problems)
+        shown = _shown(pick(current), issues)
+        if shown:
+            VIEWS[page](shown, data.summary_rows(shown))
+    # A fragment reruns on its own timer, only this part of the page (Streamlit's run_every): no loop here.
+    st.fragment(run_every=LIVE_SECONDS)(body)() if live else body()
+
+
+def _shown(runs: list[dict], problems: list[str]) -> list[dict]:
+    """The selected runs, saying what was skipped, how far each incomplete run got, or that nothing matches."""
     for problem in problems:
         st.warning(_plain(problem))
     if not runs:
-        st.info(f"No runs in `{root}` yet. Run `stratpack compare` (it writes there), or point "
-                f"${data.runstore.RUNS_ENV} at a run store.")
-        return []
-    runs = _select(runs)
-    if not runs:
         st.info("No run matches the filters.")
         return []
-    incomplete = [r["id"] for r in runs if r["status"] != "complete"]
+    incomplete = [f"{r['id']} ({data.progress(r)})" for r in runs if r["status"] != "complete"]
     if incomplete:
         st.warning("Incomplete (crashed or still running; shown up to their last step): "
                    + _plain(", ".join(incomplete)))

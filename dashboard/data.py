@@ -52,6 +52,15 @@ def label(run: dict[str, Any]) -> str:
     return f"{meta.get('label') or run['id']} ({meta.get('world_size', '?')}) #{run['id'][-4:]}"
 
 
+def progress(run: dict[str, Any]) -> str:
+    """How far a run got: its last step on rank 0 of the steps it was asked for, where its config says."""
+    records = run["records"].get(0) or []
+    last = records[-1].get("step") if records else None
+    asked = ((run["meta"].get("run_config") or {}) if isinstance(run["meta"].get("run_config"), dict) else {}).get(
+        "steps")
+    return f"step {last if last is not None else 0}" + (f" of {asked}" if isinstance(asked, int) else "")
+
+
 def final_records(run: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each rank's last record."""
     return {rank: records[-1] for rank, records in run["records"].items() if records}

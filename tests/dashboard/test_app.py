@@ -38,7 +38,7 @@ def test_compare_page_table_export_and_messages(store):
     assert table["loss match vs single"][1] == 0.0
     warnings = " ".join(w.value for w in at.warning)
     assert "r5-corrupt: meta.json is not JSON" in warnings and "r6-old: schema 0" in warnings
-    assert "Incomplete" in warnings and "r4-crashed" in warnings
+    assert "Incomplete" in warnings and "r4-crashed (step 2)" in warnings  # how far it got
     assert any(b.label == "Download table (CSV)" for b in at.get("download_button"))
     # The answer first: the fixture's dp and pp2 run 2000 tokens/s against single's 1000; single holds least.
     text = at.markdown[0].value
@@ -128,3 +128,14 @@ def test_links_out_of_the_store_and_odd_files_are_not_read(store, tmp_path):
     assert "r7-link: meta.json is not a regular file" in " ".join(problems)
     assert "leaked" not in [r["meta"].get("label") for r in runs]
     assert sorted(next(r for r in runs if r["id"] == "r2-dp")["records"]) == [0, 1]
+
+
+def test_a_live_page_reads_runs_that_start_after_the_choice(store):
+    from tests.dashboard.conftest import _write_run
+
+    at = _app()
+    at.sidebar.toggle[0].set_value(True).run()  # the page body is now a fragment on a 5 s timer
+    assert not at.exception and len(at.dataframe[0].value) == 4
+    _write_run(store, "r7-zero1", "zero1", 2, [2.0, 1.5, 1.2])  # a run of the chosen comparison, started later
+    at.run()
+    assert not at.exception and "zero1" in list(at.dataframe[0].value["strategy"])
