@@ -128,6 +128,10 @@ def _shown(runs: list[dict], problems: list[str]) -> list[dict]:
     if incomplete:
         st.warning("Incomplete (crashed or still running; shown up to their last step): "
                    + _plain(", ".join(incomplete)))
+    for run in runs:
+        for rank, error in sorted((run.get("errors") or {}).items()):
+            with st.expander(_plain(f"{run['id']} failed on rank {rank}: {error.get('error', '')}"[:300])):
+                st.text("\n".join([str(error.get("error")), "last calls:", *map(str, error.get("last_calls") or [])]))
     return runs
 
 

@@ -243,8 +243,13 @@ class StrategyMonitor(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Every step so far is already on disk (flushed per step); without a summary the run reads incomplete.
+        # Every step so far is already on disk (flushed per step); without a summary the run reads incomplete. The
+        # last line says why this rank stopped and what it was doing (the flight recorder's last calls).
         if self.writer is not None:
+            from strategies.comm.recorder import RECORDER
+
+            self.writer.append({"error": f"{type(exception).__name__}: {exception}"[-4000:],
+                                "last_calls": [f"{c.describe()} ({c.state})" for c in RECORDER.calls]})
             self.writer.finish(None)
             self.writer = None
 

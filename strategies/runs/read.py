@@ -129,7 +129,20 @@ def _read_run(folder: int, path: Path, max_bytes: int | None) -> dict[str, Any]:
             problems.append(f"{run}: {', '.join(partial)} end(s) in half a line (cut by a copy or a full disk?): "
                             "that line is left out")
     return {"meta": meta, "records": records, "summary": summary, "problems": problems,
-            "status": "complete" if raw is not None else "incomplete", "path": str(path)}
+            "status": "complete" if raw is not None else "incomplete", "path": str(path),
+            "errors": _errors(records)}
+
+
+def _errors(records: dict[int, list]) -> dict[int, dict[str, Any]]:
+    """Each failed rank's last line (its error and last calls, `StrategyMonitor.on_exception`), taken out of its
+    records: what is left are the steps."""
+    errors = {}
+    for rank, lines in records.items():
+        failed = [r for r in lines if "error" in r]
+        if failed:
+            errors[rank] = failed[-1]
+            records[rank] = [r for r in lines if "error" not in r]
+    return errors
 
 
 def _read_meta(folder: int, run: str, max_bytes: int | None) -> dict[str, Any]:

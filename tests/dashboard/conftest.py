@@ -33,6 +33,8 @@ def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *
                            "comm": {"all_reduce/dp": {"calls": 1, "bytes_sent": 10.0, "bytes_recv": 10.0,
                                                       "wait_s": 0.1}},
                            "bubble": None})
+        if not complete and rank == 1:  # what StrategyMonitor.on_exception writes last on a failed rank
+            writer.append({"error": "CollectiveError: all_gather on dp timed out", "last_calls": ["#7 all_gather"]})
         summary = None
         if complete and rank == 0:
             summary = {"losses": losses, "tokens_per_s": 1000.0 * world, "mfu": None,

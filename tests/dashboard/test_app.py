@@ -39,6 +39,10 @@ def test_compare_page_table_export_and_messages(store):
     warnings = " ".join(w.value for w in at.warning)
     assert "r5-corrupt: meta.json is not JSON" in warnings and "r6-old: schema 0" in warnings
     assert "Incomplete" in warnings and "r4-crashed (step 2)" in warnings  # how far it got
+    # ... and why it stopped: the failed rank's error and last calls (not counted as a step).
+    (failed,) = at.expander
+    assert failed.label == "r4-crashed failed on rank 1: CollectiveError: all\\_gather on dp timed out"
+    assert "#7 all_gather" in failed.text[0].value
     assert any(b.label == "Download table (CSV)" for b in at.get("download_button"))
     # The answer first: the fixture's dp and pp2 run 2000 tokens/s against single's 1000; single holds least.
     text = at.markdown[0].value

@@ -69,6 +69,10 @@ def test_rank_that_raises_stops_the_job_with_its_error(tmp_path):
     proc, elapsed = _run_job(tmp_path, "zero2_pp2", "4", "raise", "3", str(STEP))
     assert f"[rank 3] zero2_pp2 failed: ValueError: boom on purpose at step {STEP}" in proc.stderr
     _assert_stopped(tmp_path, proc, elapsed, 4)
+    # The run store says so too (the dashboard shows it): rank 3's error and its last calls, after its steps.
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    errors = runstore.read_run(folder)["errors"]
+    assert errors[3]["error"] == f"ValueError: boom on purpose at step {STEP}" and errors[3]["last_calls"]
 
 
 def test_nan_loss_on_one_rank_stops_the_job_before_the_step(tmp_path):
