@@ -133,8 +133,8 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
             f"{_fmt(act / 1024 if act else None, ',.0f'):>9}"
         )
     lines.append("loss match: largest relative difference of a step's loss from single's; meas/pred: rank 0 "
-                 "measured / the estimator (strategies.measure.estimate); '-': not counted (Lightning's own "
-                 "strategies) or no plan")
+                 "measured / the estimator (strategies.measure.estimate); '-': not counted (the communication of "
+                 "Lightning's own strategies) or no plan; act: what autograd saved for backward, every strategy alike")
     return "\n".join(lines)
 
 

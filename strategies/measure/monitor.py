@@ -84,6 +84,7 @@ class StrategyMonitor(L.Callback):
         self.heap = heap
         self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
         self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
+        self._act_meter, self._act = None, (0, 0)
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -105,6 +106,7 @@ class StrategyMonitor(L.Callback):
         self.steps, self._since_record, self._unrecorded = 0, 0, None
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
+        self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
         if self._heap is not None:
             self._heap_setup = self._heap.restart()[1] - self._heap_base - _memory(trainer, pl_module)["total"]
         if self.store:
@@ -118,7 +120,23 @@ class StrategyMonitor(L.Callback):
     # -- each step ----------------------------------------------------------------------------------------
 
     @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The pack's strategies count what autograd saves in their training_step; for Lightning's own (one
+        # process, ddp) the same meter runs around the whole batch, so both sides report activations alike.
+        if not hasattr(trainer.strategy, "model_state_bytes") and self._act_meter is None:
+            from strategies.measure.memory import SavedTensorsMeter
+
+            self._act_meter = SavedTensorsMeter(pl_module).__enter__()
+
+    def _stop_meter(self) -> None:
+        if self._act_meter is not None:
+            self._act_meter.__exit__(None, None, None)
+            self._act = (self._act_meter.bytes, max(self._act[1], self._act_meter.bytes))
+            self._act_meter = None
+
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._stop_meter()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         pipeline = getattr(trainer.strategy, "pipeline", None)
         bubble = pipeline.last_step.bubble if pipeline is not None and pipeline.last_step is not None else None
@@ -184,7 +202,7 @@ class StrategyMonitor(L.Callback):
             "loss": self.local_losses[-1], "lr": optimizer.param_groups[0].get("lr") if optimizer else None,
             "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
             **_flops(trainer, pl_module, tokens_per_s),
-            "memory": _memory(trainer, pl_module, current=True, logits=self._logits),
+            "memory": _memory(trainer, pl_module, current=True, logits=self._logits, own=self._act),
             "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
         }
@@ -216,7 +234,7 @@ class StrategyMonitor(L.Callback):
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
-        memory = _memory(trainer, pl_module, logits=self._logits)
+        memory = _memory(trainer, pl_module, logits=self._logits, own=self._act)
         if self._heap is not None:
             memory.update(self._heap_figures(memory))
         if self._logits is not None:
@@ -245,6 +263,7 @@ class StrategyMonitor(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # Every step so far is already on disk (flushed per step); without a summary the run reads incomplete. The
         # last line says why this rank stopped and what it was doing (the flight recorder's last calls).
+        self._stop_meter()
         if self.writer is not None:
             from strategies.comm.recorder import RECORDER
 
@@ -345,7 +364,7 @@ def _strategy_label(trainer: L.Trainer) -> str:
 
 
 def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = False,
-            logits: LogitsMeter | None = None) -> dict[str, float]:
+            logits: LogitsMeter | None = None, own: tuple[int, int] | None = None) -> dict[str, float]:
     """This rank's bytes by category: model states, activations saved for backward (this step's when
     ``current``, else the run's peak), the logits (the largest the output layer made, when the model has one),
     the process's peak RSS, and on CUDA the allocator's peaks."""
@@ -357,6 +376,8 @@ def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = Fa
         from strategies.measure.memory import model_state_bytes
 
         memory = dict(model_state_bytes(pl_module, trainer.optimizers))
+        if own is not None and own[1]:  # the monitor's own meter (`on_train_batch_start`): (this step, peak)
+            memory["activations_peak"] = own[0] if current else own[1]
     if logits is not None:
         memory["logits"] = logits.bytes
     memory["peak_rss"] = _peak_rss_bytes()

@@ -83,6 +83,10 @@ def test_compare_prints_one_row_per_strategy_with_equal_losses(tmp_path):
     # state KiB measured / predicted: the estimator's ZeRO formulas, to the KiB (dp 16 Psi, ZeRO-2 4 + 12/N)
     assert rows["dp"][6] == rows["dp"][8] and rows["zero2"][6] == rows["zero2"][8]
     assert rows["dp"][9] == rows["dp"][11] != "-" and rows["ddp"][9] == "-"  # comm: only the pack counts its own
+    # Activations are counted alike for Lightning's own strategies (the monitor's meter): ddp saves what dp saves,
+    # one process twice that (the whole global batch).
+    assert rows["ddp"][12] == rows["dp"][12] != "-" and int(rows["single"][12].replace(",", "")) == 2 * int(
+        rows["dp"][12].replace(",", ""))
     runs = [runstore.read_run(p) for p in runstore.list_runs(tmp_path / "runs")]
     assert len(runs) == 4 and len({r["meta"]["comparison"] for r in runs}) == 1
     assert all(r["status"] == "complete" for r in runs)
