@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dashboard.data import _num
+from dashboard.data import _num, single_losses
 
 LOSS_RTOL = 1e-5  # the pack's stated tolerance in fp32: losses within relative 1e-5 of one process (README)
 
@@ -82,11 +82,7 @@ def answer(runs: list[dict[str, Any]], rows: list[dict[str, Any]], budget_mib: f
 def loss_differences(runs: list[dict[str, Any]], label) -> list[dict[str, Any]]:
     """Per step and run, the loss's relative difference from its comparison's ``single`` run (the baseline), for a
     log-scale chart: a difference of exactly zero is kept as zero (the chart shows it at its floor)."""
-    base = {}
-    for run in runs:
-        meta = run["meta"]
-        if meta.get("label") == "single" and meta.get("comparison"):
-            base[meta["comparison"]] = (run.get("summary") or {}).get("losses") or []
+    base = single_losses(runs)
     rows = []
     for run in runs:
         meta = run["meta"]

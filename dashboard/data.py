@@ -56,8 +56,8 @@ def progress(run: dict[str, Any]) -> str:
     """How far a run got: its last step on rank 0 of the steps it was asked for, where its config says."""
     records = run["records"].get(0) or []
     last = records[-1].get("step") if records else None
-    asked = ((run["meta"].get("run_config") or {}) if isinstance(run["meta"].get("run_config"), dict) else {}).get(
-        "steps")
+    config = run["meta"].get("run_config")
+    asked = config.get("steps") if isinstance(config, dict) else None
     return f"step {last if last is not None else 0}" + (f" of {asked}" if isinstance(asked, int) else "")
 
 
@@ -66,12 +66,15 @@ def final_records(run: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {rank: records[-1] for rank, records in run["records"].items() if records}
 
 
+def single_losses(runs: list[dict[str, Any]]) -> dict[str, list]:
+    """Each comparison's loss reference: the losses of its single-process (``single``) run."""
+    return {run["meta"]["comparison"]: run["summary"].get("losses") or [] for run in runs
+            if run["meta"].get("label") == "single" and run["summary"] and run["meta"].get("comparison")}
+
+
 def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The side-by-side table: one row per run."""
-    reference = {}
-    for run in runs:  # the single-process run of each comparison is the loss reference
-        if run["meta"].get("label") == "single" and run["summary"] and run["meta"].get("comparison"):
-            reference[run["meta"]["comparison"]] = run["summary"].get("losses") or []
+    reference = single_losses(runs)
     rows = []
     for run in runs:
         meta, summary = run["meta"], run["summary"] or {}

@@ -35,9 +35,8 @@ Key = tuple[int, int]  # (stage, microbatch)
 class WeightStore:
     """The weight gradients B deferred, by (stage, microbatch), until their W."""
 
-    def __init__(self, deferrable: Iterator[Tensor] | list[Tensor] | None = None) -> None:
-        # The weights whose gradients wait for W (the blocks'); None: every linear's.
-        self.deferrable = None if deferrable is None else {id(p) for p in deferrable}
+    def __init__(self, deferrable: list[Tensor]) -> None:
+        self.deferrable = {id(p) for p in deferrable}  # the weights whose gradients wait for W: the blocks'
         self.pending: dict[Key, list[tuple[Tensor, Tensor, Tensor, Any]]] = {}
         self.key: Key | None = None  # the B running now, whose linears defer their weights' gradients
         # Set by whoever measures activations: told of the tensors kept for W, it returns a handle held beside them.
@@ -84,8 +83,7 @@ class WeightStore:
 
 def _deferring(store: WeightStore):
     def deferred_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if not (weight.requires_grad and torch.is_grad_enabled()) or (
-                store.deferrable is not None and id(weight) not in store.deferrable):
+        if not (weight.requires_grad and torch.is_grad_enabled()) or id(weight) not in store.deferrable:
             return _ORIGINAL_LINEAR(input, weight, bias)
         # The weight enters detached: autograd would otherwise run its AccumulateGrad (and the hooks on it, with no
         # gradient) in B; W accumulates into it instead.

@@ -128,21 +128,17 @@ def _read_run(folder: int, path: Path, max_bytes: int | None) -> dict[str, Any]:
         if partial:  # a finished run's logs end in whole lines: these were cut (a copy, a full disk)
             problems.append(f"{run}: {', '.join(partial)} end(s) in half a line (cut by a copy or a full disk?): "
                             "that line is left out")
+    records, errors = _split_errors(records)
     return {"meta": meta, "records": records, "summary": summary, "problems": problems,
-            "status": "complete" if raw is not None else "incomplete", "path": str(path),
-            "errors": _errors(records)}
+            "status": "complete" if raw is not None else "incomplete", "path": str(path), "errors": errors}
 
 
-def _errors(records: dict[int, list]) -> dict[int, dict[str, Any]]:
-    """Each failed rank's last line (its error and last calls, `StrategyMonitor.on_exception`), taken out of its
-    records: what is left are the steps."""
-    errors = {}
-    for rank, lines in records.items():
-        failed = [r for r in lines if "error" in r]
-        if failed:
-            errors[rank] = failed[-1]
-            records[rank] = [r for r in lines if "error" not in r]
-    return errors
+def _split_errors(records: dict[int, list]) -> tuple[dict[int, list], dict[int, dict[str, Any]]]:
+    """Each rank's steps, and each failed rank's last line apart (its error and last calls, written by
+    `StrategyMonitor.on_exception`)."""
+    steps = {rank: [r for r in lines if "error" not in r] for rank, lines in records.items()}
+    errors = {rank: failed[-1] for rank, lines in records.items() if (failed := [r for r in lines if "error" in r])}
+    return steps, errors
 
 
 def _read_meta(folder: int, run: str, max_bytes: int | None) -> dict[str, Any]:
