@@ -147,9 +147,20 @@ def _answer(runs: list[dict], rows: list[dict]) -> None:
     st.markdown("\n".join(f"- **{key}**: {_plain(text)}" for key, text in lines.items()))
 
 
+def _step_time(runs: list[dict]) -> None:
+    steps = data.step_rows(runs)
+    if steps:
+        _chart(charts.step_figure(steps), "step-time")
+        st.caption("Compute is each phase's time less what the rank was blocked in collectives; comm is that blocked "
+                   "time (a pipeline's wait for its neighbour counts as bubble); other is the rest of the step "
+                   "(data, Lightning's loop). Predicted: the planner's step time, calibrated on this host where it "
+                   "says so in the run's meta (`step_basis`).")
+
+
 def page_compare(runs: list[dict], rows: list[dict]) -> None:
     st.header("Side by side")
     _answer(runs, rows)
+    _step_time(runs)
     st.dataframe(rows, use_container_width=True)
     st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
     bench = data.bench_rows(runs)
@@ -168,6 +179,13 @@ def page_memory(runs: list[dict], rows: list[dict]) -> None:
     memory = data.memory_rows(runs)
     _chart(charts.memory_figure(memory), "memory")
     _chart(charts.heatmap_figure(memory), "memory-heatmap")
+    names = list(dict.fromkeys(r["run"] for r in memory))
+    if len(names) > 1:
+        first = next((k for k, n in enumerate(names) if n.startswith("single ")), 0)
+        col = st.columns(2)
+        baseline = col[0].selectbox("Waterfall from", names, index=first)
+        other = col[1].selectbox("to", names, index=(first + 1) % len(names))
+        _chart(charts.waterfall_figure(memory, baseline, other), "memory-waterfall")
 
 
 def page_throughput(runs: list[dict], rows: list[dict]) -> None:

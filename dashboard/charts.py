@@ -140,3 +140,58 @@ def ideal_timelines(ideal: dict[str, list[list[Any]]]) -> dict[str, list[dict[st
     phases = {"F": "forward", "B": "backward", "W": "weight"}
     return {rank: [{"action": e[0], "phase": phases.get(e[0][:1], "backward"), "start": e[1],
                     "end": e[2] if len(e) > 2 else e[1] + 1} for e in actions] for rank, actions in ideal.items()}
+
+
+_STEP_COLORS = {"forward": "#4C78A8", "backward": "#72B7B2", "optimizer": "#54A24B", "bubble": "#BAB0AC",
+                "other": "#D3D3D3"}
+_AXIS_COLORS = {"dp": ("#F58518", "#FFBF79", "#E45756", "#FF9D98"), "tp": ("#B279A2", "#D6A5C9", "#9D755D"),
+                "pp": ("#EECA3B", "#F2CF5B")}
+
+
+def step_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Where a step's time goes: per strategy, a stacked bar per rank (measured) and the estimator's (predicted),
+    by part: compute by phase, communication each rank was blocked in by collective and axis, the pipeline's
+    bubble, the rest."""
+    fig = go.Figure()
+    order = list(dict.fromkeys(r["part"] for r in rows))
+    comm = sorted(p for p in order if p.startswith("comm "))
+    for part in [p for p in ("forward", "backward", "optimizer", "bubble") if p in order] + comm + \
+            [p for p in order if p not in _STEP_COLORS and not p.startswith("comm ")] + \
+            (["other"] if "other" in order else []):
+        picked = [r for r in rows if r["part"] == part]
+        fig.add_bar(name=part, marker_color=_part_color(part, comm), x=[[r["strategy"] for r in picked],
+                                                                         [r["bar"] for r in picked]],
+                    y=[r["seconds"] * 1e3 for r in picked], hovertext=[r["run"] for r in picked])
+    fig.update_layout(barmode="stack", yaxis_title="ms per step", legend_title="part",
+                      title="Where the step time goes: each rank measured, and the estimator's prediction")
+    return fig
+
+
+def _part_color(part: str, comm: list[str]) -> str | None:
+    if part in _STEP_COLORS:
+        return _STEP_COLORS[part]
+    axis = part.rpartition("/")[2] if "/" in part else part.split()[-1]
+    shades = _AXIS_COLORS.get(axis)
+    same = [p for p in comm if (p.rpartition("/")[2] if "/" in p else p.split()[-1]) == axis]
+    return shades[same.index(part) % len(shades)] if shades and part in same else None
+
+
+def waterfall_figure(rows: list[dict[str, Any]], baseline: str, other: str) -> go.Figure:
+    """From the ``baseline`` run's measured memory per rank (its largest rank) to the ``other``'s, category by
+    category: which categories a strategy shrinks and which it grows (``rows``: `data.memory_rows`)."""
+    def per_category(run: str) -> dict[str, float]:
+        mine = [r for r in rows if r["run"] == run and r["source"] == "measured"]
+        ranks = {r["rank"] for r in mine}
+        top = max(ranks, key=lambda k: sum(r["bytes"] for r in mine if r["rank"] == k)) if ranks else None
+        return {r["category"]: r["bytes"] / MiB for r in mine if r["rank"] == top}
+    before, after = per_category(baseline), per_category(other)
+    categories = [c for c in MEMORY_CATEGORIES if c in before or c in after]
+    steps = [after.get(c, 0.0) - before.get(c, 0.0) for c in categories]
+    fig = go.Figure(go.Waterfall(
+        x=[baseline, *categories, other], measure=["absolute", *["relative"] * len(categories), "total"],
+        y=[sum(before.values()), *steps, 0.0], text=[f"{v:+.2f}" for v in [sum(before.values()), *steps]] + [""],
+        decreasing={"marker": {"color": COLORS["optimizer"]}}, increasing={"marker": {"color": COLORS["activations"]}},
+        totals={"marker": {"color": COLORS["params"]}}))
+    fig.update_layout(title=f"Memory per rank, category by category: {baseline} to {other} (largest rank, measured)",
+                      yaxis_title="MiB per rank", showlegend=False)
+    return fig

@@ -189,3 +189,58 @@ def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({"run": label(run), "step": record.get("step"), "loss": _num(loss),
                          "seconds": when - start if when is not None else None})
     return rows
+
+
+# The estimator's step-time parts (`planner.step_time`) under the measured parts' names: compute is split as a
+# transformer's FLOPs split it (a forward, a backward of twice that); recompute runs inside the backward; offload's
+# copies belong to the optimizer step; Lightning's loop is part of "other"; the pipeline's messages on the critical
+# path are part of the bubble, as a stage's wait for its neighbour is in the measurement (`measure.split`).
+_PREDICTED_AS = {"recompute": "backward", "optimizer": "optimizer", "offload": "optimizer", "loop": "other",
+                 "bubble": "bubble", "dp comm": "comm dp", "tp comm": "comm tp", "pp comm": "bubble"}
+
+
+def step_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where a step's time goes, seconds per part, for each run: every rank's measured mean over the timed steps
+    (the records' ``split`` and comm waits, `strategies.measure.split.breakdown`), and the estimator's prediction
+    where the run has one (``bar`` "predicted")."""
+    from strategies.measure.split import breakdown  # no torch: the module imports only the standard library
+
+    rows = []
+    for run in runs:
+        name = f"{run['meta'].get('label') or run['id']} #{run['id'][-4:]}"
+        for rank, records in sorted(run["records"].items()):
+            timed = _timed(run, records)
+            if not timed:
+                continue
+            parts: dict[str, float] = {}
+            for record in timed:
+                for part, seconds in breakdown(_num(record.get("step_time_s")) or 0.0, record["split"],
+                                               record.get("comm") or {}).items():
+                    parts[part] = parts.get(part, 0.0) + seconds / len(timed)
+            rows += [{"strategy": name, "bar": f"rank {rank}", "part": p, "seconds": s, "run": run["id"]}
+                     for p, s in parts.items()]
+        predicted = run["meta"].get("predicted")
+        step = predicted.get("step_time") if isinstance(predicted, dict) else None
+        if isinstance(step, dict):
+            rows += [{"strategy": name, "bar": "predicted", "part": p, "seconds": s, "run": run["id"]}
+                     for p, s in _predicted_parts(step).items()]
+    return rows
+
+
+def _timed(run: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records with a split after the run's warm-up steps (its config's; else all but the first)."""
+    config = run["meta"].get("run_config")
+    warmup = config.get("warmup_steps") if isinstance(config, dict) else None
+    split = [r for r in records if isinstance(r.get("split"), dict)]
+    after = [r for r in split if isinstance(r.get("step"), int) and r["step"] > (warmup if isinstance(warmup, int)
+                                                                                  else 1)]
+    return after or split[-1:]
+
+
+def _predicted_parts(step: dict[str, Any]) -> dict[str, float]:
+    compute = _num(step.get("compute")) or 0.0
+    parts = {"forward": compute / 3, "backward": 2 * compute / 3}
+    for key, value in step.items():
+        if key in _PREDICTED_AS and _num(value):
+            parts[_PREDICTED_AS[key]] = parts.get(_PREDICTED_AS[key], 0.0) + _num(value)
+    return parts

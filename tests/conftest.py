@@ -4,5 +4,49 @@ pipeline's or any other p2p order that would hang or swap tensors on GPUs fails 
 inherit it from this process's environment."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
 
 os.environ.setdefault("STRATPACK_STRICT_P2P", "60")
+
+TINY_RUN = ["--devices", "2", "--n-embd", "16", "--seq-len", "16", "--max-chars", "8000", "--wandb", "off"]
+COMPARED = "single,dp,ddp,zero2,pp2"
+
+
+@pytest.fixture(scope="session")
+def compared(tmp_path_factory):
+    """A run store written by real commands, once per session: `stratpack compare` of COMPARED at 2 CPU ranks
+    (4 steps; it first measures this host, into a calibration cache of the session's own, so each run's meta holds
+    a predicted step time), and a `stratpack train` killed (SIGKILL, every rank) after its third step. Read by the
+    compare table's test (tests/e2e/test_launch.py) and the dashboard's (tests/dashboard/test_real_store.py)."""
+    root = tmp_path_factory.mktemp("compared")
+    runs, table = root / "runs", root / "results.json"
+    env = {**os.environ, "STRATPACK_CALIBRATION": str(root / "cache" / "calibration.json"), "STRATPACK_RUNS": str(runs)}
+    cli = [sys.executable, "-m", "strategies.cli"]
+    proc = subprocess.run([*cli, "compare", "--strategies", COMPARED, "--steps", "4", "--json", str(table),
+                           "--runs-dir", str(runs), *TINY_RUN], capture_output=True, text=True, timeout=900, env=env)
+    killed = subprocess.Popen([*cli, "train", "dp", "--steps", "100000", *TINY_RUN], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and killed.poll() is None and not _steps_written(runs, 3):
+            time.sleep(0.2)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)  # the launcher and its ranks, as a node failure would
+        killed.wait()
+    return SimpleNamespace(proc=proc, table=table, runs=runs)
+
+
+def _steps_written(runs, steps: int) -> bool:
+    """Whether some run in ``runs`` other than the comparison's has ``steps`` records on every rank file."""
+    for folder in runs.iterdir() if runs.is_dir() else []:
+        files = sorted(folder.glob("rank*.jsonl"))
+        if "-dp-" in folder.name and not (folder / "summary.json").exists() and len(files) == 2 and all(
+                len(f.read_text().splitlines()) >= steps for f in files):
+            return True
+    return False

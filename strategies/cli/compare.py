@@ -175,6 +175,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs of each strategy, order alternating")
     p.add_argument("--baseline", default="single", help="strategy the speed column is relative to")
     p.add_argument("--json", default=None, help="also write every run's result to this file")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="on CPU, do not measure this host first (once, cached): runs then get no predicted step time")
     add_run_options(p)
     p.set_defaults(func=command)
 
@@ -186,6 +188,10 @@ def command(args: argparse.Namespace) -> int:
     if args.strategies == DEFAULT:
         labels += _gpu_reference_rows(args.accelerator)
     args.runs_dir = args.runs_dir or None
+    if args.accelerator == "cpu" and args.calibrate:
+        from strategies.cli.plan import calibrate_host
+
+        calibrate_host(config_from(args, "dp"))
 
     def make_config(label: str, comparison: str) -> Any:
         args.comparison = comparison

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -93,3 +94,34 @@ def calibrated_hardware(ranks: int, memory: float):
               file=sys.stderr, flush=True)
         cal = calibrate.measure(ranks)
     return Hardware.calibrated(cal, memory)
+
+
+def workload_costs(shape: Any, devices: int) -> Any:
+    """The step's pieces measured at the workload's shape (`measure.costs`), once per machine and shape."""
+    from strategies.measure import costs
+
+    found = costs.load(devices, shape.hidden, shape.heads, shape.seq, shape.vocab)
+    if found is None:
+        print(f"measuring a step's pieces at {devices} ranks (once; cached)...", file=sys.stderr, flush=True)
+        found = costs.measure(devices, shape.hidden, shape.heads, shape.seq, shape.vocab)
+    return found
+
+
+def workload_shape(config: Any) -> Any:
+    """The workload's transformer shape (`estimate.ModelShape`) at the run's global batch."""
+    from strategies.cli.train import _model_config
+    from strategies.cli.workload import find_workload
+    from strategies.measure.estimate import ModelShape
+
+    module, _ = find_workload(config.workload).lightning(config)
+    return ModelShape.from_config(_model_config(module), batch=config.batch_size)
+
+
+def calibrate_host(config: Any) -> None:
+    """This host's calibration and the costs of a step's pieces at the workload's shape, at one rank and at the
+    comparison's ranks: measured once (about a minute) and cached, so that each run's prediction has a step time
+    to put beside the measured one (`measure.predict`)."""
+    shape = workload_shape(config)
+    for world in sorted({1, config.devices}):
+        calibrated_hardware(world, 0.0)
+        workload_costs(shape, world)

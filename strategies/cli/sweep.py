@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from strategies.cli.compare import write_report
-    from strategies.cli.plan import calibrated_hardware
+    from strategies.cli.plan import calibrated_hardware, workload_costs, workload_shape
     from strategies.cli.train import config_from
 
     base = config_from(args, "dp")
@@ -43,17 +43,6 @@ def command(args: argparse.Namespace) -> int:
     text = report([(label, seconds, measured[label]) for label, seconds in ranked], base, hw, args.repeat)
     write_report(text, args.report, "sweep")
     return 0
-
-
-def workload_costs(shape: Any, devices: int) -> Any:
-    """The step's pieces measured at the workload's shape (`measure.costs`), once per machine and shape."""
-    from strategies.measure import costs
-
-    found = costs.load(devices, shape.hidden, shape.heads, shape.seq, shape.vocab)
-    if found is None:
-        print(f"measuring a step's pieces at {devices} ranks (once; cached)...", file=sys.stderr, flush=True)
-        found = costs.measure(devices, shape.hidden, shape.heads, shape.seq, shape.vocab)
-    return found
 
 
 def measure_plans(labels: list[str], base: Any, repeat: int) -> dict[str, float | None]:
@@ -73,16 +62,6 @@ def measure_plans(labels: list[str], base: Any, repeat: int) -> dict[str, float 
                 if "error" not in result and result.get("step_time_s"):
                     times[label].append(result["step_time_s"])
     return {label: median(t) if t else None for label, t in times.items()}
-
-
-def workload_shape(config: Any) -> Any:
-    """The workload's transformer shape (`estimate.ModelShape`) at the run's global batch."""
-    from strategies.cli.train import _model_config
-    from strategies.cli.workload import find_workload
-    from strategies.measure.estimate import ModelShape
-
-    module, _ = find_workload(config.workload).lightning(config)
-    return ModelShape.from_config(_model_config(module), batch=config.batch_size)
 
 
 def predicted_plans(shape: Any, hw: Any, config: Any, plans: str | None) -> list[tuple[str, float]]:

@@ -16,6 +16,7 @@ The result is cached per host, world size and torch version in ``~/.cache/stratp
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -45,6 +46,8 @@ class Calibration:
         sizes = sorted(int(key.split("@")[1]) for key in self.links if key.startswith(kind + "@"))
         if not sizes and kind != "all_reduce":
             return self.link("all_reduce", ranks)
+        if not sizes:  # one rank measured no links: nothing to send
+            return 0.0, math.inf
         size = max([s for s in sizes if s <= ranks] or sizes[:1])
         return self.links[f"{kind}@{size}"]
 

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from strategies import comm, runs
 from strategies.measure.memory import LogitsMeter
+from strategies.measure.split import StepSplit
 from strategies.pipeline import schedules
 from strategies.tensor_parallel.families import vocab_layers
 
@@ -85,6 +86,7 @@ class StrategyMonitor(L.Callback):
         self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
         self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
         self._act_meter, self._act = None, (0, 0)
+        self._split = StepSplit(lambda: (0.0, 0.0))
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -107,6 +109,7 @@ class StrategyMonitor(L.Callback):
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
         self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
+        self._split = StepSplit(_blocked_seconds(stats))
         if self._heap is not None:
             self._heap_setup = self._heap.restart()[1] - self._heap_base - _memory(trainer, pl_module)["total"]
         if self.store:
@@ -121,12 +124,21 @@ class StrategyMonitor(L.Callback):
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._split.enter("forward")
         # The pack's strategies count what autograd saves in their training_step; for Lightning's own (one
         # process, ddp) the same meter runs around the whole batch, so both sides report activations alike.
         if not hasattr(trainer.strategy, "model_state_bytes") and self._act_meter is None:
             from strategies.measure.memory import SavedTensorsMeter
 
             self._act_meter = SavedTensorsMeter(pl_module).__enter__()
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._split.enter("backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._split.enter("optimizer")
 
     def _stop_meter(self) -> None:
         if self._act_meter is not None:
@@ -137,9 +149,12 @@ class StrategyMonitor(L.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._stop_meter()
+        self._split.enter(None)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         pipeline = getattr(trainer.strategy, "pipeline", None)
         bubble = pipeline.last_step.bubble if pipeline is not None and pipeline.last_step is not None else None
+        if bubble is not None:
+            self._split.add_pipeline(pipeline.last_step.timeline)
         self._pending_loss += float(loss.detach())  # Lightning already divided it by accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
@@ -205,6 +220,7 @@ class StrategyMonitor(L.Callback):
             "memory": _memory(trainer, pl_module, current=True, logits=self._logits, own=self._act),
             "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
+            "split": self._split.take(covered),  # seconds per step by phase (`measure.split`)
         }
 
     def _comm_delta(self, trainer: L.Trainer, steps: int) -> dict[str, dict[str, float]]:
@@ -423,11 +439,20 @@ def _to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:
         if isinstance(record.get(key), (int, float)):
             flat["pipeline/bubble" if key == "bubble" else key] = float(record[key])
     flat.update({f"memory/{k}": float(v) for k, v in record["memory"].items()})
+    flat.update({f"time/{k}": float(v) for k, v in record.get("split", {}).items()})
     for key, rec in record["comm"].items():
         flat[f"comm/{key}/bytes_sent"] = float(rec["bytes_sent"])
         flat[f"comm/{key}/wait_s"] = float(rec["wait_s"])
     for logger in loggers:
         logger.log_metrics(flat, step=record["step"])
+
+
+def _blocked_seconds(stats: Any):
+    """The seconds this process has been blocked in collectives so far, all of them and the pipeline axis's (zero
+    without the pack's counters: Lightning's own strategies)."""
+    if stats is None:
+        return lambda: (0.0, 0.0)
+    return lambda: (stats.total().wait_s, stats.total(axis="pp").wait_s)
 
 
 def _peak_rss_bytes() -> int:

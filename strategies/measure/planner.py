@@ -98,13 +98,16 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         per_token = 6 * shape.total() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
         compute = per_token * tokens / hw.gpus / hw.flops
         parts = {"compute": compute, "recompute": compute / 3 if plan.ac else 0.0}  # ac: one more forward
-    parts["bubble"] = parts["compute"] * est.bubble / (1 - est.bubble) if est.bubble < 1 else math.inf
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
     for axis in ("dp", "tp", "pp"):
         ranks = 2 if axis == "pp" else getattr(plan, axis)
         seconds = sum(hw.seconds(k, v, calls.get(k, 1), ranks) for k, v in est.comm.items() if k.endswith("/" + axis))
         parts[f"{axis} comm"] = seconds * (1 - hidden if axis == "dp" else 1)
+    # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
+    # compute (a stage waits for its neighbour's whole microbatch, collectives included).
+    busy = parts["compute"] + parts["recompute"] + parts["tp comm"]
+    parts["bubble"] = busy * est.bubble / (1 - est.bubble) if est.bubble < 1 else math.inf
     if plan.offload:
         parts["offload"] = max(m["host"] for m in est.memory) / hw.host_bandwidth
     return parts

@@ -8,7 +8,7 @@ import dataclasses
 from strategies.equivalents import equivalent_plan
 from strategies.measure.estimate import ModelShape
 from strategies.measure.peak import GLOO
-from strategies.measure.planner import GiB, Hardware, choose_schedule
+from strategies.measure.planner import GiB, Hardware, choose_schedule, step_time
 from strategies.plan import ParallelPlan
 from strategies.runs.schema import MODEL_STATE
 
@@ -36,7 +36,27 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
     stage = [plan.coordinates(rank)["pp"] for rank in range(world_size)]
     out = {"plan": est.plan, "memory": [est.memory[s] for s in stage], "comm": est.comm, "bubble": est.bubble,
            "peak_at": est.peak_at, "model_states": [sum(est.states[s][k] for k in MODEL_STATE) for s in stage]}
+    timed, basis = _hardware(shape, hw, cpu)
+    if timed is not None:  # the chosen schedule's step time, on what is known of this hardware (and the basis)
+        out.update(step_time=step_time(shape, est, plan, timed), step_basis=basis)
     return {**out, "schedule_choice": choice.why} if choice.why else out
+
+
+def _hardware(shape: ModelShape, hw: Hardware, cpu: bool) -> tuple[Hardware | None, str]:
+    """What a run's step time is predicted on: on CPU this host's calibration and measured costs at the run's ranks
+    where they are cached (`stratpack compare` measures them first; None: not measured, no step time), else the
+    planner's GPU defaults. The schedule is chosen on ``hw`` whatever is cached, so a run does the same on every
+    host."""
+    if not cpu:
+        return hw, "the planner's GPU defaults (H100-class, not calibrated)"
+    from strategies.measure import calibrate, costs
+
+    cal = calibrate.load(hw.gpus)
+    if cal is None:
+        return None, ""
+    measured = costs.load(hw.gpus, shape.hidden, shape.heads, shape.seq, shape.vocab)
+    timed = dataclasses.replace(Hardware.calibrated(cal, hw.memory), costs=measured)
+    return timed, "this host's calibration" + (" and measured costs" if measured is not None else "")
 
 
 def device_memory(accelerator: str, ranks_per_host: int) -> float:

@@ -19,7 +19,8 @@ Schema version 1 (`SCHEMA`), present in every file and record:
   params, grads, optimizer, host, activations_peak, logits (the output layer's largest output, 1/tp of the
   vocabulary under vp; also inside activations_peak), peak_rss, and on CUDA max_allocated, max_reserved),
   ``comm`` ({"all_reduce/dp": {"calls", "bytes_sent", "bytes_recv", "wait_s"}} per step), ``bubble``
-  (pipeline: this rank's idle fraction) or null, ``steps`` (the steps the record stands for: 1, more once a
+  (pipeline: this rank's idle fraction) or null, ``split`` (seconds per step: forward, backward, optimizer compute
+  and the pipeline's bubble; `measure.split`), ``steps`` (the steps the record stands for: 1, more once a
   long run's records thin out, see `measure.monitor.keep_record`; its comm figures are their mean). A bench record's
   ``memory`` is ``max_allocated`` only (the profiled peak of torch's allocator, on CPU too).
 - ``summary.json``: ``schema``, ``status`` ("complete"), ``finished`` (unix time), and the monitor's

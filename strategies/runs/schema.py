@@ -29,7 +29,7 @@ META_SHAPE = {
     "num_params": ("int", None), "predicted": ({"memory": [_MEMORY]}, None), "wandb_run": ("str", None),
 }
 RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time": _NUM, "step_time_s": _NUM,
-                "loss": _NUM, "tokens_per_s": _NUM, "memory": (_MEMORY, None),
+                "loss": _NUM, "tokens_per_s": _NUM, "memory": (_MEMORY, None), "split": ({"*": _NUM}, None),
                 "error": ("str", None), "last_calls": (["str"], None)}  # a rank's last line when it failed
 SUMMARY_SHAPE = {
     "losses": [_NUM], "tokens_per_s": _NUM, "mfu": _NUM, "comm_per_step": {"*": {"bytes_sent": _NUM, "wait_s": _NUM}},

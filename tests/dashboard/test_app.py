@@ -59,7 +59,8 @@ def test_compare_page_table_export_and_messages(store):
 
 
 @pytest.mark.parametrize("page,titles", [
-    ("Memory", ["Memory per rank", "Device memory per rank"]), ("Throughput", ["Throughput"]),
+    ("Memory", ["Memory per rank", "Device memory per rank", "Memory per rank, category by category"]),
+    ("Throughput", ["Throughput"]),
     ("Communication", ["Communication per step"]), ("Loss", ["Loss against step"]),
     ("Pipeline", ["Measured (last step)", "The schedule's table"]),
 ])

@@ -27,13 +27,18 @@ def test_a_two_rank_run_writes_meta_records_and_summary_and_wandb_offline(tmp_pa
             assert r["schema"] == runstore.SCHEMA and r["rank"] == rank and r["step_time_s"] > 0
             assert {"params", "grads", "optimizer", "activations_peak", "peak_rss"} <= set(r["memory"])
             assert r["comm"]["reduce_scatter/dp"]["bytes_sent"] > 0  # this step's, not the running total
+            # where the step went (`measure.split`): each phase's compute, inside the step with the waits
+            waited = sum(c["wait_s"] for c in r["comm"].values())
+            assert min(r["split"][k] for k in ("forward", "backward", "optimizer")) > 0 and r["split"]["bubble"] == 0
+            assert sum(r["split"].values()) + waited < r["step_time_s"]
     assert run["summary"]["losses"] == result["losses"]
     # The same figures in wandb's offline run (its .wandb file is internal; the keys are stored as text).
     wandb_runs = [p for p in (tmp_path / "runs" / "wandb").iterdir() if p.name.startswith("offline-run-")]
     assert len(wandb_runs) == 1
     assert Path(meta["wandb_run"]).resolve() == wandb_runs[0].resolve()  # the dashboard shows it; `wandb sync` takes it
     data = next(wandb_runs[0].glob("run-*.wandb")).read_bytes()
-    for key in (b"memory/params", b"memory/optimizer", b"comm/reduce_scatter/dp/bytes_sent", b"tokens_per_s"):
+    for key in (b"memory/params", b"memory/optimizer", b"comm/reduce_scatter/dp/bytes_sent", b"tokens_per_s",
+                b"time/backward"):
         assert key in data, key
 
 
