@@ -113,8 +113,12 @@ def main() -> None:
         shown = _shown(pick(current), issues)
         if shown:
             VIEWS[page](shown, data.summary_rows(shown))
-    # A fragment reruns on its own timer, only this part of the page (Streamlit's run_every): no loop here.
-    st.fragment(run_every=LIVE_SECONDS)(body)() if live else body()
+    # A fragment reruns on its own timer, only this part of the page (Streamlit's run_every): no loop here. (A
+    # statement, not a conditional expression: Streamlit's "magic" would write the expression's value, None.)
+    if live:
+        st.fragment(run_every=LIVE_SECONDS)(body)()
+    else:
+        body()
 
 
 def _shown(runs: list[dict], problems: list[str]) -> list[dict]:

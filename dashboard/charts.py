@@ -155,15 +155,18 @@ def step_figure(rows: list[dict[str, Any]]) -> go.Figure:
     fig = go.Figure()
     order = list(dict.fromkeys(r["part"] for r in rows))
     comm = sorted(p for p in order if p.startswith("comm "))
+    # Every trace has every bar (zero where a part is absent): Plotly orders a two-level axis by first appearance.
+    bars = list(dict.fromkeys((r["strategy"], r["bar"], r["run"]) for r in rows))
+    seconds = {(r["strategy"], r["bar"], r["part"]): r["seconds"] for r in rows}
     for part in [p for p in ("forward", "backward", "optimizer", "bubble") if p in order] + comm + \
             [p for p in order if p not in _STEP_COLORS and not p.startswith("comm ")] + \
             (["other"] if "other" in order else []):
-        picked = [r for r in rows if r["part"] == part]
-        fig.add_bar(name=part, marker_color=_part_color(part, comm), x=[[r["strategy"] for r in picked],
-                                                                         [r["bar"] for r in picked]],
-                    y=[r["seconds"] * 1e3 for r in picked], hovertext=[r["run"] for r in picked])
-    fig.update_layout(barmode="stack", yaxis_title="ms per step", legend_title="part",
-                      title="Where the step time goes: each rank measured, and the estimator's prediction")
+        fig.add_bar(name=part, marker_color=_part_color(part, comm),
+                    x=[[s for s, _, _ in bars], [b for _, b, _ in bars]],
+                    y=[seconds.get((s, b, part), 0.0) * 1e3 for s, b, _ in bars], hovertext=[r for _, _, r in bars])
+    fig.update_layout(barmode="stack", yaxis_title="ms per step", legend_title="part", height=560,
+                      margin={"b": 140}, title="Where the step time goes: each rank measured, and the estimator's "
+                                               "prediction")
     return fig
 
 

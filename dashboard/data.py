@@ -80,6 +80,8 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         meta, summary = run["meta"], run["summary"] or {}
         last = final_records(run)
         peaks = [_peak(r["memory"]) for r in last.values() if isinstance(r.get("memory"), dict)]
+        allocated = [a for a in (_num(r["memory"].get("max_allocated")) for r in last.values()
+                                 if isinstance(r.get("memory"), dict)) if a is not None]
         if not isinstance(summary, dict):
             summary = {}
         predicted = meta.get("predicted") if isinstance(meta.get("predicted"), dict) else {}
@@ -98,6 +100,7 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "pp": degrees.get("pp"), "device": ", ".join(meta.get("devices") or []),
             "peak MiB/rank (measured)": max(peaks) / 2**20 if peaks else None,
             "peak MiB/rank (predicted)": max(pred_peaks) / 2**20 if pred_peaks else None,
+            "allocator peak MiB/rank": max(allocated) / 2**20 if allocated else None,  # CUDA's max_allocated
             "tokens/s": _num(summary.get("tokens_per_s")), "MFU": _num(summary.get("mfu")),
             "comm KiB/step (rank 0)": sum(_num(c.get("bytes_sent")) or 0 for c in comm.values()) / 1024
             if comm else None,

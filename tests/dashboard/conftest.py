@@ -20,7 +20,9 @@ def _memory(total: int, act: int) -> dict:
 def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *, complete: bool = True,
                pipeline: dict | None = None, degrees: dict | None = None) -> None:
     predicted = {"memory": [{"params": 100, "grads": 100, "optimizer": 200, "host": 0, "activations": 50}] * world,
-                 "comm": {"all_reduce/dp": 10.0}, "bubble": 0.0, "model_states": [400] * world}
+                 "comm": {"all_reduce/dp": 10.0}, "bubble": 0.0, "model_states": [400] * world,
+                 "step_time": {"compute": 0.6, "recompute": 0.0, "optimizer": 0.1, "loop": 0.05, "dp comm": 0.1,
+                               "bubble": 0.2 if pipeline else 0.0}, "step_basis": "this host's calibration"}
     for rank in range(world):
         writer = runstore.RunWriter(root, run_id, rank)
         if rank == 0:
@@ -32,7 +34,8 @@ def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *
                            "tokens_per_s": 1000.0 * world, "memory": _memory(400 + 100 * rank, 60),
                            "comm": {"all_reduce/dp": {"calls": 1, "bytes_sent": 10.0, "bytes_recv": 10.0,
                                                       "wait_s": 0.1}},
-                           "bubble": None})
+                           "bubble": None, "split": {"forward": 0.2, "backward": 0.4, "optimizer": 0.1,
+                                                     "bubble": 0.2 if pipeline else 0.0}})
         if not complete and rank == 1:  # what StrategyMonitor.on_exception writes last on a failed rank
             writer.append({"error": "CollectiveError: all_gather on dp timed out", "last_calls": ["#7 all_gather"]})
         summary = None

@@ -44,12 +44,19 @@ def test_compare_page_table_export_and_messages(store):
     assert failed.label == "r4-crashed failed on rank 1: CollectiveError: all\\_gather on dp timed out"
     assert "#7 all_gather" in failed.text[0].value
     assert any(b.label == "Download table (CSV)" for b in at.get("download_button"))
+    assert "`None`" not in [m.value for m in at.markdown]  # nothing written by Streamlit's magic from app.py
     # The answer first: the fixture's dp and pp2 run 2000 tokens/s against single's 1000; single holds least.
     text = at.markdown[0].value
     assert "**fastest**: dp: 2,000 tokens/s" in text and "5% of its step is waiting in all_reduce/dp" not in text
     assert "**least memory**: single" in text and "**pick**: dp: the fastest of the 3 of 3" in text
     # Correctness at a glance: each run's loss difference from single, log scale, the tolerance as a line.
-    (figure,) = _figures(at)
+    step, figure = _figures(at)
+    # Where the step time goes (the fixture's split: 0.2 s forward, 0.4 backward, 0.1 optimizer, 0.1 in the
+    # all-reduce, the rest of the 1 s step other), each rank beside the prediction, for every run.
+    assert step["layout"]["title"]["text"].startswith("Where the step time goes")
+    other = next(t for t in step["data"] if t["name"] == "other")
+    assert dict(zip(zip(*other["x"]), other["y"]))[("dp #2-dp", "rank 1")] == pytest.approx(200.0)
+    assert {b for t in step["data"] for b in t["x"][1]} == {"rank 0", "rank 1", "predicted"}
     assert figure["layout"]["yaxis"]["type"] == "log" and figure["layout"]["shapes"][0]["y0"] == 1e-5
     assert {t["name"] for t in figure["data"]} == {data.label({"id": i, "meta": {"label": s, "world_size": 2}})
                                                    for i, s in (("r2-dp", "dp"), ("r3-pp2", "pp2"))}
@@ -144,3 +151,18 @@ def test_a_live_page_reads_runs_that_start_after_the_choice(store):
     _write_run(store, "r7-zero1", "zero1", 2, [2.0, 1.5, 1.2])  # a run of the chosen comparison, started later
     at.run()
     assert not at.exception and "zero1" in list(at.dataframe[0].value["strategy"])
+
+
+def test_a_gpu_comparison_shows_beside_a_cpu_one_with_its_device_mfu_and_allocator_peak(store):
+    writer = runstore.RunWriter(store, "g1-dp", 0)
+    writer.write_meta({"run_id": "g1-dp", "comparison": "cmp-gpu", "label": "dp", "plan": "dp", "world_size": 1,
+                       "devices": ["NVIDIA H100 80GB HBM3"], "num_params": 1000})
+    writer.append({"step": 1, "time": 1.0, "step_time_s": 0.5, "loss": 2.0, "tokens_per_s": 9e5,
+                   "memory": {"params": 100, "total": 400, "max_allocated": 3 * 2**30}, "comm": {}})
+    writer.finish({"losses": [2.0], "tokens_per_s": 9e5, "mfu": 0.49})
+    at = _app()
+    at.sidebar.multiselect[0].set_value(["cmp-gpu", "cmp-test"]).run()  # two comparisons side by side
+    table = at.dataframe[0].value.set_index("run")
+    assert table.loc["g1-dp", "device"] == "NVIDIA H100 80GB HBM3" and table.loc["g1-dp", "MFU"] == 0.49
+    assert table.loc["g1-dp", "allocator peak MiB/rank"] == 3072 and table.loc["r2-dp", "device"] == "cpu"
+    assert set(table["comparison"]) == {"cmp-gpu", "cmp-test"}

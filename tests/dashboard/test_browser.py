@@ -60,13 +60,17 @@ def test_pages_render_charts_in_chromium(server, tmp_path):
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
         first_render = time.monotonic() - start
         page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=60_000)
-        # The answer comes first; the first chart is each run's loss difference from single: the fixture's runs
-        # match it exactly, drawn at the log axis' floor.
+        # The answer comes first, then where each run's step time goes, then each run's loss difference from
+        # single: the fixture's runs match it exactly, drawn at the log axis' floor.
         assert page.get_by_text("The answer", exact=True).is_visible()
         assert "fastest" in page.inner_text("body") and "least memory" in page.inner_text("body")
-        ys = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')]"
-                           ".map(e => e._fullData.map(t => [...t.y]))")
-        assert [1e-10] * 3 in ys[0]  # dashboard.charts.FLOOR
+        plots = "() => [...document.querySelectorAll('.js-plotly-plot')]"
+        titles = page.evaluate(plots + ".map(e => e._fullLayout.title.text)")
+        assert "Where the step time goes" in titles[0] and "Loss: relative difference" in titles[1]
+        other = page.evaluate(plots + ".map(e => e._fullData.filter(t => t.name == 'other').map(t => [...t.y]))")
+        assert round(other[0][0][0], 6) == 200.0  # ms: what the fixture's 1 s step leaves beyond its parts
+        ys = page.evaluate(plots + ".map(e => e._fullData.map(t => [...t.y]))")
+        assert [1e-10] * 3 in ys[1]  # dashboard.charts.FLOOR
         page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)
         for name in ("Memory", "Pipeline"):
             page.get_by_text(name, exact=True).click()

@@ -1,0 +1,76 @@
+"""Screenshots of every dashboard page, from a run store, into docs/screenshots/ (headless Chromium, Playwright).
+
+    .venv/bin/stratpack compare --runs-dir /tmp/shots            # a real comparison
+    .venv/bin/python scripts/screenshots.py /tmp/shots            # docs/screenshots/1-compare.png ...
+
+The dashboard is started as a user starts it (`stratpack dashboard`), on a free local port, and stopped after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PAGES = ("Compare", "Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs_dir")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "screenshots"))
+    args = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "strategies.cli", "dashboard", "--runs-dir", args.runs_dir,
+                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_up(url)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+                                        headless=True, args=["--no-sandbox", "--disable-gpu"])
+            # Tall enough for a whole page: Streamlit scrolls inside its own frame, so full_page adds nothing.
+            page = browser.new_page(viewport={"width": 1400, "height": 2400})
+            page.goto(url)
+            for k, name in enumerate(PAGES, start=1):
+                if k > 1:
+                    page.get_by_text(name, exact=True).click()
+                _settle(page)
+                path = Path(args.out) / f"{k}-{name.lower()}.png"
+                page.screenshot(path=str(path), full_page=True)
+                print(path)
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 0
+
+
+def _wait_up(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise SystemExit("the dashboard did not come up")
+
+
+def _settle(page) -> None:
+    """Until the page's script has run and its charts are drawn."""
+    page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=60_000)
+    page.wait_for_timeout(4000)  # Plotly and the table draw after Streamlit reports the run done
+
+
+if __name__ == "__main__":
+    sys.exit(main())
