@@ -171,11 +171,12 @@ def step_figure(rows: list[dict[str, Any]]) -> go.Figure:
 
 
 def _part_color(part: str, comm: list[str]) -> str | None:
+    """A phase's own colour; a collective a shade of its axis' (``comm all_gather/dp``, predicted ``comm dp``)."""
     if part in _STEP_COLORS:
         return _STEP_COLORS[part]
-    axis = part.rpartition("/")[2] if "/" in part else part.split()[-1]
-    shades = _AXIS_COLORS.get(axis)
-    same = [p for p in comm if (p.rpartition("/")[2] if "/" in p else p.split()[-1]) == axis]
+    axis_of = lambda p: p.rpartition("/")[2] if "/" in p else p.split()[-1]  # noqa: E731
+    shades = _AXIS_COLORS.get(axis_of(part))
+    same = [p for p in comm if axis_of(p) == axis_of(part)]
     return shades[same.index(part) % len(shades)] if shades and part in same else None
 
 

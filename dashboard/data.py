@@ -217,8 +217,11 @@ def step_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             parts: dict[str, float] = {}
             for record in timed:
-                for part, seconds in breakdown(_num(record.get("step_time_s")) or 0.0, record["split"],
-                                               record.get("comm") or {}).items():
+                # The schema lets a split's numbers be null and does not look inside comm: keep numbers only.
+                split = {k: _num(v) or 0.0 for k, v in record["split"].items()}
+                comm = record.get("comm") if isinstance(record.get("comm"), dict) else {}
+                waits = {k: {"wait_s": _num(c.get("wait_s")) or 0.0} for k, c in comm.items() if isinstance(c, dict)}
+                for part, seconds in breakdown(_num(record.get("step_time_s")) or 0.0, split, waits).items():
                     parts[part] = parts.get(part, 0.0) + seconds / len(timed)
             rows += [{"strategy": name, "bar": f"rank {rank}", "part": p, "seconds": s, "run": run["id"]}
                      for p, s in parts.items()]
@@ -234,9 +237,9 @@ def _timed(run: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str,
     """The records with a split after the run's warm-up steps (its config's; else all but the first)."""
     config = run["meta"].get("run_config")
     warmup = config.get("warmup_steps") if isinstance(config, dict) else None
+    warmup = warmup if isinstance(warmup, int) else 1
     split = [r for r in records if isinstance(r.get("split"), dict)]
-    after = [r for r in split if isinstance(r.get("step"), int) and r["step"] > (warmup if isinstance(warmup, int)
-                                                                                  else 1)]
+    after = [r for r in split if isinstance(r.get("step"), int) and r["step"] > warmup]
     return after or split[-1:]
 
 

@@ -3,7 +3,8 @@
 Each rank appends one record per optimizer step to its own file of the run store (`strategies.runs`): step time,
 its loss, learning rate, throughput, memory by category (the tensors it really holds, the activations
 autograd saved, the process's peak RSS, and on CUDA the allocator's peaks), the bytes and waiting time of
-every collective during the step (comm.py's counters), and under pipeline parallel its idle fraction. At
+every collective during the step (comm.py's counters), where the step's time went (``split``: compute by phase and
+the pipeline's bubble, `measure.split`), and under pipeline parallel its idle fraction. At
 the end rank 0 writes the run's summary (global mean losses, per-rank memory, the pipeline timeline); a
 run that crashed has no summary and reads as incomplete, with every step logged before the crash.
 

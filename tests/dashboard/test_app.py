@@ -166,3 +166,14 @@ def test_a_gpu_comparison_shows_beside_a_cpu_one_with_its_device_mfu_and_allocat
     assert table.loc["g1-dp", "device"] == "NVIDIA H100 80GB HBM3" and table.loc["g1-dp", "MFU"] == 0.49
     assert table.loc["g1-dp", "allocator peak MiB/rank"] == 3072 and table.loc["r2-dp", "device"] == "cpu"
     assert set(table["comparison"]) == {"cmp-gpu", "cmp-test"}
+
+
+def test_step_time_rows_keep_numbers_only_from_records_the_schema_lets_through():
+    # null phases (finite-or-null is the schema's "num"), comm entries of any type: drawn as zero, never raised on
+    run = {"id": "r9-odd", "meta": {"label": "dp", "predicted": {"step_time": {"compute": "fast", "loop": 0.1}}},
+           "records": {0: [{"step": 5, "step_time_s": 1.0, "split": {"forward": None, "backward": 0.5},
+                            "comm": {"all_reduce/dp": 7, "send/pp": {"wait_s": "slow"}, "x/dp": {"wait_s": 0.25}}}]}}
+    parts = {(r["bar"], r["part"]): r["seconds"] for r in data.step_rows([run])}
+    assert parts == {("rank 0", "forward"): 0.0, ("rank 0", "backward"): 0.5, ("rank 0", "optimizer"): 0.0,
+                     ("rank 0", "comm x/dp"): 0.25, ("rank 0", "other"): 0.25, ("predicted", "forward"): 0.0,
+                     ("predicted", "backward"): 0.0, ("predicted", "other"): 0.1}

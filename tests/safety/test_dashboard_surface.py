@@ -379,7 +379,8 @@ def test_every_page_works_over_a_hostile_store(store, monkeypatch):
     row = table.set_index("run").loc["good-pp2"]
     assert row["strategy"] == "pp2" and row["status"] == "complete" and row["bubble"] == 0.3
     assert table.set_index("run").loc["s-binary", "status"] == "complete"
-    expected = {"Memory": ["Memory per rank", "Device memory per rank"], "Throughput": ["Throughput"],
+    expected = {"Memory": ["Memory per rank", "Device memory per rank", "Memory per rank, category by category"],
+                "Throughput": ["Throughput"],
                 "Communication": ["Communication per step"], "Loss": ["Loss against step"],
                 "Pipeline": ["Measured (last step)", "The schedule's table"]}
     for page in PAGES[1:]:
