@@ -108,7 +108,7 @@ def plain(args: argparse.Namespace) -> dict:
     """The hand-written loop: this process trains ``args.model`` and returns its figures."""
     from strategies.cli.train import RunConfig
     from strategies.cli.workload import find_workload
-    from strategies.measure.monitor import device_peak_flops
+    from strategies.measure.readings import device_peak_flops
 
     config = RunConfig(strategy="single", steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, max_chars=args.max_chars)

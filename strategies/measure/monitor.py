@@ -21,7 +21,6 @@ Rank 0 also logs the same figures to any WandbLogger of the Trainer (keys ``loss
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from typing_extensions import override
 
 from strategies import comm, runs
+from strategies.measure import readings
 from strategies.measure.memory import LogitsMeter
 from strategies.measure.split import StepSplit
 from strategies.pipeline import schedules
@@ -112,7 +112,8 @@ class StrategyMonitor(L.Callback):
         self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
         self._split = StepSplit(_blocked_seconds(stats))
         if self._heap is not None:
-            self._heap_setup = self._heap.restart()[1] - self._heap_base - _memory(trainer, pl_module)["total"]
+            held = readings.rank_memory(trainer, pl_module)["total"]
+            self._heap_setup = self._heap.restart()[1] - self._heap_base - held
         if self.store:
             label = self.label or _strategy_label(trainer)
             run_id = self._given_run_id or (runs.new_run_id(label) if trainer.global_rank == 0 else None)
@@ -177,7 +178,7 @@ class StrategyMonitor(L.Callback):
         the whole model on every rank), and the optimizer's state exists from here on. The steady peak is measured
         from here, above what the heap holds now less the model states it holds now (counted from the tensors)."""
         self._heap_first, now = self._heap.restart()
-        self._heap_floor = now - _memory(trainer, pl_module)["total"]
+        self._heap_floor = now - readings.rank_memory(trainer, pl_module)["total"]
 
     def _heap_figures(self, memory: dict[str, int]) -> dict[str, int]:
         """Stop the sampler: the steady peak (one step: none) and what of it is neither ``memory``'s states nor its
@@ -204,7 +205,7 @@ class StrategyMonitor(L.Callback):
         if self.writer is not None:
             self.writer.append(record)
         if trainer.global_rank == 0:
-            _to_wandb(trainer, record)
+            readings.to_wandb(trainer, record)
 
     def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, bubble: float | None,
                 step_time: float) -> dict[str, Any]:
@@ -217,8 +218,8 @@ class StrategyMonitor(L.Callback):
             "step": trainer.global_step, "time": time.time(), "step_time_s": step_time,
             "loss": self.local_losses[-1], "lr": optimizer.param_groups[0].get("lr") if optimizer else None,
             "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s,
-            **_flops(trainer, pl_module, tokens_per_s),
-            "memory": _memory(trainer, pl_module, current=True, logits=self._logits, own=self._act),
+            **readings.flops(trainer, pl_module, tokens_per_s),
+            "memory": readings.rank_memory(trainer, pl_module, current=True, logits=self._logits, own=self._act),
             "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
             "split": self._split.take(covered),  # seconds per step by phase (`measure.split`)
@@ -251,7 +252,7 @@ class StrategyMonitor(L.Callback):
         samples_per_s = timed_steps * self.samples_per_step / seconds if timed_steps > 0 else float("nan")
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
-        memory = _memory(trainer, pl_module, logits=self._logits, own=self._act)
+        memory = readings.rank_memory(trainer, pl_module, logits=self._logits, own=self._act)
         if self._heap is not None:
             memory.update(self._heap_figures(memory))
         if self._logits is not None:
@@ -263,7 +264,7 @@ class StrategyMonitor(L.Callback):
             "step_time_s": seconds / timed_steps if timed_steps > 0 else float("nan"),
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * tokens if tokens else None,
-            **_flops(trainer, pl_module, samples_per_s * tokens if tokens else None),
+            **readings.flops(trainer, pl_module, samples_per_s * tokens if tokens else None),
             "comm_per_step": per_step,
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
             "memory_bytes_per_rank": _gather_per_rank(trainer, memory),  # every rank's, in rank order
@@ -301,7 +302,7 @@ class StrategyMonitor(L.Callback):
             model=vars(config) if config is not None and hasattr(config, "__dict__") else None,
             num_params=sum(p.numel() for p in pl_module.parameters()),
             accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision))
-        meta["wandb_run"] = _wandb_run_dir(trainer)  # where `wandb sync` finds this run (None: not logged)
+        meta["wandb_run"] = readings.wandb_run_dir(trainer)  # where `wandb sync` finds it (None: not logged)
         meta.update(self.extra_meta)  # the caller's fields win, but for the count made before the split and the id
         if hasattr(self, "_num_params"):  # counted in `setup`, before the strategy split the model
             meta["num_params"] = self._num_params
@@ -334,12 +335,6 @@ class StrategyMonitor(L.Callback):
         }
 
 
-# Dense peaks Lightning's table (lightning.fabric.utilities.throughput) lacks or mistakes (FLOP/s, by dtype).
-_PEAKS = {"h200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-          "b200": {torch.bfloat16: 2250e12, torch.float16: 2250e12, torch.float32: 80e12},
-          "l40s": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12}}
-
-
 def keep_record(step: int, full_steps: int = 1000) -> bool:
     """Whether step ``step`` (1-based) gets a record: every step up to ``full_steps``, then every 2nd up to twice
     that, every 4th up to four times that, ...: about ``full_steps / 2`` more records per doubling of the run."""
@@ -349,60 +344,9 @@ def keep_record(step: int, full_steps: int = 1000) -> bool:
     return step % stride == 0
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
-    """The device's dense peak FLOP/s for ``dtype`` and where the figure comes from (None on CPU)."""
-    if device.type != "cuda":
-        return None, "no peak known for CPUs"
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in _PEAKS.items():
-        if key in name.lower().replace(" ", ""):
-            return peaks.get(dtype), f"{name} (the pack's table)"
-    from lightning.fabric.utilities.throughput import get_available_flops
-
-    return get_available_flops(device, dtype), f"{name} (Lightning's table)"
-
-
-def _flops(trainer: L.Trainer, pl_module: L.LightningModule, tokens_per_s: float | None) -> dict[str, Any]:
-    """Model FLOP/s per device (6N + 12·L·h·s per token, the module's ``flops_per_token``) and MFU: model
-    FLOPs, not hardware FLOPs, so recomputation under ``ac`` does not count as useful work."""
-    per_token = getattr(pl_module, "flops_per_token", None)
-    if tokens_per_s is None or not callable(per_token):
-        return {"flops_per_s": None, "mfu": None}
-    flops = per_token() * tokens_per_s / trainer.world_size
-    dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else (
-        torch.float16 if "16" in str(trainer.precision) else torch.float32)
-    peak, source = device_peak_flops(trainer.strategy.root_device, dtype)
-    return {"flops_per_s": flops, "mfu": flops / peak if peak else None, "peak_flops": peak, "peak_source": source}
-
-
 def _strategy_label(trainer: L.Trainer) -> str:
     plan = getattr(trainer.strategy, "resolved_plan", None)
     return str(plan) if plan is not None else type(trainer.strategy).__name__
-
-
-def _memory(trainer: L.Trainer, pl_module: L.LightningModule, current: bool = False,
-            logits: LogitsMeter | None = None, own: tuple[int, int] | None = None) -> dict[str, float]:
-    """This rank's bytes by category: model states, activations saved for backward (this step's when
-    ``current``, else the run's peak), the logits (the largest the output layer made, when the model has one),
-    the process's peak RSS, and on CUDA the allocator's peaks."""
-    strategy = trainer.strategy
-    if hasattr(strategy, "model_state_bytes"):
-        memory: dict[str, float] = dict(strategy.model_state_bytes())
-        memory["activations_peak"] = strategy.activation_bytes if current else strategy.peak_activation_bytes
-    else:  # another strategy (one process, Lightning's ddp): what the module and its optimizers hold
-        from strategies.measure.memory import model_state_bytes
-
-        memory = dict(model_state_bytes(pl_module, trainer.optimizers))
-        if own is not None and own[1]:  # the monitor's own meter (`on_train_batch_start`): (this step, peak)
-            memory["activations_peak"] = own[0] if current else own[1]
-    if logits is not None:
-        memory["logits"] = logits.bytes
-    memory["peak_rss"] = _peak_rss_bytes()
-    device = strategy.root_device
-    if device.type == "cuda":
-        memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
-        memory["max_reserved"] = torch.cuda.max_memory_reserved(device)
-    return memory
 
 
 def start_heap_sampler(module: torch.nn.Module) -> tuple[int, Any]:
@@ -417,51 +361,12 @@ def start_heap_sampler(module: torch.nn.Module) -> tuple[int, Any]:
     return sampler.start - own["model"], sampler
 
 
-def _wandb_run_dir(trainer: L.Trainer) -> str | None:
-    """The folder of the Trainer's wandb run (``.../wandb/offline-run-...``), on the rank that logs; else None."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and trainer.global_rank == 0:
-            files = getattr(logger.experiment, "dir", None)  # the run's files/ folder; its parent is the run's
-            return os.path.dirname(os.path.abspath(files)) if isinstance(files, str) and files else None
-    return None
-
-
-def _to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:
-    """The step's record, flattened, to every WandbLogger of the Trainer (rank 0)."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
-    if not loggers:
-        return
-    flat: dict[str, float] = {}
-    for key in ("loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "flops_per_s", "mfu", "bubble"):
-        if isinstance(record.get(key), (int, float)):
-            flat["pipeline/bubble" if key == "bubble" else key] = float(record[key])
-    flat.update({f"memory/{k}": float(v) for k, v in record["memory"].items()})
-    flat.update({f"time/{k}": float(v) for k, v in record.get("split", {}).items()})
-    for key, rec in record["comm"].items():
-        flat[f"comm/{key}/bytes_sent"] = float(rec["bytes_sent"])
-        flat[f"comm/{key}/wait_s"] = float(rec["wait_s"])
-    for logger in loggers:
-        logger.log_metrics(flat, step=record["step"])
-
-
 def _blocked_seconds(stats: Any):
     """The seconds this process has been blocked in collectives so far, all of them and the pipeline axis's (zero
     without the pack's counters: Lightning's own strategies)."""
     if stats is None:
         return lambda: (0.0, 0.0)
     return lambda: (stats.total().wait_s, stats.total(axis="pp").wait_s)
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak resident memory (what the OS saw: Python, torch, buffers and all)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def _gather_per_rank(trainer: L.Trainer, values: dict[str, float]) -> list[dict[str, float]]:
