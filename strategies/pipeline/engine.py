@@ -30,7 +30,7 @@ from strategies.pipeline import messages, schedules
 from strategies.pipeline.runner import PipelineRunner, StepResult
 from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
 from strategies.pipeline.tied import TiedWeights
-from strategies.pipeline.trace import ForwardTrace
+from strategies.pipeline.trace import ForwardTrace, tensors_of
 from strategies.pipeline.weights import WeightStore
 from strategies.plan import ParallelPlan
 from strategies.technique import HeldGrad, OptimizerState, Technique
@@ -66,6 +66,11 @@ class PipelineParallel(Technique):
         # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use.
         progs, how = messages.grouped(tables, pp)
         self.program = progs[self.axis.index]
+        # The same without headers, for a step whose batch is shaped as the last step's: the receivers know the
+        # activations' shapes from that step's headers (the runner checks each send against them). Two messages and
+        # a wait fewer per stage boundary and step.
+        self.known_program = messages.grouped(tables, pp, how=how, headers=False)[0][self.axis.index]
+        self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
         # Only the blocks' linears wait for W (the head's logits-sized output gradient is not kept).
@@ -119,7 +124,11 @@ class PipelineParallel(Technique):
         # The program ends with the last stage's loss sent point to point to every other rank, not broadcast:
         # a blocking broadcast would hold the last stage until stage 0 finishes its last backward, instead of
         # letting it step its optimizer meanwhile (the sends complete in `finish`).
-        self.last_step = self.runner.run(self.program, forward, device, backward_context)
+        shapes = _shapes_of(batch, self.microbatches)
+        program = self.known_program if shapes == self._known else self.program
+        self._known = None  # until this step has run: if it fails midway, the next one sends its headers
+        self.last_step = self.runner.run(program, forward, device, backward_context)
+        self._known = shapes
         self._loss_sends = self.last_step.in_flight
         return self.last_step.loss * accumulate
 
@@ -239,6 +248,12 @@ class PipelineParallel(Technique):
         self.tied.remove()
         if healthy:
             self.restore_full_model()  # every parameter back from its stage: a whole module again
+
+
+def _shapes_of(batch: Any, microbatches: int) -> tuple:
+    """What decides the activations' shapes, as every rank of the pipeline sees it (they all load the same batch):
+    the microbatch count and each tensor's shape and dtype."""
+    return microbatches, tuple((tuple(t.shape), t.dtype) for t in tensors_of(batch))
 
 
 def _reducing(actions: list[schedules.Action]) -> set[schedules.Action]:

@@ -8,8 +8,9 @@ from a schedule table the way torch's pipelining does: before each action, one g
 previous action's output and the receive of this action's input, so that two neighbours that exchange an
 activation and a gradient at the same point of their schedules do it in one group each (neither waits on the
 other). A step's first activation of a stage is preceded by its header (shape and dtype), a group of its own on
-both sides, since the receiver must read it before it can size the activation's buffer. After the schedule, the
-last stage sends the step's loss to every other rank.
+both sides, since the receiver must read it before it can size the activation's buffer; a program without headers
+serves the steps whose shapes the receivers learned from an earlier step's headers. After the schedule, the last
+stage sends the step's loss to every other rank.
 
 `check` is the proof that the programs are right under NCCL (see ``shared/NCCL-NOTES.md``): per ordered pair of
 ranks, the k-th send is received by the k-th receive (no tags), so their labels must agree; each rank runs its
@@ -60,24 +61,26 @@ class Step:
 Program = list[Step]
 
 
-def programs(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None) -> list[Program]:
+def programs(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None,
+             headers: bool = True) -> list[Program]:
     """Each rank's program for ``table``, proven by `check` (see `grouped`)."""
-    return grouped(table, pp, share_loss, how)[0]
+    return grouped(table, pp, share_loss, how, headers)[0]
 
 
-def grouped(table: ScheduleTable, pp: int, share_loss: bool = True,
-            how: str | None = None) -> tuple[list[Program], str]:
+def grouped(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None,
+            headers: bool = True) -> tuple[list[Program], str]:
     """Each rank's program for ``table``, proven by `check`, and how its messages are grouped: "action" (one group
     per action: GPipe, 1F1B, as torch's single-stage schedules do) where that is safe under NCCL's rules, else
     "lockstep" (interleaved, as torch's multi-stage ones do); ``how`` forces one. ``share_loss``: end with the
     last stage's loss sent to every other rank. Per action, a receive is posted just before the action that needs
     it; in lock step, after the receiver's own compute of that time step (so a sender that waited for its send
     would wait for that compute: the runner leaves sends in flight there). Where the table puts two consecutive
-    stages on one rank (the V placement's bottom), the activation and its gradient pass in memory: no message."""
+    stages on one rank (the V placement's bottom), the activation and its gradient pass in memory: no message.
+    ``headers=False``: no header messages, for a step whose activations' shapes the receivers already know."""
     where = owners(table)
     last = max(where)
     headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
-              for s in range(last + 1)}  # the microbatch whose activation goes with a header: the first one
+              for s in range(last + 1)} if headers else {}  # the microbatch whose activation has a header: the first
     tail = _loss_steps(pp, where) if share_loss and pp > 1 else [[] for _ in range(pp)]
     kinds = [how] if how else ["action", "lockstep"]
     for kind in kinds:
@@ -168,7 +171,7 @@ def _input(action: Action, where: dict[int, int], headed: dict[int, int]) -> lis
     s, m, last = action.stage, action.microbatch, max(where)
     if action.phase is Phase.FORWARD and s > 0 and where[s - 1] != where[s]:
         src = where[s - 1]
-        header = [Transfer(False, src, Message("h", s - 1, m))] if m == headed[s - 1] else []
+        header = [Transfer(False, src, Message("h", s - 1, m))] if m == headed.get(s - 1) else []
         return header + [Transfer(False, src, Message("a", s - 1, m))]
     if action.phase is Phase.BACKWARD and s < last and where[s + 1] != where[s]:
         return [Transfer(False, where[s + 1], Message("g", s + 1, m))]
@@ -179,7 +182,7 @@ def _output(action: Action, where: dict[int, int], headed: dict[int, int]) -> li
     s, m, last = action.stage, action.microbatch, max(where)
     if action.phase is Phase.FORWARD and s < last and where[s + 1] != where[s]:
         dst = where[s + 1]
-        header = [Transfer(True, dst, Message("h", s, m))] if m == headed[s] else []
+        header = [Transfer(True, dst, Message("h", s, m))] if m == headed.get(s) else []
         return header + [Transfer(True, dst, Message("a", s, m))]
     if action.phase is Phase.BACKWARD and s > 0 and where[s - 1] != where[s]:
         return [Transfer(True, where[s - 1], Message("g", s, m))]

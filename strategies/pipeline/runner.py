@@ -11,7 +11,10 @@ W does not wait for them: it fills the time the receiver takes to post its recei
 then), which waiting would turn back into bubble (measured, pp2_zb1p_mb8 on 2 CPU ranks: 21% idle waiting, 7% not;
 1F1B 10%). The first microbatch's activation of each stage goes with a small header (shape, dtype), since the
 receiver cannot know it in advance; the step's other microbatches have the same shape (the batch is cut evenly), so
-they go without one, and a gradient has the shape of the output the receiver sent, so it never needs one. The step
+they go without one, and a gradient has the shape of the output the receiver sent, so it never needs one. A step
+run with a program without headers (the engine's, for a batch shaped as the last one) reuses the shapes the last
+headers gave; every activation is checked against the shape its header announced before it is sent, so a stage
+whose output changes shape unannounced stops with an error (a receive of the wrong size hangs NCCL). The step
 ends with the last stage's loss sent to every other rank, left in flight on the last stage so that it can step its
 optimizer meanwhile.
 """
@@ -74,6 +77,10 @@ class _Step:
     sending: list = field(default_factory=list)  # (group handle, tensors) of sends not yet waited for
     local: dict = field(default_factory=dict)  # ("a"|"g", stage, microbatch) -> tensor passed to a stage on this rank
     result: StepResult = field(default_factory=lambda: StepResult(losses=[]))
+    # stage -> (shape, dtype) of its activation: received (from headers) and sent (announced), kept across training
+    # steps by the runner; evaluation's are its own
+    shapes: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)
 
 
 class PipelineRunner:
@@ -88,14 +95,17 @@ class PipelineRunner:
         self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
         self.where = where if where is not None else {s: s % axis.size for s in range(stages)}
         self.weights = weights
-        self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # this step's activation of each stage
+        # stage -> (shape, dtype) of its activation, as the last training step's headers gave them (received) and
+        # announced them (sent)
+        self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._sent: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def run(self, program: Program, forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
             device: torch.device,
             backward_context: Callable[[Action], contextlib.AbstractContextManager] | None = None) -> StepResult:
         """Run this rank's training ``program``; ``backward_context(action)`` is entered around each backward
         (data parallel's ``no_sync`` for all but a stage's last one, so each gradient is reduced once)."""
-        step = _start(program)
+        step = _start(program, self._shapes, self._sent)
         for item in program:
             self._exchange(item, step, device)
             if item.action is None:
@@ -125,7 +135,7 @@ class PipelineRunner:
                      device: torch.device) -> torch.Tensor | None:
         """Every stage once, in order, no microbatches (validation, prediction): the last stage's output on
         the rank that holds it, None elsewhere."""
-        step = _start(program)
+        step = _start(program, {}, {})
         out = None
         for item in program:
             self._exchange(item, step, device)
@@ -173,9 +183,12 @@ class PipelineRunner:
             if header is not None:  # this step's first activation of the stage: read its header first
                 got = _receive(header, step)
                 ndim = int(got[0])
-                self._shapes[message.stage] = (tuple(int(d) for d in got[2 : 2 + ndim].tolist()),
-                                               _DTYPES[int(got[1])])
-            shape, dtype = self._shapes[message.stage]
+                step.shapes[message.stage] = (tuple(int(d) for d in got[2 : 2 + ndim].tolist()),
+                                              _DTYPES[int(got[1])])
+            if message.stage not in step.shapes:
+                raise RuntimeError(f"pipeline: {message} is to arrive without a header, but no header of stage "
+                                   f"{message.stage} ever came (a program without headers ran first)")
+            shape, dtype = step.shapes[message.stage]
             return torch.empty(shape, dtype=dtype, device=device)
         if message.kind == "g":  # the gradient of the output this rank's stage message.stage - 1 sent
             out = step.kept[(message.stage - 1, message.microbatch)][0]
@@ -188,10 +201,17 @@ class PipelineRunner:
             raise TypeError(f"pipeline stages pass one tensor of at most 6 dims in {_DTYPES}; got {out.dtype} "
                             f"{tuple(out.shape)}")
         if Message("h", stage, m) in step.headers:
+            step.sent[stage] = (tuple(out.shape), out.dtype)
             header = torch.zeros(_HEADER, dtype=torch.int64, device=out.device)
             header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
             header[2 : 2 + out.dim()] = torch.tensor(out.shape)
             step.outbox[Message("h", stage, m)] = header
+        elif step.sent.get(stage) != (tuple(out.shape), out.dtype):
+            raise ValueError(
+                f"pipeline: stage {stage}'s output for microbatch {m} is {out.dtype} {tuple(out.shape)}, but the "
+                f"stage's header announced {_announced(step.sent.get(stage))}. Every microbatch of a step, and every "
+                "step whose batch has the same shapes, must give each stage's output the same shape and dtype (the "
+                "receiver sizes its buffer from the header): make the shapes depend on the batch's shapes only")
         step.outbox[Message("a", stage, m)] = out.detach().contiguous()
 
     def _local(self, stage: int, other: int) -> bool:
@@ -245,9 +265,13 @@ class PipelineRunner:
         return start, time.perf_counter()
 
 
-def _start(program: Program) -> _Step:
+def _start(program: Program, shapes: dict, sent: dict) -> _Step:
     return _Step(time.perf_counter(), headers={t.message for item in program for t in item.group
-                                              if t.send and t.message.kind == "h"})
+                                              if t.send and t.message.kind == "h"}, shapes=shapes, sent=sent)
+
+
+def _announced(shape: tuple | None) -> str:
+    return "nothing (no header was sent yet)" if shape is None else f"{shape[1]} {shape[0]}"
 
 
 def _summed_loss(step: _Step) -> torch.Tensor:

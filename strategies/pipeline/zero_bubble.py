@@ -6,9 +6,10 @@ waits for), and W, the gradients of its weights (what nobody waits for), so W ca
   at its end, where 1F1B idles: with F, B and W of equal time the bubble falls from 1F1B's 3(p-1) units to (p-1),
   at 1F1B's memory (rank r keeps at most p - r microbatches between F and B).
 - ``zbv`` (ZB-V): two stages per rank placed as a V (rank r holds stage r and stage 2p-1-r, so the first and the
-  last stage share rank 0), built by list scheduling on unit-time actions: a rank runs a ready B first, else a
-  ready F while it holds fewer than 2p (chunk) microbatches, else a W; about no bubble once m >= 2p, at the memory of
-  1F1B (2p half-size chunks), with each microbatch crossing a rank boundary twice as often.
+  last stage share rank 0), in the paper's phases (warm-up forwards, then each microbatch's F, B and W together,
+  steady state, drain); with fewer than 2p - 1 microbatches, built by list scheduling on unit-time actions (a rank
+  runs a ready B first, else a ready F while it holds fewer than 2p chunk microbatches, else a W). About no bubble
+  once m >= 2p, at the memory of 1F1B (2p half-size chunks), each microbatch crossing a rank boundary twice as often.
 - ``dualpipev`` (DualPipeV): the same V placement; each rank warms up with forwards of its first chunk, then runs
   pairs of one chunk's forward beside the other chunk's backward (which DualPipe overlaps on a GPU; here they run one
   after the other), and ends splitting its backwards to fill the drain with W's. Needs m >= 2p.
@@ -51,7 +52,47 @@ def zb1p(pp: int, microbatches: int) -> ScheduleTable:
 
 
 def zbv(pp: int, microbatches: int) -> ScheduleTable:
-    """ZB-V: V placement, two chunks per rank, list-scheduled on unit-time F, B and W (B first, then F up to 2p chunk
+    """ZB-V: V placement, two chunks per rank. In phases where there are microbatches enough (m >= 2p - 1), else
+    list-scheduled (`_zbv_listed`)."""
+    if microbatches >= 2 * pp - 1:
+        return _zbv_phased(pp, microbatches)
+    return _zbv_listed(pp, microbatches)
+
+
+def _zbv_phased(pp: int, microbatches: int) -> ScheduleTable:
+    """ZB-V in the paper's phases, rank r holding stage r (the V's way down) and 2p-1-r (its way up): forwards down
+    until the first microbatch could come back up, then each microbatch up as F, B, W at once, then the steady
+    state (a forward down, a backward and its W down, the same up), then the drain. Every B is followed by its W
+    where the drain leaves no idle slot to fill, which frees what B kept for W at once, and keeps the ranks in the
+    rhythm real (unequal) action times allow: the list schedule below, built on unit times, defers W's that its
+    unit-time idle slots suggest and left its ranks waiting on each other on real stages (measured, 2 CPU ranks,
+    demo GPT at mb4: 15 ms a step of waiting against 5 ms this way)."""
+    check_counts(pp, microbatches, 2)
+    table = []
+    for r in range(pp):
+        down, up, actions = r, 2 * pp - 1 - r, []
+        count = {(phase, s): 0 for phase in Phase for s in (down, up)}
+
+        def run(*steps: tuple[Phase, int]) -> None:
+            for phase, s in steps:
+                actions.append(Action(phase, s, count[(phase, s)]))
+                count[(phase, s)] += 1
+        F, B, W = Phase.FORWARD, Phase.BACKWARD, Phase.WEIGHT
+        run(*[(F, down)] * (2 * (pp - r) - 1))
+        run(*[(F, up), (F, down)] * r)
+        run(*[(F, up), (B, up), (W, up)] * (pp - r))
+        while count[(F, up)] < count[(F, down)] or count[(F, down)] < microbatches:
+            run(*([(F, down)] if count[(F, down)] < microbatches else []), (B, down), (W, down), (F, up), (B, up),
+                (W, up))
+        run(*[(B, down), (B, up)] * r)
+        run(*[(B, down), (W, down)] * (pp - r))
+        run(*[(W, up)] * (count[(B, up)] - count[(W, up)]), *[(W, down)] * (count[(B, down)] - count[(W, down)]))
+        table.append(actions)
+    return table
+
+
+def _zbv_listed(pp: int, microbatches: int) -> ScheduleTable:
+    """ZB-V with fewer than 2p - 1 microbatches: list-scheduled on unit-time F, B and W (B first, then F up to 2p chunk
     microbatches in flight, the later stage's first, then W)."""
     check_counts(pp, microbatches, 2)
     stages = 2 * pp
