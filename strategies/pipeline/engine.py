@@ -64,12 +64,7 @@ class PipelineParallel(Technique):
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.table_bubble(tables)
         # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use.
-        progs, how = messages.grouped(tables, pp)
-        self.program = progs[self.axis.index]
-        # The same without headers, for a step whose batch is shaped as the last step's: the receivers know the
-        # activations' shapes from that step's headers (the runner checks each send against them). Two messages and
-        # a wait fewer per stage boundary and step.
-        self.known_program = messages.grouped(tables, pp, how=how, headers=False)[0][self.axis.index]
+        self.program, self.known_program, how = _programs(tables, pp, self.axis.index)
         self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
@@ -248,6 +243,14 @@ class PipelineParallel(Technique):
         self.tied.remove()
         if healthy:
             self.restore_full_model()  # every parameter back from its stage: a whole module again
+
+
+def _programs(tables: schedules.ScheduleTable, pp: int, rank: int) -> tuple[list, list, str]:
+    """This rank's program, the same without headers (for a step whose batch is shaped as the last step's: the
+    receivers know the activations' shapes from that step's headers, and the runner checks each send against them;
+    two messages and a wait fewer per stage boundary and step), and how both are grouped."""
+    progs, how = messages.grouped(tables, pp)
+    return progs[rank], messages.grouped(tables, pp, how=how, headers=False)[0][rank], how
 
 
 def _shapes_of(batch: Any, microbatches: int) -> tuple:
