@@ -182,9 +182,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return MODELS[name]()
 
 
-def batches(steps: int, batch: int = 4, seed: int = 1) -> list[torch.Tensor]:
-    """``steps`` batches of token ids; of three or more, the last is two tokens shorter (a pipeline sends its
-    activations' shapes again when the batch's change, and not when they stay)."""
+def batches(steps: int, batch: int = 4, seed: int = 1, shorter_last: bool = False) -> list[torch.Tensor]:
+    """``steps`` batches of token ids; ``shorter_last``: the last two tokens shorter (a pipeline sends its
+    activations' shapes again when the batch's change, and not while they stay)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (batch, SEQ - 2 if steps >= 3 and k == steps - 1 else SEQ), generator=g)
+    return [torch.randint(2, VOCAB, (batch, SEQ - 2 if shorter_last and k == steps - 1 else SEQ), generator=g)
             for k in range(steps)]

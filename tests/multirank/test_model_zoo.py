@@ -1,6 +1,7 @@
 """Tensor and pipeline parallel on the models people bring (tiny random configs of Hugging Face classes, a nanoGPT
 written as nanoGPT writes it, a model registered out of order): each trains equal to one process, with plain SGD
-(no clipping: any error in a gradient's scale shows) and with AdamW. The cases of one world size run in one set of
+(no clipping: any error in a gradient's scale shows) and with AdamW; the last batch is shorter (under pp, the
+activations' shapes are sent again). The cases of one world size run in one set of
 processes; the references run here."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _optimizer(name: str, params):
 
 def _train(model, optimizer: str) -> list[float]:
     opt, losses = _optimizer(optimizer, model.parameters()), []
-    for ids in zoo.batches(STEPS):
+    for ids in zoo.batches(STEPS, shorter_last=True):
         loss = model.loss(ids)
         loss.backward()
         opt.step()
@@ -67,7 +68,7 @@ def _run(name: str, plan_text: str, optimizer: str, world: int):
     from strategies.tensor_parallel.families import vocab_layers, vocab_plan
 
     plan = ParallelPlan.parse(plan_text).resolve(world)
-    mesh, model, batches = ParallelMesh(plan, "cpu"), zoo.build(name), zoo.batches(STEPS)
+    mesh, model, batches = ParallelMesh(plan, "cpu"), zoo.build(name), zoo.batches(STEPS, shorter_last=True)
     before, techniques, pipe, sp = _attention_attributes(model), [], None, None
     head_name, widths = vocab_layers(model)[0], []  # found before the split replaces it (under the same name)
     if plan.tp > 1:
