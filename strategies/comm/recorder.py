@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,10 @@ class FlightRecorder:
         rank = dist.get_rank() if dist.is_initialized() else 0
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         lines = [f"[rank {rank}] {failed.describe()} failed: {first}"]
-        gone = self.gone()
+        gone, deadline = self.gone(), time.monotonic() + 1.0
+        while not gone and self.peers and time.monotonic() < deadline:  # a peer killed a moment ago closes its
+            time.sleep(0.05)  # sockets (our read error) before it is a zombie: give it a moment to show as gone
+            gone = self.gone()
         if gone:
             lines.append(f"rank(s) {', '.join(map(str, gone))} on this host have exited (look for their own error "
                          "first: this rank was waiting for them)")
