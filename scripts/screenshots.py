@@ -13,8 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 PAGES = ("Compare", "Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner")
@@ -56,14 +54,10 @@ def main() -> int:
 
 
 def _wait_up(url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise SystemExit("the dashboard did not come up")
+    from strategies.cli.dashboard import wait_until_up
+
+    if not wait_until_up(url):
+        raise SystemExit("the dashboard did not come up")
 
 
 def _settle(page) -> None:

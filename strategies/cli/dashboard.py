@@ -45,3 +45,19 @@ def command(args: argparse.Namespace) -> int:
     # Become the server (exec, not a child): stopping this process stops the server, nothing is left running.
     os.execve(sys.executable, cmd, env)
     return 0  # not reached
+
+
+def wait_until_up(url: str, timeout_s: float = 60.0) -> bool:
+    """Whether the dashboard at ``url`` answers Streamlit's health check within ``timeout_s`` (for a caller that
+    started it: the screenshot script, the browser tests)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return True
+        except OSError:
+            time.sleep(0.3)
+    return False

@@ -8,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
+
+from strategies.cli.dashboard import wait_until_up
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -27,14 +28,7 @@ def server(store, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "strategies.cli", "dashboard", "--runs-dir", str(store),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                break
-        except OSError:
-            time.sleep(0.3)
-    else:
+    if not wait_until_up(url):
         proc.kill()
         pytest.fail(f"the dashboard did not come up: {proc.stdout.read()[-2000:]}")
     yield url
