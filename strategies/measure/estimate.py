@@ -243,7 +243,7 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
     elif plan.dp > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
-    early = _lock_step(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
+    early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
                  sends_wait_to_the_end=early is not None, early=tuple(early[rank]) if early else ())
 
@@ -350,8 +350,9 @@ def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int
 
 
 @functools.cache
-def _lock_step(schedule: str, pp: int, microbatches: int, virtual: int) -> list[list[int]] | None:
-    """For lock-step pipeline programs (interleaved: `messages.grouped`), per rank and action the messages received
-    ahead of use (`schedules.early_receives`); None for programs grouped per action."""
+def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int) -> list[list[int]] | None:
+    """For pipeline programs grouped in rounds (interleaved, the V schedules: `messages.grouped`), per rank and action
+    the messages received ahead of use (`messages.held_receives`); None for programs grouped per action."""
     tables = schedules.build(schedule, pp, microbatches, virtual)
-    return schedules.early_receives(tables, pp) if messages.grouped(tables, pp)[1] == "lockstep" else None
+    progs, how = messages.grouped(tables, pp)
+    return [messages.held_receives(p) for p in progs] if how == "rounds" else None

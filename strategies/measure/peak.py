@@ -108,7 +108,7 @@ class Rules:
     flats_early: bool = True  # ... before the block's first matmul (ZeRO-2's buckets start at the chunk's last
     #                           parameters), or after it (ZeRO-3's flat is its block's)
     sends_wait_to_the_end: bool = False  # what a chunk sends (its output, the gradient of its input) stays in flight
-    #                                      until the step ends (lock-step programs, `pipeline.messages`) ...
+    #                                      until the step ends (programs in rounds, `pipeline.messages`) ...
     early: tuple[int, ...] = ()  # ... which also receive ahead of use: per action, the messages held for later ones
 
 

@@ -166,7 +166,7 @@ def _play(table: ScheduleTable, pp: int, cost: dict[Phase, float]) -> list[list[
     last = max(a.stage for actions in table for a in actions)
 
     def run(r: int, action: Action) -> bool:
-        needs = _dependencies(action, last)
+        needs = dependencies(action, last)
         if not all(n in done for n in needs):
             return False
         start = max([clock[r]] + [done[n] for n in needs])
@@ -201,20 +201,6 @@ def simulate(table: ScheduleTable, pp: int) -> list[list[tuple[Action, int]]]:
     return [[(action, int(start)) for action, start, _ in actions] for actions in _play(table, pp, unit)]
 
 
-def early_receives(table: ScheduleTable, pp: int) -> list[list[int]]:
-    """Run in lock step (`messages`: each time step of `simulate`, then every message made in it goes out and in),
-    how many received messages each rank holds for later actions while it runs each of its actions: the buffers
-    lock step posts ahead of use. Per rank, one count per action in its order."""
-    start = {a: t for timeline in simulate(table, pp) for a, t in timeline}
-    last = max(a.stage for actions in table for a in actions)
-    counts = []
-    for actions in table:
-        # Each input of this rank's actions arrives right after its producer's time step.
-        arrivals = [(start[p], start[a]) for a in actions if (p := _producer(a, last)) is not None]
-        counts.append([sum(1 for made, used in arrivals if made < start[a] < used) for a in actions])
-    return counts
-
-
 def _as_far_as_possible(table: ScheduleTable, pp: int, run) -> list[Action]:
     """Offer each rank its next action, round after round, while any ``run(rank, action)`` returns
     True (it ran); the actions the ranks are stuck on at the end (none: the table completes)."""
@@ -241,7 +227,7 @@ def _producer(action: Action, last_stage: int) -> Action | None:
     return Action(Phase.BACKWARD, s + 1, m) if s < last_stage else None
 
 
-def _dependencies(action: Action, last_stage: int) -> list[Action]:
+def dependencies(action: Action, last_stage: int) -> list[Action]:
     """What must have run before ``action``: its input's producer, a backward's own forward, a W its own B."""
     if action.phase is Phase.WEIGHT:
         return [Action(Phase.BACKWARD, action.stage, action.microbatch)]

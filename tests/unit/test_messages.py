@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from strategies.pipeline import messages
-from strategies.pipeline.messages import Message, PipelineOrderError, Step, Transfer, check, evaluation, programs
+from strategies.pipeline.messages import (
+    Message,
+    PipelineOrderError,
+    Step,
+    Transfer,
+    check,
+    evaluation,
+    held_receives,
+    programs,
+)
 from strategies.pipeline.schedules import build, owners
 
 
@@ -53,14 +62,14 @@ def test_every_shipped_schedule_is_proven_under_nccl_rules():
         assert check(evaluation(pp, owners(build("zbv", pp, pp)))) > 0
 
 
-def test_1f1b_groups_like_torch_and_interleaved_runs_in_lock_step():
+def test_1f1b_groups_like_torch_and_interleaved_runs_in_rounds():
     # 1F1B: one group per action, the previous action's output with this action's input (torch's Schedule1F1B
     # fuses its forward send with its backward receive the same way).
     rank0 = [" ".join(map(str, s.group)) + f" | {s.action}" for s in programs(build("1f1b", 2, 4), 2)[0]]
     assert rank0[:5] == [" | F0.0", "send h0.0 to 1 | None", "send a0.0 to 1 | F0.1",
                          "send a0.1 to 1 recv g1.0 from 1 | B0.0", " | F0.2"]
     # Interleaved on pp2: grouped per action, a rank would send g2.0 while its peer sends g3.1 first; the
-    # checker finds it, and the programs fall back to lock step (torch's multi-stage schedules do the same).
+    # checker finds it, and the programs fall back to rounds (torch's multi-stage schedules do the same).
     table = build("interleaved", 2, 4, 2)
     headed = dict.fromkeys(range(4), 0)
     with pytest.raises(PipelineOrderError, match="would hang under NCCL's in-order rule"):
@@ -68,7 +77,24 @@ def test_1f1b_groups_like_torch_and_interleaved_runs_in_lock_step():
     assert check(programs(table, 2)) > 0
     cases = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 1), ("dualpipev", 1))
     kinds = [messages.grouped(build(name, 2, 4, v), 2)[1] for name, v in cases]
-    assert kinds == ["action", "action", "lockstep", "action", "lockstep", "lockstep"]
+    assert kinds == ["action", "action", "rounds", "action", "rounds", "rounds"]
+    # In rounds each receive is posted the moment its send is issued: rank 0 posts its receive of a1.0 before it
+    # computes F0.1, the time rank 1 computes F1.0 (torch's `_add_send_recv` places it the same way; the time-step
+    # lock step this replaced posted it after F0.1, and gloo's sender then announced its payload and wrote it later).
+    rank0 = [" ".join(map(str, s.group)) + f" | {s.action}" for s in programs(table, 2, headers=False)[0]]
+    assert rank0[:6] == [" | F0.0", "send a0.0 to 1 | None", "recv a1.0 from 1 | None", " | F0.1",
+                         "send a0.1 to 1 | None", "recv a1.1 from 1 | None"]
+
+
+def test_held_receives_counts_the_buffers_posted_ahead_of_use():
+    # Per action: messages received before it and used after it. Grouped per action (1F1B) nothing is held; in
+    # rounds (interleaved v2 at pp2 mb4) rank 1 holds up to two: its first chunk's activations arrive while it works
+    # on its second.
+    one = programs(build("1f1b", 2, 4), 2)
+    assert [held_receives(p) for p in one] == [[0] * 8, [0] * 8]
+    counts = [held_receives(p) for p in programs(build("interleaved", 2, 4, 2), 2)]
+    assert counts[0] == [0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0]
+    assert counts[1] == [0, 0, 0, 1, 0, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 0]
 
 
 def _prog(*groups):

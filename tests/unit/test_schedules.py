@@ -8,7 +8,6 @@ from strategies.pipeline.schedules import (
     Action,
     Phase,
     build,
-    early_receives,
     gpipe,
     ideal_bubble,
     interleaved,
@@ -113,15 +112,6 @@ def test_errors_name_the_problem():
 def test_table_of_pp2_1f1b_mb4():
     as_text = [" ".join(map(str, actions)) for actions in one_f_one_b(2, 4)]
     assert as_text == ["F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3", "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3"]
-
-
-def test_lock_step_receives_ahead_only_what_a_later_action_uses():
-    # Lock step receives each message right after the time step that made it. 1F1B at pp2: only the last stage's
-    # second activation arrives while it runs its first backward; interleaved v2 at pp2 mb4: rank 1 holds up to two
-    # (its first chunk's activations arrive while it works on its second).
-    assert early_receives(one_f_one_b(2, 4), 2) == [[0] * 8, [0, 1, 0, 0, 0, 0, 0, 0]]
-    counts = early_receives(interleaved(2, 4, 2), 2)
-    assert counts[0] == [0] * 16 and max(counts[1]) == 2 and sum(counts[1]) == 14
 
 
 @pytest.mark.parametrize("pp,mb", [(2, 4), (4, 8), (4, 16), (3, 6)])
