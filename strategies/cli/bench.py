@@ -94,7 +94,6 @@ def _train(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any]
         step(batch)
         times.append(time.perf_counter() - start)
         ends.append(time.time())
-    getattr(step, "finish", lambda: None)()
     timed = times[cfg.warmup_steps :]
     tokens_per_step = cfg.batch_per_rank * cfg.seq_len * shared
     return {"impl": impl, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),

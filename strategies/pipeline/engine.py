@@ -3,7 +3,7 @@
 Training: the batch is cut into microbatches; the schedule runs the user's ``training_step`` on each
 (stage, microbatch) through `StageRunner` and `PipelineRunner`; the last stage's losses, each scaled by
 1/mb (and 1/accumulate_grad_batches, as Lightning scales its own backward) so the gradients sum to the
-batch's, are summed and sent to the other stages, so every rank returns the same loss to Lightning.
+batch's, travel down the stages with the gradients and are summed, so every rank returns the same loss to Lightning.
 Data-parallel sync is enabled only in the last backward of each stage (the others run inside the ``no_sync``
 the caller passes), so each parameter's gradient is reduced once, complete, while the rest of the schedule still
 runs (overlap).
@@ -82,7 +82,6 @@ class PipelineParallel(Technique):
         self.top = module.get_submodule(top) if "." in self.layout.blocks_name else (
             container if self._sequential_top else module)
         self.last_step: StepResult | None = None
-        self._loss_sends: list = []  # the last stage's sends of the previous step's loss
 
     @property
     def last_rank(self) -> int:
@@ -99,7 +98,6 @@ class PipelineParallel(Technique):
         backward."""
         micro = split_microbatches(batch, self.microbatches)
         scale = self.microbatches * accumulate
-        self.finish()
 
         def forward(stage: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
             with self.runner_stages.stage(stage, received):
@@ -116,23 +114,14 @@ class PipelineParallel(Technique):
             # Reduce each parameter once, complete, in its stage's last backward.
             return no_sync() if no_sync is not None and action not in self._last_backward else contextlib.nullcontext()
 
-        # The program ends with the last stage's loss sent point to point to every other rank, not broadcast:
-        # a blocking broadcast would hold the last stage until stage 0 finishes its last backward, instead of
-        # letting it step its optimizer meanwhile (the sends complete in `finish`).
+        # The loss reaches every rank with the gradients (`runner`): no broadcast, which would hold the last stage
+        # until stage 0 finishes its last backward instead of letting it step its optimizer meanwhile.
         shapes = _shapes_of(batch, self.microbatches)
         program = self.known_program if shapes == self._known else self.program
         self._known = None  # until this step has run: if it fails midway, the next one sends its headers
         self.last_step = self.runner.run(program, forward, device, backward_context)
         self._known = shapes
-        self._loss_sends = self.last_step.in_flight
         return self.last_step.loss * accumulate
-
-    def finish(self) -> None:
-        """Complete what the last step left in flight (the loss sent to the other stages). Call it before
-        the process group goes away; the strategy does at teardown."""
-        for handle, _ in self._loss_sends:
-            handle.wait()
-        self._loss_sends = []
 
     # -- evaluation ----------------------------------------------------------------------------------------
 
@@ -189,7 +178,6 @@ class PipelineParallel(Technique):
         return {alias: primary[id(p)] for alias, p in self.module.named_parameters(remove_duplicate=False)}
 
     def restore_full_model(self) -> None:
-        self.finish()
         full = self.full_state_dict()
         self.runner_stages.restore(full)
         with torch.no_grad():  # the buffers as the stage that uses them has them

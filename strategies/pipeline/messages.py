@@ -9,8 +9,8 @@ previous action's output and the receive of this action's input, so that two nei
 activation and a gradient at the same point of their schedules do it in one group each (neither waits on the
 other). A step's first activation of a stage is preceded by its header (shape and dtype), a group of its own on
 both sides, since the receiver must read it before it can size the activation's buffer; a program without headers
-serves the steps whose shapes the receivers learned from an earlier step's headers. After the schedule, the last
-stage sends the step's loss to every other rank.
+serves the steps whose shapes the receivers learned from an earlier step's headers. The step's loss has no message
+of its own: each gradient carries its microbatch's loss back down the stages (`runner`), so every rank has it.
 
 `check` is the proof that the programs are right under NCCL (see ``shared/NCCL-NOTES.md``): per ordered pair of
 ranks, the k-th send is received by the k-th receive (no tags), so their labels must agree; each rank runs its
@@ -34,12 +34,12 @@ class PipelineOrderError(RuntimeError):
 
 @dataclass(frozen=True)
 class Message:
-    kind: str  # "h": header, "a": activation, "g": gradient, "loss"
-    stage: int  # the stage that sends it (the loss: the last stage)
+    kind: str  # "h": header, "a": activation, "g": gradient (with its microbatch's loss: `runner`)
+    stage: int  # the stage that sends it
     microbatch: int
 
     def __str__(self) -> str:
-        return "loss" if self.kind == "loss" else f"{self.kind}{self.stage}.{self.microbatch}"
+        return f"{self.kind}{self.stage}.{self.microbatch}"
 
 
 @dataclass(frozen=True)
@@ -55,24 +55,22 @@ class Transfer:
 @dataclass(frozen=True)
 class Step:
     group: tuple[Transfer, ...]  # issued together, then waited for
-    action: Action | None  # then computed; None: a group on its own (a header, the loss)
+    action: Action | None  # then computed; None: a group on its own (a header, the last sends)
 
 
 Program = list[Step]
 
 
-def programs(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None,
-             headers: bool = True) -> list[Program]:
+def programs(table: ScheduleTable, pp: int, how: str | None = None, headers: bool = True) -> list[Program]:
     """Each rank's program for ``table``, proven by `check` (see `grouped`)."""
-    return grouped(table, pp, share_loss, how, headers)[0]
+    return grouped(table, pp, how, headers)[0]
 
 
-def grouped(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | None = None,
-            headers: bool = True) -> tuple[list[Program], str]:
+def grouped(table: ScheduleTable, pp: int, how: str | None = None, headers: bool = True) -> tuple[list[Program], str]:
     """Each rank's program for ``table``, proven by `check`, and how its messages are grouped: "action" (one group
     per action: GPipe, 1F1B, as torch's single-stage schedules do) where that is safe under NCCL's rules, else
     "rounds" (interleaved and the V schedules, as torch's multi-stage ones do: see `_rounds`); ``how`` forces one.
-    ``share_loss``: end with the last stage's loss sent to every other rank. Per action, a receive is posted just
+    Per action, a receive is posted just
     before the action that needs it; in rounds, as soon as its send is issued (so a sender that waited for its send
     could wait for the receiver's compute: the runner leaves sends in flight there). Where the table puts two
     consecutive stages on one rank (the V placement's bottom), the activation and its gradient pass in memory: no
@@ -81,18 +79,16 @@ def grouped(table: ScheduleTable, pp: int, share_loss: bool = True, how: str | N
     last = max(where)
     headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
               for s in range(last + 1)} if headers else {}  # the microbatch whose activation has a header: the first
-    tail = _loss_steps(pp, where) if share_loss and pp > 1 else [[] for _ in range(pp)]
     kinds = [how] if how else ["action", "rounds"]
     for kind in kinds:
         built = _per_action(table, where, headed) if kind == "action" else _rounds(table, where, headed)
-        progs = [steps + tail[r] for r, steps in enumerate(built)]
         try:
-            check(progs)
+            check(built)
         except PipelineOrderError:
             if kind == kinds[-1]:
                 raise
             continue
-        return progs, kind
+        return built, kind
     raise AssertionError("unreachable: the last kind returns or raises")
 
 
@@ -100,7 +96,7 @@ def evaluation(pp: int, where: dict[int, int]) -> list[Program]:
     """Each rank's program for evaluation: every stage once, in order, on the whole batch (microbatch 0); ``where``:
     stage -> rank, as the training table places them."""
     chain = [[Action(Phase.FORWARD, s, 0) for s in sorted(where) if where[s] == r] for r in range(pp)]
-    return programs(chain, pp, share_loss=False)
+    return programs(chain, pp)
 
 
 def _per_action(table: ScheduleTable, where: dict[int, int], headed: dict[int, int]) -> list[Program]:
@@ -171,13 +167,6 @@ def held_receives(program: Program) -> list[int]:
                         else (-1, -1))
     used = {key: uses.index(key, at) for key, at in posted.items()}  # a stage's F comes before its B: the first
     return [sum(1 for key, at in posted.items() if at <= i < used[key]) for i in range(len(uses))]
-
-
-def _loss_steps(pp: int, where: dict[int, int]) -> list[Program]:
-    last = max(where)
-    loss, mine = Message("loss", last, 0), where[last]
-    return [[Step(tuple(Transfer(True, p, loss) for p in range(pp) if p != mine) if r == mine
-                  else (Transfer(False, mine, loss),), None)] for r in range(pp)]
 
 
 def _payloads(transfers: list[Transfer]) -> tuple[Transfer, ...]:

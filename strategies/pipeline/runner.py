@@ -14,9 +14,12 @@ receiver cannot know it in advance; the step's other microbatches have the same 
 they go without one, and a gradient has the shape of the output the receiver sent, so it never needs one. A step
 run with a program without headers (the engine's, for a batch shaped as the last one) reuses the shapes the last
 headers gave; every activation is checked against the shape its header announced before it is sent, so a stage
-whose output changes shape unannounced stops with an error (a receive of the wrong size hangs NCCL). The step
-ends with the last stage's loss sent to every other rank, left in flight on the last stage so that it can step its
-optimizer meanwhile.
+whose output changes shape unannounced stops with an error (a receive of the wrong size hangs NCCL). The step's loss
+has no message of its own (it was one more send and receive per rank and step, the last stage to every other rank):
+each gradient a stage sends back carries its microbatch's (scaled) loss in a few extra elements at its end, a float32
+bit for bit in the gradient's dtype (float64 in an 8-byte one), and each stage passes it on with its own gradient, so
+every rank has every microbatch's loss when its backwards are done and sums them in the same order: the same float on
+every rank.
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ class StepResult:
     losses: list[torch.Tensor]  # last stage's per-microbatch losses (empty elsewhere)
     timeline: list[TimelineEntry] = field(default_factory=list)
     loss: torch.Tensor | None = None  # the sum of the losses, on every rank
-    in_flight: list = field(default_factory=list)  # the loss's sends (last stage), to complete before the next step
 
     @property
     def bubble(self) -> float:
@@ -76,6 +78,7 @@ class _Step:
     arriving: dict = field(default_factory=dict)  # Message -> (group handle, buffer): issued, waited when needed
     sending: list = field(default_factory=list)  # (group handle, tensors) of sends not yet waited for
     local: dict = field(default_factory=dict)  # ("a"|"g", stage, microbatch) -> tensor passed to a stage on this rank
+    mb_losses: dict = field(default_factory=dict)  # microbatch -> its scaled loss, float32 (computed, or carried)
     result: StepResult = field(default_factory=lambda: StepResult(losses=[]))
     # stage -> (shape, dtype) of its activation: received (from headers) and sent (announced), kept across training
     # steps by the runner; evaluation's are its own
@@ -124,11 +127,7 @@ class PipelineRunner:
             step.result.timeline.append(TimelineEntry(str(item.action), item.action.phase.value, item.action.stage,
                                                       item.action.microbatch, start - step.t0, end - step.t0))
         _complete(step.sending)
-        loss = Message("loss", self.stages - 1, 0)
-        if loss in step.arriving:
-            step.result.loss = _receive(loss, step)
-        elif step.result.losses:  # the last stage (with one stage, no message)
-            _summed_loss(step)
+        step.result.loss = torch.stack([step.mb_losses[m] for m in sorted(step.mb_losses)]).sum()
         return step.result
 
     def forward_only(self, program: Program, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
@@ -155,24 +154,15 @@ class PipelineRunner:
         runs by and what `messages.check` proved, is the program's."""
         if not item.group:
             return
-        ops = [comm.P2P(t.send, self._take(t.message, step) if t.send else self._buffer(t.message, step, device),
+        ops = [comm.P2P(t.send, step.outbox.pop(t.message) if t.send else self._buffer(t.message, step, device),
                         t.peer, str(t.message)) for t in item.group]
         handle = comm.exchange(ops, self.axis)
         sent = [op.tensor for t, op in zip(item.group, ops, strict=True) if t.send]
-        if sent and any(t.message.kind == "loss" for t in item.group):
-            step.result.in_flight.append((handle, sent))  # the loss, completed by the engine before the next step
-        elif sent:
+        if sent:
             step.sending.append((handle, sent))
         for t, op in zip(item.group, ops, strict=True):
             if not t.send:
                 step.arriving[t.message] = (handle, op.tensor)
-
-    @staticmethod
-    def _take(message: Message, step: _Step) -> torch.Tensor:
-        """What a send sends: an output in the outbox, or the step's loss (the sum of the last stage's)."""
-        if message.kind != "loss":
-            return step.outbox.pop(message)
-        return _summed_loss(step).detach().clone()
 
     def _buffer(self, message: Message, step: _Step, device: torch.device) -> torch.Tensor:
         """Where a message lands: its shape is known from a header, the output it answers, or its kind."""
@@ -190,10 +180,9 @@ class PipelineRunner:
                                    f"{message.stage} ever came (a program without headers ran first)")
             shape, dtype = step.shapes[message.stage]
             return torch.empty(shape, dtype=dtype, device=device)
-        if message.kind == "g":  # the gradient of the output this rank's stage message.stage - 1 sent
-            out = step.kept[(message.stage - 1, message.microbatch)][0]
-            return torch.empty(out.shape, dtype=out.dtype, device=out.device)  # contiguous, as the sender sends it
-        return torch.zeros((), dtype=torch.float32, device=device)
+        # the gradient of the output this rank's stage message.stage - 1 sent, flat, and the microbatch's loss
+        out = step.kept[(message.stage - 1, message.microbatch)][0]
+        return torch.empty(out.numel() + _carried(out.dtype), dtype=out.dtype, device=out.device)
 
     def _outgoing(self, out: torch.Tensor, stage: int, m: int, step: _Step) -> None:
         """Put a forward's output (and, for the stage's first microbatch, its header) in the outbox."""
@@ -230,6 +219,7 @@ class PipelineRunner:
         end = time.perf_counter()
         if s == self.stages - 1:
             step.result.losses.append(out.detach())
+            step.mb_losses[m] = out.detach().float().reshape(())
         elif self._local(s, s + 1):
             step.local[("a", s, m)] = out.detach()
         else:
@@ -242,7 +232,9 @@ class PipelineRunner:
         out, received = step.kept.pop((s, m))
         grad = None
         if s < self.stages - 1:
-            grad = step.local.pop(("g", s + 1, m)) if self._local(s, s + 1) else _receive(Message("g", s + 1, m), step)
+            local = self._local(s, s + 1)
+            packed = step.local.pop(("g", s + 1, m)) if local else _receive(Message("g", s + 1, m), step)
+            grad, step.mb_losses[m] = _unpack(packed, out)
         split = self.weights.backward_input((s, m)) if self.weights is not None else contextlib.nullcontext()
         start = time.perf_counter()
         if out.requires_grad:
@@ -250,7 +242,7 @@ class PipelineRunner:
                 torch.autograd.backward(out, grad)
         end = time.perf_counter()
         if s > 0:
-            sent = received.grad if received.grad is not None else torch.zeros_like(received)
+            sent = _pack(received.grad if received.grad is not None else torch.zeros_like(received), step.mb_losses[m])
             if self._local(s, s - 1):
                 step.local[("g", s, m)] = sent
             else:
@@ -274,11 +266,26 @@ def _announced(shape: tuple | None) -> str:
     return "nothing (no header was sent yet)" if shape is None else f"{shape[1]} {shape[0]}"
 
 
-def _summed_loss(step: _Step) -> torch.Tensor:
-    """The step's loss on the last stage: the sum of its microbatches' (scaled) losses, computed once."""
-    if step.result.loss is None:
-        step.result.loss = torch.stack(step.result.losses).sum().float()
-    return step.result.loss
+def _carried(dtype: torch.dtype) -> int:
+    """How many elements of ``dtype`` carry a microbatch's loss at a gradient's end: a float32 (float64 where the
+    elements are 8 bytes), bit for bit."""
+    return 1 if dtype.itemsize >= 4 else 4 // dtype.itemsize
+
+
+def _pack(grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``grad``, flat, followed by ``loss``'s bits: what a stage sends back (or passes in memory) to the one before."""
+    n = grad.numel()
+    flat = torch.empty(n + _carried(grad.dtype), dtype=grad.dtype, device=grad.device)
+    flat[:n].copy_(grad.reshape(-1))
+    flat[n:].copy_(loss.to(torch.float64 if grad.dtype.itemsize == 8 else torch.float32).reshape(1).view(grad.dtype))
+    return flat
+
+
+def _unpack(flat: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``out`` and the microbatch's loss (float32), from what `_pack` made."""
+    n = out.numel()
+    carrier = torch.float64 if out.dtype.itemsize == 8 else torch.float32
+    return flat[:n].view(out.shape), flat[n:].clone().view(carrier).float().reshape(())
 
 
 def _receive(message: Message, step: _Step) -> torch.Tensor:

@@ -4,8 +4,9 @@ free of hangs and of swapped messages, and orders that NCCL would hang on or mis
 from __future__ import annotations
 
 import pytest
+import torch
 
-from strategies.pipeline import messages
+from strategies.pipeline import messages, runner
 from strategies.pipeline.messages import (
     Message,
     PipelineOrderError,
@@ -38,13 +39,13 @@ def test_every_shipped_schedule_is_proven_under_nccl_rules():
         assert check(progs) > 0, (name, pp, mb, v)
         sent = [t.message for prog in progs for step in prog for t in step.group if t.send]
         # every activation and gradient once between two ranks (the V's bottom passes in memory), one header per
-        # such stage, the loss to each other rank
+        # such stage, nothing else (the loss travels with the gradients)
         where = owners(table)
         crossing = [s for s in range(len(where) - 1) if where[s] != where[s + 1]]
         payload = [m for m in sent if m.kind in ("a", "g")]
         assert len(payload) == len(set(payload)) == 2 * len(crossing) * mb, (name, pp, mb, v)
         assert sorted(str(m) for m in sent if m.kind == "h") == sorted(f"h{s}.0" for s in crossing)
-        assert sum(m.kind == "loss" for m in sent) == pp - 1
+        assert {m.kind for m in sent} <= {"a", "g", "h"}
         actions = [step.action for prog in progs for step in prog if step.action is not None]
         assert sorted(map(str, actions)) == sorted(str(a) for rank in table for a in rank)
         # Without headers (a step shaped as the last one): the same messages, the headers' groups gone, grouped the
@@ -157,3 +158,18 @@ def test_an_activation_shaped_otherwise_than_its_header_announced_is_refused():
         runner._outgoing(torch.zeros(2, 4), 0, 2, step)
     with pytest.raises(ValueError, match=r"announced nothing \(no header was sent yet\)"):
         runner._outgoing(torch.zeros(2, 3), 0, 0, _start([], {}, {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel", [5, 6])  # an odd count puts the loss's elements at an odd offset
+def test_a_gradient_carries_its_microbatchs_loss_bit_for_bit(dtype: torch.dtype, numel: int):
+    # The loss rides at the end of each gradient a stage sends back (no message of its own): the gradient comes back
+    # as it went, the loss as the float32 (float64 for 8-byte gradients) it was, whatever the gradient's dtype.
+    out = torch.randn(numel, dtype=dtype).view(1, numel)
+    grad = torch.randn(1, numel, dtype=dtype)
+    loss = torch.tensor(2.0 / 3.0)
+    flat = runner._pack(grad, loss)
+    assert flat.dtype == dtype and flat.dim() == 1
+    got_grad, got_loss = runner._unpack(flat, out)
+    assert torch.equal(got_grad, grad) and got_grad.shape == out.shape
+    assert got_loss.dtype == torch.float32 and got_loss.item() == loss.item()
