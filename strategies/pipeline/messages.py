@@ -70,11 +70,11 @@ def grouped(table: ScheduleTable, pp: int, how: str | None = None, headers: bool
     """Each rank's program for ``table``, proven by `check`, and how its messages are grouped: "action" (one group
     per action: GPipe, 1F1B, as torch's single-stage schedules do) where that is safe under NCCL's rules, else
     "rounds" (interleaved and the V schedules, as torch's multi-stage ones do: see `_rounds`); ``how`` forces one.
-    Per action, a receive is posted just
-    before the action that needs it; in rounds, as soon as its send is issued (so a sender that waited for its send
-    could wait for the receiver's compute: the runner leaves sends in flight there). Where the table puts two
-    consecutive stages on one rank (the V placement's bottom), the activation and its gradient pass in memory: no
-    message. ``headers=False``: no header messages, for a step whose activations' shapes the receivers already know."""
+    Per action, a receive is posted just before the action that needs it; in rounds, as soon as its send is issued
+    (so a sender that waited for its send could wait for the receiver's compute: the runner leaves sends in flight
+    there). Where the table puts two consecutive stages on one rank (the V placement's bottom), the activation and its
+    gradient pass in memory: no message. ``headers=False``: no header messages, for a step whose activations' shapes
+    the receivers already know."""
     where = owners(table)
     last = max(where)
     headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
