@@ -53,7 +53,6 @@ class TimelineEntry:
 
 @dataclass
 class StepResult:
-    losses: list[torch.Tensor]  # last stage's per-microbatch losses (empty elsewhere)
     timeline: list[TimelineEntry] = field(default_factory=list)
     loss: torch.Tensor | None = None  # the sum of the losses, on every rank
 
@@ -79,7 +78,7 @@ class _Step:
     sending: list = field(default_factory=list)  # (group handle, tensors) of sends not yet waited for
     local: dict = field(default_factory=dict)  # ("a"|"g", stage, microbatch) -> tensor passed to a stage on this rank
     mb_losses: dict = field(default_factory=dict)  # microbatch -> its scaled loss, float32 (computed, or carried)
-    result: StepResult = field(default_factory=lambda: StepResult(losses=[]))
+    result: StepResult = field(default_factory=StepResult)
     # stage -> (shape, dtype) of its activation: received (from headers) and sent (announced), kept across training
     # steps by the runner; evaluation's are its own
     shapes: dict = field(default_factory=dict)
@@ -218,7 +217,6 @@ class PipelineRunner:
             out = forward(s, m, received)
         end = time.perf_counter()
         if s == self.stages - 1:
-            step.result.losses.append(out.detach())
             step.mb_losses[m] = out.detach().float().reshape(())
         elif self._local(s, s + 1):
             step.local[("a", s, m)] = out.detach()
@@ -266,10 +264,15 @@ def _announced(shape: tuple | None) -> str:
     return "nothing (no header was sent yet)" if shape is None else f"{shape[1]} {shape[0]}"
 
 
+def _carrier(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a microbatch's loss travels as, bit for bit, at the end of a gradient of ``dtype``: float32 (float64
+    where the elements are 8 bytes, which a float32 would not fill)."""
+    return torch.float64 if dtype.itemsize == 8 else torch.float32
+
+
 def _carried(dtype: torch.dtype) -> int:
-    """How many elements of ``dtype`` carry a microbatch's loss at a gradient's end: a float32 (float64 where the
-    elements are 8 bytes), bit for bit."""
-    return 1 if dtype.itemsize >= 4 else 4 // dtype.itemsize
+    """How many elements of ``dtype`` carry the loss."""
+    return _carrier(dtype).itemsize // dtype.itemsize
 
 
 def _pack(grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -277,15 +280,14 @@ def _pack(grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     n = grad.numel()
     flat = torch.empty(n + _carried(grad.dtype), dtype=grad.dtype, device=grad.device)
     flat[:n].copy_(grad.reshape(-1))
-    flat[n:].copy_(loss.to(torch.float64 if grad.dtype.itemsize == 8 else torch.float32).reshape(1).view(grad.dtype))
+    flat[n:].copy_(loss.to(_carrier(grad.dtype)).reshape(1).view(grad.dtype))
     return flat
 
 
 def _unpack(flat: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient of ``out`` and the microbatch's loss (float32), from what `_pack` made."""
     n = out.numel()
-    carrier = torch.float64 if out.dtype.itemsize == 8 else torch.float32
-    return flat[:n].view(out.shape), flat[n:].clone().view(carrier).float().reshape(())
+    return flat[:n].view(out.shape), flat[n:].clone().view(_carrier(out.dtype)).float().reshape(())
 
 
 def _receive(message: Message, step: _Step) -> torch.Tensor:
