@@ -2,6 +2,7 @@
 
     .venv/bin/stratpack compare --runs-dir /tmp/shots            # a real comparison
     .venv/bin/python scripts/screenshots.py /tmp/shots            # docs/screenshots/1-compare.png ...
+    .venv/bin/python scripts/screenshots.py /tmp/zb --pipeline-runs --out docs/pipeline  # each pipeline run's page
 
 The dashboard is started as a user starts it (`stratpack dashboard`), on a free local port, and stopped after.
 """
@@ -22,6 +23,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs_dir")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "screenshots"))
+    parser.add_argument("--pipeline-runs", action="store_true",
+                        help="instead of every page: the Pipeline page once per pipeline run, picked in its Run box")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -39,7 +42,9 @@ def main() -> int:
             # Tall enough for a whole page: Streamlit scrolls inside its own frame, so full_page adds nothing.
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
             page.goto(url)
-            for k, name in enumerate(PAGES, start=1):
+            if args.pipeline_runs:
+                _pipeline_runs(page, Path(args.out))
+            for k, name in enumerate(() if args.pipeline_runs else PAGES, start=1):
                 if k > 1:
                     page.get_by_text(name, exact=True).click()
                 _settle(page)
@@ -51,6 +56,23 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=30)
     return 0
+
+
+def _pipeline_runs(page, out: Path) -> None:
+    """The Pipeline page once per run its Run box offers, named after the run's label."""
+    page.get_by_text("Pipeline", exact=True).click()
+    _settle(page)
+    box = page.get_by_test_id("stSelectbox")
+    box.click()
+    labels = [o.inner_text() for o in page.get_by_role("option").all()]
+    page.keyboard.press("Escape")
+    for label in labels:
+        box.click()
+        page.get_by_role("option", name=label, exact=True).click()
+        _settle(page)
+        path = out / f"pipeline-{label.split()[0]}.png"
+        page.screenshot(path=str(path), full_page=True)
+        print(path)
 
 
 def _wait_up(url: str) -> None:
