@@ -1,0 +1,116 @@
+"""Context parallel: the sequence of every sample split over the cp ranks (load-balanced chunks, `layout`), attention
+run round the ring (`ring`, routed by `attention`), positions translated (`positions`).
+
+Each cp rank runs the user's step on its part of the batch: every tensor of the batch whose dim 1 is the sequence
+(the length of its first integer tensor of two or more dims: the token ids) is cut to this rank's two chunks, the
+rest passed whole. The step's loss, a mean over this rank's tokens, is then 1/N of the batch's mean when every rank
+holds as many counted tokens, and the gradients, averaged over cp as over dp, are the whole batch's.
+
+A Hugging Face causal LM shifts its labels inside its forward (token t predicts t + 1), which on a chunk would pair
+each chunk's last token with the wrong next one, and averages over the tokens it counts, which differ by rank (the
+sequence's last token has no label). So when such a model is called with ``labels=`` one of the batch's tensors as
+split here, it is given ``shift_labels=`` (that tensor shifted over the whole sequence first, then split) and
+``num_items_in_batch=`` (the batch's counted tokens / N): each rank's loss is then its sum over the whole batch's
+count, times N, and their mean over cp is exactly the batch's mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strategies.comm import Axis
+from strategies.context_parallel import layout
+from strategies.context_parallel.attention import MARK, RingRoute, find_attention
+from strategies.context_parallel.positions import PositionMap, check_family
+from strategies.technique import Technique
+
+IGNORE = -100  # Hugging Face's label for "no loss here"
+
+
+class ContextParallel(Technique):
+    """``model``'s attention and positions, made to work on this rank's part of each sequence over ``axis``."""
+
+    def __init__(self, model: nn.Module, axis: Axis) -> None:
+        check_family(model)
+        attention = find_attention(model)
+        if not attention:
+            raise ValueError(
+                f"context parallel: no attention module found in {type(model).__name__} (a module named for "
+                f"attention, holding the projections). Mark yours: set `module.{MARK} = True` on each attention "
+                "module whose forward calls F.scaled_dot_product_attention(q, k, v, is_causal=True)")
+        self.axis = axis
+        self.route = RingRoute(axis, attention)
+        self.positions = PositionMap(model)
+        self._labelled = [m.register_forward_pre_hook(self._labels, with_kwargs=True) for m in model.modules()
+                          if type(m).__name__.endswith(("ForCausalLM", "LMHeadModel"))]
+        self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(split tensor) -> (shift_labels, items)
+        self.route.install()
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's part of ``batch``: each sequence tensor cut to its two chunks (see the module's docstring)."""
+        n, r = self.axis.size, self.axis.index
+        ids = _first(batch, lambda t: not t.is_floating_point() and t.dim() >= 2)
+        if ids is None:
+            raise ValueError("context parallel splits the batch's sequences, but the batch holds no integer tensor "
+                             "of (batch, sequence, ...) token ids to read the sequence length from")
+        length = ids.shape[1]
+        layout.check_length(length, n)
+        self.positions.set_table(layout.positions(length, r, n, ids.device))
+        self._shifted.clear()
+        return _map(batch, lambda t: self._split(t, length))
+
+    def _split(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        if t.dim() < 2 or t.shape[1] != length:
+            return t
+        n, r = self.axis.size, self.axis.index
+        local = layout.shard(t, 1, r, n)
+        if not t.is_floating_point() and t.dim() == 2:  # could be labels: its whole-sequence shift, split alike
+            shifted = F.pad(t[:, 1:], (0, 1), value=IGNORE)
+            self._shifted[id(local)] = (layout.shard(shifted, 1, r, n), (shifted != IGNORE).sum() / n)
+        return local
+
+    def _labels(self, module: nn.Module, args: tuple, kwargs: dict):
+        labels = kwargs.get("labels")
+        if labels is None or kwargs.get("shift_labels") is not None:
+            return None
+        known = self._shifted.get(id(labels))
+        if known is None:
+            raise ValueError(
+                f"context parallel: {type(module).__name__} was given labels= that are not one of the batch's "
+                "tensors as cp split it, so they cannot be shifted over the whole sequence (a Hugging Face model "
+                "shifts them inside, chunk by chunk). Pass the batch's tensor itself, or shift_labels=")
+        shift, items = known
+        return args, {**kwargs, "shift_labels": shift, "num_items_in_batch": items}
+
+    def teardown(self, healthy: bool) -> None:
+        self.route.remove()
+        self.positions.remove()
+        for hook in self._labelled:
+            hook.remove()
+        self._labelled.clear()
+
+
+def _first(batch: Any, want: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch if want(batch) else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = _first(value, want)
+        if found is not None:
+            return found
+    return None
+
+
+def _map(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return type(batch)({k: _map(v, fn) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_map(v, fn) for v in batch)
+    return batch
