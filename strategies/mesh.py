@@ -1,8 +1,12 @@
-"""ParallelMesh: the named dp / pp / tp process groups of one resolved plan, built once from a DeviceMesh.
+"""ParallelMesh: the named dp / pp / cp / tp process groups of one resolved plan, built once from a DeviceMesh.
 
-The ranks are laid out as a (pp, dp, tp) grid, tp innermost: tensor-parallel peers are neighbouring ranks,
-which on real hardware means the same node and the fastest links; pipeline stages are the outermost axis,
-since they only exchange activations between neighbours. Launchers number ranks node by node (torchrun, SLURM,
+The ranks are laid out as a (pp, dp, cp, tp) grid, tp innermost: tensor-parallel peers are neighbouring ranks,
+which on real hardware means the same node and the fastest links (four all-reduces per block and microbatch); then
+context parallel, whose ring passes every layer's keys and values to the neighbour (the next-heaviest traffic,
+overlapped with attention, so it wants the links just outside tp's); then dp, which reduces gradients once a step;
+pipeline stages are the outermost axis, since they only exchange activations between neighbours. The gradients of a
+cp group's ranks are averaged as dp's are, so data parallel and ZeRO run over `data`, the dp x cp ranks of one
+(pp, tp) coordinate. Launchers number ranks node by node (torchrun, SLURM,
 Lightning's), so tp stays inside a node whenever it divides the ranks per node; when it does not, the mesh
 says so (a warning naming the tp group that crosses nodes). Every piece receives the `Axis` it uses as an
 argument; there are no module-level process groups.
@@ -21,7 +25,7 @@ from strategies import comm
 from strategies.comm import Axis, CommStats
 from strategies.plan import ParallelPlan
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 
 
 class ParallelMesh:
@@ -33,7 +37,7 @@ class ParallelMesh:
         world_size = dist.get_world_size()
         self.plan = plan.resolve(world_size)
         self.stats = stats or CommStats()
-        shape = (self.plan.pp, self.plan.dp, self.plan.tp)
+        shape = (self.plan.pp, self.plan.dp, self.plan.cp, self.plan.tp)
         self.world = Axis.of_group("world", dist.group.WORLD, self.stats)
         self.device_mesh: DeviceMesh | None = None
         if sum(size > 1 for size in shape) <= 1:
@@ -44,6 +48,7 @@ class ParallelMesh:
         else:
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
             self.axes = {name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES}
+        self.data = self._data_axis()
         comm.register_peers(self.world)  # to name a rank that dies later
         self.nodes = _node_indices(comm.all_gather_object(_node_key(), self.world))  # each rank's node
         advice = tp_across_nodes(self.nodes, self.plan.tp)
@@ -57,6 +62,19 @@ class ParallelMesh:
     @property
     def dp(self) -> Axis:
         return self.axes["dp"]
+
+    def _data_axis(self) -> Axis:
+        """The ranks whose gradients are averaged: dp x cp (dp itself without cp; cp itself with one dp rank)."""
+        if self.plan.cp == 1:
+            return self.axes["dp"]
+        if self.plan.dp == 1:
+            return self.axes["cp"]
+        assert self.device_mesh is not None  # dp and cp both > 1: the grid was built
+        return Axis.of_group("dp_cp", self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group(), self.stats)
+
+    @property
+    def cp(self) -> Axis:
+        return self.axes["cp"]
 
     @property
     def tp(self) -> Axis:

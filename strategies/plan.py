@@ -5,6 +5,7 @@ A plan is a set of ``_``-separated tokens, in any order, each at most once::
     <data mode>[<degree>]   naive | dp | zero1 | zero2 | zero3   (dp4: our DDP over 4 ranks)
     dp<N>                   data-parallel degree beside another mode (zero3_dp4)
     tp<N>  pp<N>            tensor- and pipeline-parallel degrees
+    cp<N>                   context parallel: each sequence split over N ranks, attention round a ring
     gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
     sp                      sequence parallel (with tp): norms see 1/tp of the sequence
     vp                      vocab parallel (with tp): the output layer and the loss split over the vocabulary
@@ -68,18 +69,18 @@ class PipelineSchedule(enum.Enum):
         return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
 
-_DEGREE = re.compile(r"^(dp|tp|pp|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
+_DEGREE = re.compile(r"^(dp|tp|pp|cp|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
-    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, v<N>, mb<N>, "
-    "sp, vp, ac, offload"
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, "
+    "v<N>, mb<N>, sp, vp, ac, offload"
 )
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
-    """A parallel training plan over ``dp * tp * pp`` ranks (tp innermost, pp outermost)."""
+    """A parallel training plan over ``dp * cp * tp * pp`` ranks (tp innermost, then cp, dp, pp outermost)."""
 
     data: DataMode = DataMode.DP
     """How model state is shared across the data-parallel axis."""
@@ -89,6 +90,9 @@ class ParallelPlan:
     """Tensor-parallel degree: each weight matrix is split over this many ranks (Megatron column/row)."""
     pp: int = 1
     """Pipeline-parallel degree: the layers are cut into this many stages."""
+    cp: int = 1
+    """Context-parallel degree: each sample's sequence is split over this many ranks (load-balanced chunks), which
+    run attention round a ring; their gradients are averaged with dp's (ZeRO shards over dp x cp)."""
     schedule: PipelineSchedule = PipelineSchedule.AUTO
     """Pipeline schedule; only meaningful with pp > 1 (AUTO: chosen for the model when the pipeline is built)."""
     virtual: int = 1
@@ -148,7 +152,7 @@ class ParallelPlan:
             )
 
     def _check_degrees(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual", "microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "virtual", "microbatches"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -199,6 +203,8 @@ class ParallelPlan:
             parts.append("sp")
         if self.vp:
             parts.append("vp")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         if self.schedule is not PipelineSchedule.AUTO:
@@ -217,7 +223,8 @@ class ParallelPlan:
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tp * self.pp
+        """The ranks that share one data-parallel replica's batch: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
 
     def resolve(self, world_size: int) -> ParallelPlan:
         """Fill dp (and microbatches) for ``world_size`` ranks; raise ValueError showing the arithmetic."""
@@ -226,16 +233,15 @@ class ParallelPlan:
         if world_size > MAX_DEGREE:
             raise ValueError(f"world_size {world_size} is more ranks than torch.distributed counts ({MAX_DEGREE})")
         if self.dp is not None:
-            total = self.dp * self.tp * self.pp
+            total = self.dp * self.model_parallel_size
             if total != world_size:
-                raise ValueError(
-                    f"plan '{self}': dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {total} != world_size {world_size}"
-                )
+                raise ValueError(f"plan '{self}': dp({self.dp}) * {self._model_parallel_terms()} = {total} != "
+                                 f"world_size {world_size}")
             dp = self.dp
         else:
             if world_size % self.model_parallel_size:
                 raise ValueError(
-                    f"plan '{self}': tp({self.tp}) * pp({self.pp}) = {self.model_parallel_size} does not divide "
+                    f"plan '{self}': {self._model_parallel_terms()} = {self.model_parallel_size} does not divide "
                     f"world_size {world_size}, so no data-parallel degree fits"
                 )
             dp = world_size // self.model_parallel_size
@@ -243,19 +249,23 @@ class ParallelPlan:
         microbatches = self.microbatches if self.microbatches is not None or self.pp == 1 else default
         return dataclasses.replace(self, dp=dp, microbatches=microbatches)
 
+    def _model_parallel_terms(self) -> str:
+        return f"tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "")
+
     @property
     def chunks(self) -> int:
         """Stages each pipeline rank holds: v for interleaved, two for the V-shaped schedules, else one."""
         return 2 if self.schedule.v_shaped else self.virtual
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's index on each axis of a resolved plan: rank = (pp_i * dp + dp_i) * tp + tp_i."""
+        """This rank's index on each axis of a resolved plan: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i."""
         if self.dp is None:
             raise ValueError("coordinates need a resolved plan: call plan.resolve(world_size) first")
-        world_size = self.dp * self.tp * self.pp
+        world_size = self.dp * self.model_parallel_size
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside plan '{self}' of {world_size} ranks")
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+        return {"pp": rank // (self.dp * self.cp * self.tp), "dp": (rank // (self.cp * self.tp)) % self.dp,
+                "cp": (rank // self.tp) % self.cp, "tp": rank % self.tp}
 
 
 def _parse_token(text: str, token: str, put) -> None:

@@ -4,7 +4,8 @@ A technique splits the model, its gradients or its optimizer state over one axis
 gradient sync, ZeRO, tensor parallel, the pipeline), or changes how the model runs (activation checkpointing).
 The strategy applies them in one order, which is the order of its list:
 
-    tensor parallel -> activation checkpointing -> pipeline -> data parallel or ZeRO (which shards the optimizer)
+    context parallel -> tensor parallel -> activation checkpointing -> pipeline -> data parallel or ZeRO (which
+    shards the optimizer)
 
 Whatever goes towards the single-process layout walks the list backwards, each technique undoing its own split
 of what the one after it handed over: saving the model and optimizer state, the gradients clipping sees, the
@@ -122,6 +123,14 @@ class Technique:
         return state
 
     # -- gradients and steps -----------------------------------------------------------------------------
+
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a step's ``batch`` (context parallel: its chunks of each sequence)."""
+        return batch
+
+    def step_output(self, output: Any) -> Any:
+        """The training step's ``output`` as the strategy returns it to Lightning."""
+        return output
 
     def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
         """The gradients this rank holds, given those the techniques applied before it hold."""

@@ -43,7 +43,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"canonical: {plan}\nresolved at world size {args.world_size}: {resolved}")
-    print(f"axes (outermost first): pp={resolved.pp} dp={resolved.dp} tp={resolved.tp}")
+    print(f"axes (outermost first): pp={resolved.pp} dp={resolved.dp} cp={resolved.cp} tp={resolved.tp}")
     for rank in range(args.world_size):
         print(f"  rank {rank}: {resolved.coordinates(rank)}")
     return 0

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strategies import comm
 from strategies.comm import Axis
 from strategies.context_parallel import layout
 from strategies.context_parallel.attention import MARK, RingRoute, find_attention
@@ -50,6 +51,20 @@ class ContextParallel(Technique):
                           if type(m).__name__.endswith(("ForCausalLM", "LMHeadModel"))]
         self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(split tensor) -> (shift_labels, items)
         self.route.install()
+
+    def local_batch(self, batch: Any) -> Any:
+        return self.shard(batch)
+
+    def step_output(self, output: Any) -> Any:
+        """The loss with the value of its mean over cp (the batch's loss, what one process logs) and this rank's
+        gradient: the data-parallel average over dp x cp makes the batch's gradient of it."""
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, torch.Tensor) or self.axis.size == 1:
+            return output
+        mean = loss.detach().clone()
+        comm.all_reduce(mean, self.axis)
+        loss = loss + (mean / self.axis.size - loss.detach())
+        return {**output, "loss": loss} if isinstance(output, dict) else loss
 
     def shard(self, batch: Any) -> Any:
         """This rank's part of ``batch``: each sequence tensor cut to its two chunks (see the module's docstring)."""

@@ -1,8 +1,10 @@
 """Which techniques a plan applies to the model, built in the order the strategy keeps them (see `technique`).
 
-Tensor parallel splits the full, initialised layers first; activation checkpointing wraps the blocks; the
-replicas of the data-parallel axis are made equal; the pipeline then replaces the parameters other stages own by
-placeholders; last, once Lightning has built the optimizer, data parallel or ZeRO (which shards that optimizer).
+Context parallel hooks the attention and positions first (it finds the attention by the projections tensor
+parallel then replaces); tensor parallel splits the full, initialised layers; activation checkpointing wraps the
+blocks; the replicas of the data-parallel ranks are made equal; the pipeline then replaces the parameters other
+stages own by placeholders; last, once Lightning has built the optimizer, data parallel or ZeRO (which shards that
+optimizer).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.distributed import ReduceOp
 from strategies import comm
 from strategies.activation_checkpoint import ActivationCheckpointing
 from strategies.compile import compile_blocks
+from strategies.context_parallel import ContextParallel
 from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
 from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
@@ -36,9 +39,11 @@ UNSPLIT = ("1f1b", "interleaved", "gpipe")  # the schedules without W actions
 
 def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
                      options: PlanOptions) -> list[Technique]:
-    """Tensor parallel and activation checkpointing, applied to ``model``; then every data-parallel replica
-    starts from the same weights."""
+    """Context parallel, tensor parallel and activation checkpointing, applied to ``model``; then every replica of
+    the data-parallel ranks (dp x cp) starts from the same weights."""
     techniques: list[Technique] = []
+    if plan.cp > 1:  # first: it finds the attention by its projections, which tensor parallel replaces
+        techniques.append(ContextParallel(model, mesh.cp))
     if plan.tp > 1:
         rules = options.tp_plan if options.tp_plan is not None else detect_plan(model)
         if plan.vp and not any(isinstance(style, VocabHead) for style in rules.values()):
@@ -49,7 +54,7 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)
-    broadcast_module(model, mesh.dp)  # before the pipeline: its placeholders are not weights to send
+    broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     return techniques
 
 
@@ -153,8 +158,9 @@ def _unchanged(model: nn.Module) -> Iterator[None]:
 
 def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
                   fp16_scaler: bool) -> GradSync:
-    """The data-parallel technique of ``plan``'s data mode over the mesh's dp axis, for the optimizers built."""
-    axis, find_unused = mesh.dp, options.find_unused_parameters
+    """The data-parallel technique of ``plan``'s data mode over the mesh's dp x cp ranks (`ParallelMesh.data`), for
+    the optimizers built."""
+    axis, find_unused = mesh.data, options.find_unused_parameters
     if plan.data.is_zero:
         if len(optimizers) != 1:
             raise ValueError(

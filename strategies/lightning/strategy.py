@@ -261,22 +261,33 @@ class PlanStrategy(ParallelStrategy):
         with SavedTensorsMeter(self.lightning_module, buffers) as meter:
             if store is not None:
                 store.keeper = meter.keep
-            output = self._steps.training_step(*args, **kwargs)
+            output = self._steps.training_step(*self._local(args), **kwargs)
         self.activation_bytes = meter.bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.bytes)
+        for technique in self.techniques:
+            output = technique.step_output(output)
         return output
+
+    def _local(self, args: tuple) -> tuple:
+        """A step's arguments with this rank's part of the batch (the first)."""
+        if not args:
+            return args
+        batch = args[0]
+        for technique in self.techniques:
+            batch = technique.local_batch(batch)
+        return (batch, *args[1:])
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.eval_step("validation_step", *args, **kwargs)
+        return self._steps.eval_step("validation_step", *self._local(args), **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.eval_step("test_step", *args, **kwargs)
+        return self._steps.eval_step("test_step", *self._local(args), **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.eval_step("predict_step", *args, **kwargs)
+        return self._steps.eval_step("predict_step", *self._local(args), **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

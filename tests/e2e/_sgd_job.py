@@ -27,9 +27,12 @@ ZERO_BUBBLE = ("pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4")  # B and W sp
 # CI: every data mode x accumulation at 2 ranks; tp and pp (mb 1 and 4) x accumulation at 2 ranks, and composed
 # with dp at 4 under ZeRO-2 (the mode whose reduce-scatter follows the backward); two 3D plans at 8. The whole
 # cross (every data mode with each of them, at 4 and 8) under `-m matrix`.
-CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)],
+# Context parallel (#23): each sequence of 8 split over 2 or 4 ranks, alone and with dp, ZeRO-3, tp and pp.
+CONTEXT = {2: [("cp2", 1), ("cp2", 3)],
+           4: [("cp4", 1), ("dp_cp2", 3), ("zero3_cp2", 1), ("tp2_cp2", 1), ("cp2_pp2_mb4", 1)]}
+CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2],
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
-         + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")],
+         + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")] + CONTEXT[4],
          8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1), ("dp_tp2_pp2_zb1p_mb4", 3),
              ("zero3_tp2_pp2_zbv_mb4", 1), ("zero1_tp2_pp2_dualpipev_mb4", 3)]}
 # bf16-mixed against a bf16-mixed single process (`test_sgd_matrix`: tolerance from the measured spread), and the

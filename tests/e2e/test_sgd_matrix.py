@@ -4,7 +4,9 @@ step. Every data mode (naive, dp, ZeRO-1/2/3, with and without offload) x accumu
 and pp2 (GPipe mb1, 1F1B mb4, and the zero-bubble zb1p, zbv, dualpipev at mb4) x accumulation at 2 ranks and the
 first three composed with ZeRO-2 over dp at 4; `zero3_tp2_pp2_mb4` (accumulating), `zero2_tp2_pp2_interleaved_v2_mb4`
 and the zero-bubble schedules composed with dp, ZeRO-3 and ZeRO-1 (`dp_tp2_pp2_zb1p_mb4`, `zero3_tp2_pp2_zbv_mb4`,
-`zero1_tp2_pp2_dualpipev_mb4`) at 8. Under ``-m matrix``: each data mode x {tp2, pp2 mb1,
+`zero1_tp2_pp2_dualpipev_mb4`) at 8; context parallel `cp2` (x accumulation) at 2, `cp4`, `dp_cp2` (accumulating),
+`zero3_cp2`, `tp2_cp2` and `cp2_pp2_mb4` at 4 (planted: positions not translated gives 3e-2). Under ``-m matrix``:
+each data mode x {tp2, pp2 mb1,
 pp2 mb4} x accumulation at 4, and x {tp2_pp2 1F1B, interleaved} x accumulation at 8. The parameters after 2
 steps are compared, not only the losses. One set of processes per world size (`_sgd_job`); one single-process
 reference for all.

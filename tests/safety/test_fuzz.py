@@ -46,7 +46,7 @@ EXAMPLES = 300
 SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
 # Independent of plan.py: what a single token of the grammar looks like.
 GRAMMAR = re.compile(
-    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|ac|offload|(dp|tp|pp|v|mb)[0-9]+")
+    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|vp|ac|offload|(dp|tp|pp|cp|v|mb)[0-9]+")
 WORDS = ["naive", "dp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev", "sp",
          "ac", "offload"]
 NEAR_MISSES = [
@@ -149,7 +149,7 @@ def mutated_texts(draw) -> str:
 
 
 def _normalised(token: str) -> str:
-    match = re.fullmatch(r"(dp|tp|pp|v|mb)0*([0-9]{1,12})", token)
+    match = re.fullmatch(r"(dp|tp|pp|cp|v|mb)0*([0-9]{1,12})", token)
     return f"{match.group(1)}{int(match.group(2))}" if match else token
 
 

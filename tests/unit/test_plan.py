@@ -410,3 +410,18 @@ def test_nccl_gets_hang_diagnosis_settings():
     normal, debug = nccl_environment(False), nccl_environment(True)
     assert normal["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and normal["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert "TORCH_NCCL_BLOCKING_WAIT" not in normal and debug["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+
+
+def test_cp_is_an_axis_between_tp_and_dp():
+    plan = ParallelPlan.parse("cp2_tp2_zero3")
+    assert str(plan) == "zero3_tp2_cp2" and ParallelPlan.parse(str(plan)) == plan
+    resolved = plan.resolve(8)
+    assert resolved.dp == 2
+    coords = [resolved.coordinates(rank) for rank in range(8)]
+    # tp innermost, then cp: a cp group's ranks are tp apart, a dp group's tp * cp apart.
+    assert [(c["dp"], c["cp"], c["tp"]) for c in coords[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert coords[4]["dp"] == 1
+    with pytest.raises(ValueError, match=r"dp\(3\) \* tp\(2\) \* pp\(1\) \* cp\(2\) = 12 != world_size 8"):
+        ParallelPlan.parse("dp3_tp2_cp2").resolve(8)
+    with pytest.raises(ValueError, match="cp must be a positive integer"):
+        ParallelPlan(cp=0)

@@ -156,16 +156,16 @@ def test_cli_plan(capsys):
     out = capsys.readouterr().out
     assert "canonical: zero3_tp2_pp2" in out
     assert "resolved at world size 8: zero3_dp2_tp2_pp2_mb2" in out
-    assert "pp=2 dp=2 tp=2" in out
-    assert "rank 1: {'pp': 0, 'dp': 0, 'tp': 1}" in out
-    assert "rank 7: {'pp': 1, 'dp': 1, 'tp': 1}" in out
+    assert "pp=2 dp=2 cp=1 tp=2" in out
+    assert "rank 1: {'pp': 0, 'dp': 0, 'cp': 0, 'tp': 1}" in out
+    assert "rank 7: {'pp': 1, 'dp': 1, 'cp': 0, 'tp': 1}" in out
 
 
 def test_cli_plan_pure_dp(capsys):
     assert cli_main(["plan", "dp", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "resolved at world size 2: dp2" in out
-    assert "pp=1 dp=2 tp=1" in out
+    assert "pp=1 dp=2 cp=1 tp=1" in out
 
 
 def test_cli_impossible_plan(capsys):
