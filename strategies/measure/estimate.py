@@ -295,16 +295,23 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     return out
 
 
+def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
+    """Refuse a plan the estimator cannot predict, saying why."""
+    if plan.pp > 1 and plan.schedule is PipelineSchedule.AUTO:
+        raise ValueError(f"plan '{plan}' has no pipeline schedule yet: choose one first (`planner.choose_schedule`)")
+    if shape.heads % plan.tp:
+        raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
+    if plan.cp > 1:  # a prediction without the ring's bytes and the sharding over dp x cp would be a wrong one
+        raise ValueError(f"plan '{plan}': the estimator has no model of context parallel yet (#23)")
+
+
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
              act_bytes: int | None = None, backend: str = "nccl", workspace: float = 0.0) -> Estimate:
     """Predict ``plan`` at ``world_size`` for ``shape`` under Lightning's ``precision``. ``act_bytes``: bytes per
     activation element (default: the precision's, 4 or 2). ``backend``: the collectives' (``gloo`` holds copies
     that ``nccl`` does not); ``workspace``: the matrix library's working memory in one matmul (`peak`)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
-    if plan.pp > 1 and plan.schedule is PipelineSchedule.AUTO:
-        raise ValueError(f"plan '{plan}' has no pipeline schedule yet: choose one first (`planner.choose_schedule`)")
-    if shape.heads % plan.tp:
-        raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
+    _check_plan(shape, plan)
     weight_bytes, grad_bytes = layout(precision)[:2]
     pieces = step_pieces(shape, plan, act_bytes or layout(precision)[3], weight_bytes, backend)
     ranges, per_stage = _stages(shape, plan)

@@ -91,6 +91,8 @@ def test_estimate_refuses_what_cannot_be():
         estimate(shape, "tp2", 2)
     with pytest.raises(ValueError, match="precision must be one of"):
         estimate(shape, "dp", 2, precision="fp8")
+    with pytest.raises(ValueError, match="no model of context parallel yet"):  # not a figure that leaves cp out
+        estimate(shape, "zero3_cp2", 4)
 
 
 def test_ranking_puts_plans_that_fit_first_and_explains_each():
