@@ -29,6 +29,7 @@ class RingRoute:
     def __init__(self, axis: Axis, attention: dict[str, nn.Module]) -> None:
         self.axis, self.attention = axis, attention
         self.calls = 0
+        self._calls_before = 0  # the count when the attention module now running began
         self._original = None
         self._hooks: list = []
 

@@ -28,6 +28,7 @@ from strategies.comm import Axis
 from strategies.context_parallel import layout
 from strategies.context_parallel.attention import MARK, RingRoute, find_attention
 from strategies.context_parallel.positions import PositionMap, check_family
+from strategies.pipeline.trace import tensors_of
 from strategies.technique import Technique
 
 IGNORE = -100  # Hugging Face's label for "no loss here"
@@ -69,7 +70,7 @@ class ContextParallel(Technique):
     def shard(self, batch: Any) -> Any:
         """This rank's part of ``batch``: each sequence tensor cut to its two chunks (see the module's docstring)."""
         n, r = self.axis.size, self.axis.index
-        ids = _first(batch, lambda t: not t.is_floating_point() and t.dim() >= 2)
+        ids = next((t for t in tensors_of(batch) if not t.is_floating_point() and t.dim() >= 2), None)
         if ids is None:
             raise ValueError("context parallel splits the batch's sequences, but the batch holds no integer tensor "
                              "of (batch, sequence, ...) token ids to read the sequence length from")
@@ -108,17 +109,6 @@ class ContextParallel(Technique):
         for hook in self._labelled:
             hook.remove()
         self._labelled.clear()
-
-
-def _first(batch: Any, want: Callable[[torch.Tensor], bool]) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch if want(batch) else None
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        found = _first(value, want)
-        if found is not None:
-            return found
-    return None
 
 
 def _map(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
