@@ -145,7 +145,7 @@ def ideal_timelines(ideal: dict[str, list[list[Any]]]) -> dict[str, list[dict[st
 _STEP_COLORS = {"forward": "#4C78A8", "backward": "#72B7B2", "optimizer": "#54A24B", "bubble": "#BAB0AC",
                 "other": "#D3D3D3"}
 _AXIS_COLORS = {"dp": ("#F58518", "#FFBF79", "#E45756", "#FF9D98"), "tp": ("#B279A2", "#D6A5C9", "#9D755D"),
-                "pp": ("#EECA3B", "#F2CF5B")}
+                "pp": ("#EECA3B", "#F2CF5B"), "cp": ("#17BECF", "#9EDAE5"), "dp_cp": ("#F58518", "#FFBF79", "#E45756")}
 
 
 def step_figure(rows: list[dict[str, Any]]) -> go.Figure:

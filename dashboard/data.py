@@ -97,6 +97,7 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({
             "run": run["id"], "strategy": meta.get("label"), "plan": meta.get("plan"), "status": run["status"],
             "world size": meta.get("world_size"), "dp": degrees.get("dp"), "tp": degrees.get("tp"),
+            "cp": degrees.get("cp", 1 if degrees else None),  # runs from before cp existed had none
             "pp": degrees.get("pp"), "device": ", ".join(meta.get("devices") or []),
             "peak MiB/rank (measured)": max(peaks) / 2**20 if peaks else None,
             "peak MiB/rank (predicted)": max(pred_peaks) / 2**20 if pred_peaks else None,
@@ -199,7 +200,8 @@ def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # copies belong to the optimizer step; Lightning's loop is part of "other"; the pipeline's messages on the critical
 # path are part of the bubble, as a stage's wait for its neighbour is in the measurement (`measure.split`).
 _PREDICTED_AS = {"recompute": "backward", "optimizer": "optimizer", "offload": "optimizer", "loop": "other",
-                 "bubble": "bubble", "dp comm": "comm dp", "tp comm": "comm tp", "pp comm": "bubble"}
+                 "bubble": "bubble", "dp comm": "comm dp", "tp comm": "comm tp", "cp comm": "comm cp",
+                 "pp comm": "bubble"}
 
 
 def step_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -70,7 +70,8 @@ class ParallelMesh:
         if self.plan.dp == 1:
             return self.axes["cp"]
         assert self.device_mesh is not None  # dp and cp both > 1: the grid was built
-        return Axis.of_group("dp_cp", self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group(), self.stats)
+        name = self.plan.data_axis
+        return Axis.of_group(name, self.device_mesh["dp", "cp"]._flatten(name).get_group(), self.stats)
 
     @property
     def cp(self) -> Axis:

@@ -253,6 +253,16 @@ class ParallelPlan:
         return f"tp({self.tp}) * pp({self.pp})" + (f" * cp({self.cp})" if self.cp > 1 else "")
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks whose gradients are averaged (and ZeRO shards over): dp x cp, which hold different tokens."""
+        return (self.dp or 1) * self.cp
+
+    @property
+    def data_axis(self) -> str:
+        """The name the data group's collectives are counted under: dp, or cp with one dp rank, else dp_cp."""
+        return "dp" if self.cp == 1 else "cp" if self.dp == 1 else "dp_cp"
+
+    @property
     def chunks(self) -> int:
         """Stages each pipeline rank holds: v for interleaved, two for the V-shaped schedules, else one."""
         return 2 if self.schedule.v_shaped else self.virtual

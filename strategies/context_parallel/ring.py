@@ -59,7 +59,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, axis: Axis, scale: float):
         n, r = axis.size, axis.index
         kv = torch.stack([k, v]).contiguous()
-        out = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
+        out = _output_buffer(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
         for s in range(n):
             moving = _rotate(kv, axis, f"kv{s}") if s < n - 1 else None
@@ -69,15 +69,16 @@ class _RingAttention(torch.autograd.Function):
             if moving is not None:
                 kv = _arrived(moving)
         ctx.axis, ctx.scale = axis, scale
+        out = out.to(q.dtype)  # keeps the layout; saved as returned: SDPA too keeps its output in q's dtype
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         axis, scale, n, r = ctx.axis, ctx.scale, ctx.axis.size, ctx.axis.index
         dout = dout.to(_acc(q.dtype))
-        delta = (dout * out).sum(-1)  # rowsum(dO O): softmax's backward, one number per query
+        delta = (dout * out.to(dout.dtype)).sum(-1)  # rowsum(dO O): softmax's backward, one number per query
         dq = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=_acc(q.dtype), device=q.device)  # block (r - s)'s dK, dV so far
@@ -101,6 +102,14 @@ class _RingAttention(torch.autograd.Function):
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """What a block is computed and accumulated in: float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _output_buffer(q: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``q`` (batch, heads, tokens, head dim) in `_acc`'s dtype, laid out in memory as (batch,
+    tokens, heads, head dim) as SDPA's output is: the model's usual ``y.transpose(1, 2).reshape(b, t, width)`` is
+    then a view, not a copy that the next layer keeps for backward beside the one attention keeps."""
+    b, h, t, d = q.shape
+    return torch.zeros(b, t, h, d, dtype=_acc(q.dtype), device=q.device).transpose(1, 2)
 
 
 def _pairs(rank: int, owner: int, size: int) -> list[tuple[int, int, bool]]:

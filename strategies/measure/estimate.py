@@ -168,7 +168,7 @@ def _stages(shape: ModelShape, plan: ParallelPlan) -> tuple[list[range], list[in
 def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state for ``psi`` local parameters under ``plan``'s data mode."""
     w, g, o, _ = layout(precision)
-    n = plan.dp if plan.data.is_zero else 1
+    n = plan.data_ranks if plan.data.is_zero else 1
     stage = plan.data.stage if plan.data.is_zero else 0
     shard = math.ceil(psi / n)  # ZeRO pads each flat to a multiple of N: at most N-1 elements more
     out = {"params": w * (shard if stage >= 3 else psi), "grads": g * (shard if stage >= 2 else psi),
@@ -184,7 +184,7 @@ def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[
 def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_bytes: float,
                 backend: str = "nccl") -> Pieces:
     """The bytes of one microbatch's step on a rank (`peak.Pieces`; the counts are in the module docstring there)."""
-    s, h, t = shape.seq, shape.hidden, plan.tp
+    s, h, t = shape.seq / plan.cp, shape.hidden, plan.tp  # cp: this rank's part of each sequence
     b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
     u = b * s * h * act_bytes
     boundary = u / t if plan.sp else u
@@ -213,7 +213,7 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     that are not its last (``held``: naive, ZeRO-2/3; `dp` and ZeRO-1 accumulate in their buffers), and what the last
     one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
     plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
-    grads, n = psi * grad_bytes, plan.dp
+    grads, n = psi * grad_bytes, plan.data_ranks
     reduce = 0.0
     if n > 1 and plan.data.is_zero:
         flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
@@ -230,7 +230,8 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int) -> Rules:
     """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
     model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all)."""
-    naive = plan.data is DataMode.NAIVE and plan.dp > 1
+    n = plan.data_ranks
+    naive = plan.data is DataMode.NAIVE and n > 1
     # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
     # (first) training_step, before backward; under pp the schedule runs inside training_step, which first drops
     # the module's .grad (naive's flat) but not the shards (the optimizer's own parameters).
@@ -239,9 +240,9 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
     # beside the .grad not yet moved into it: ZeRO-2's flats follow DDP's buckets over all of the rank's chunks (the
     # first one at most FIRST_BUCKET_BYTES), ZeRO-3's are one per block.
     flats = 0.0
-    if plan.dp > 1 and plan.data.stage == 2:
+    if n > 1 and plan.data.stage == 2:
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
-    elif plan.dp > 1 and plan.data.stage == 3:
+    elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
     early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
@@ -249,11 +250,12 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
 
 
 def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
-    """Bytes rank 0 sends per optimizer step on the dp axis for ``psi`` local fp32 parameters. ``kept``:
-    parameters of ZeRO-3's last unit in forward order, which stays gathered into backward. Under pp,
-    ZeRO-3 gathers each unit again for every microbatch's forward and backward (why DeepSpeed does not
-    allow the two together): counted as 2·m gathers, less the kept unit's m (within a few % measured)."""
-    n = plan.dp
+    """Bytes rank 0 sends per optimizer step over the data group (dp, or dp x cp: `ParallelPlan.data_axis`) for
+    ``psi`` local fp32 parameters. ``kept``: parameters of ZeRO-3's last unit in forward order, which stays gathered
+    into backward. Under pp, ZeRO-3 gathers each unit again for every microbatch's forward and backward (why
+    DeepSpeed does not allow the two together): counted as 2·m gathers, less the kept unit's m (within a few %
+    measured)."""
+    n, axis = plan.data_ranks, plan.data_axis
     if n == 1:
         return {}
 
@@ -261,20 +263,25 @@ def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str
         return math.ceil(count / n) * n * 4
 
     if plan.data is DataMode.DP:
-        return {"all_reduce/dp": 2 * (n - 1) / n * psi * 4}
+        return {f"all_reduce/{axis}": 2 * (n - 1) / n * psi * 4}
     if plan.data is DataMode.NAIVE:
-        return {"send/dp": (n - 1) * psi * 4}  # rank 0 is the parameter server
+        return {f"send/{axis}": (n - 1) * psi * 4}  # rank 0 is the parameter server
     m = plan.microbatches if plan.pp > 1 else 1
     gathered = 2 * m * padded(psi) - m * padded(kept) if plan.data.stage == 3 else padded(psi)
-    return {"reduce_scatter/dp": (n - 1) / n * padded(psi), "all_gather/dp": (n - 1) / n * gathered}
+    return {f"reduce_scatter/{axis}": (n - 1) / n * padded(psi), f"all_gather/{axis}": (n - 1) / n * gathered}
 
 
-def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0) -> dict[str, float]:
-    """Bytes rank 0 sends per optimizer step, by ``kind/axis`` (fp32 gradients and activations)."""
+def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0,
+                  act_bytes: int = 4) -> dict[str, float]:
+    """Bytes rank 0 sends per optimizer step, by ``kind/axis`` (fp32 gradients and activations; the ring's K/V in
+    ``act_bytes``)."""
     out = data_parallel_bytes(psi, plan, kept)
     t = plan.tp
+    activation = shape.batch * shape.seq / plan.cp * shape.hidden * 4  # the step's b·s·h on a rank, all microbatches
+    if plan.cp > 1:
+        for key, nbytes in context_parallel_bytes(shape, plan, blocks, act_bytes).items():
+            out[key] = out.get(key, 0.0) + nbytes
     if t > 1:
-        activation = shape.batch * shape.seq * shape.hidden * 4  # the step's b·s·h, over all microbatches
         if plan.sp:  # + entering the region (backward) and leaving it (forward): stage 0 only enters under pp
             # Recompute runs a block's forward again up to its last saved tensor: both gathers, the first scatter.
             gathers, scatters = (6, 5) if plan.ac else (4, 4)
@@ -284,15 +291,27 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
             out["all_reduce/tp"] = 2 * (t - 1) / t * activation * (5 if plan.ac else 4) * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
             # max and (sum of exp, target logit): one value per token each
-            tokens = shape.batch * shape.seq * 4
+            tokens = shape.batch * shape.seq / plan.cp * 4
             vocab = activation + (activation + 3 * tokens if plan.pp == 1 else 0)
             out["all_reduce/tp"] = out.get("all_reduce/tp", 0.0) + 2 * (t - 1) / t * vocab
     if plan.pp > 1:  # rank 0 sends activations on from each of its v chunks, gradients back from v-1 of them
         where = _placement(plan)  # rank 0 sends on each chunk's output and its input's gradient, to other ranks
         last = len(where) - 1
         sends = sum((s < last and where[s + 1] != 0) + (s > 0 and where[s - 1] != 0) for s in where if where[s] == 0)
-        out["send/pp"] = sends * shape.batch * shape.seq * shape.hidden * 4 / (t if plan.sp else 1)
+        out["send/pp"] = sends * activation / (t if plan.sp else 1)
     return out
+
+
+def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float, act_bytes: int) -> dict[str, float]:
+    """Bytes a cp rank sends per optimizer step: each of its ``blocks`` attentions passes its K and V round the ring
+    for every sample, forward and (again under recompute) backward, where the dK/dV accumulators (fp32) go round too
+    (`context_parallel.ring.ring_bytes`); and each training_step's loss, averaged over cp (one all-reduce)."""
+    n = plan.cp
+    local = shape.seq / n * shape.hidden / plan.tp  # one sample's q (or k, or v) elements on this rank
+    forward = (n - 1) * 2 * local * act_bytes
+    backward = forward + n * 2 * local * 4
+    ring = blocks * shape.batch * ((2 if plan.ac else 1) * forward + backward)
+    return {"send/cp": ring, "all_reduce/cp": shape.accumulate * 2 * (n - 1) / n * 4}
 
 
 def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
@@ -301,8 +320,9 @@ def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
         raise ValueError(f"plan '{plan}' has no pipeline schedule yet: choose one first (`planner.choose_schedule`)")
     if shape.heads % plan.tp:
         raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
-    if plan.cp > 1:  # a prediction without the ring's bytes and the sharding over dp x cp would be a wrong one
-        raise ValueError(f"plan '{plan}': the estimator has no model of context parallel yet (#23)")
+    if shape.seq % (2 * plan.cp):
+        raise ValueError(f"cp = {plan.cp} cuts each sequence into {2 * plan.cp} chunks, which {shape.seq} tokens do "
+                         "not divide into")
 
 
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
@@ -338,7 +358,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
-    comm = communication(shape, plan, per_rank[0], first_blocks, kept)
+    comm = communication(shape, plan, per_rank[0], first_blocks, kept, act_bytes or layout(precision)[3])
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
     return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where, states=between)

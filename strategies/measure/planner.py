@@ -94,16 +94,23 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
     if hw.costs is not None:
         parts = costed_compute(shape, est, plan, hw)
     else:
-        tokens = shape.batch * plan.dp * shape.seq
+        tokens = shape.batch * plan.dp * shape.seq  # the global batch's: cp ranks share their samples' tokens
         per_token = 6 * shape.total() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
         compute = per_token * tokens / hw.gpus / hw.flops
         parts = {"compute": compute, "recompute": compute / 3 if plan.ac else 0.0}  # ac: one more forward
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
+    data = plan.data_axis
+    for axis in dict.fromkeys((data, "cp", "tp", "pp")):  # the ring's sends (send/cp) are exposed: not overlapped
+        ranks = {data: plan.data_ranks, "tp": plan.tp}.get(axis, 2)
+        for key, nbytes in est.comm.items():
+            if key.endswith("/" + axis):
+                kind = key.partition("/")[0]
+                name = "dp comm" if kind != "send" and axis == data else f"{axis} comm"
+                seconds = hw.seconds(key, nbytes, calls.get(key, 1), 2 if kind == "send" and axis == "cp" else ranks)
+                parts[name] = parts.get(name, 0.0) + seconds * (1 - hidden if name == "dp comm" else 1)
     for axis in ("dp", "tp", "pp"):
-        ranks = 2 if axis == "pp" else getattr(plan, axis)
-        seconds = sum(hw.seconds(k, v, calls.get(k, 1), ranks) for k, v in est.comm.items() if k.endswith("/" + axis))
-        parts[f"{axis} comm"] = seconds * (1 - hidden if axis == "dp" else 1)
+        parts.setdefault(f"{axis} comm", 0.0)
     # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
     # compute (a stage waits for its neighbour's whole microbatch, collectives included).
     busy = parts["compute"] + parts["recompute"] + parts["tp comm"]
@@ -120,7 +127,7 @@ def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Har
     own work per step, with the broadcast its loop makes every step on several ranks."""
     c = hw.costs
     micro = (plan.microbatches or 1) * shape.accumulate
-    tokens = shape.batch / micro * shape.seq
+    tokens = shape.batch / micro * shape.seq / plan.cp
     blocks = shape.layers / plan.pp
     block = blocks * c.block_seconds(plan.tp, tokens)
     ends = [c.embedding[0] + c.embedding[1] * tokens, c.head[0] + c.head[1] * tokens]
@@ -132,8 +139,8 @@ def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Har
         tensors = math.ceil(psi * 4 / BUCKET) + 1
     else:
         tensors = 12 * blocks + 4
-    elements = psi / plan.dp if plan.data.is_zero else psi
-    world = plan.dp * plan.tp * plan.pp
+    elements = psi / plan.data_ranks if plan.data.is_zero else psi
+    world = plan.dp * plan.tp * plan.cp * plan.pp
     broadcast = hw.seconds("all_reduce/world", 4, 1, world) if world > 1 and hw.calibration is not None else 0.0
     # Recompute: what checkpointing measured per block (its forward again, and the checkpoint's own work), the block's
     # forward share where it was not measured.
@@ -146,7 +153,8 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
     """About how many collectives of each ``kind/axis`` rank 0 issues a step (each costs a latency): buckets
     for dp and ZeRO-1/2, units per microbatch forward and backward for ZeRO-3's gathers, four per block per
     microbatch for tp (two in forward, two in backward; with sp four gathers and four scatters; recompute repeats
-    the forward's up to its last saved tensor), and for pp the sends on the critical path (`send/pp` below)."""
+    the forward's up to its last saved tensor), for pp the sends on the critical path (`send/pp` below), and cp's
+    ring hops."""
     m = (plan.microbatches or 1) * shape.accumulate
     blocks = shape.layers / plan.pp  # rank 0's, over its virtual chunks
     buckets = math.ceil(est.params_per_stage[0] * 4 / BUCKET) if est.params_per_stage else 1
@@ -154,8 +162,10 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
     # gathered for every microbatch's forward and again for its backward (but the last one, kept), and
     # reduce-scattered once, from its own flat.
     units = blocks + (4 if plan.pp == 1 else 2)
-    calls = {"all_reduce/dp": buckets, "reduce_scatter/dp": units if plan.data.stage == 3 else buckets,
-             "send/dp": plan.dp - 1, "all_gather/dp": m * (2 * units - 1) if plan.data.stage == 3 else buckets,
+    data = plan.data_axis  # dp, or dp x cp
+    calls = {f"all_reduce/{data}": buckets, f"reduce_scatter/{data}": units if plan.data.stage == 3 else buckets,
+             f"send/{data}": plan.data_ranks - 1,
+             f"all_gather/{data}": m * (2 * units - 1) if plan.data.stage == 3 else buckets,
              # sp: each block's two gathers and two scatters forward, and their conjugates backward; entering and
              # leaving the sequence split one gather each (forward at the end, backward at the start)
              "all_reduce/tp": (5 if plan.ac else 4) * blocks * m,
@@ -164,6 +174,10 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              # A pipeline's sends overlap the other stages' work: one hop per microbatch and chunk is on the
              # critical path, and the fill and the drain's hops, 2(pp-1)
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
+    if plan.cp > 1:  # the ring: n - 1 hops forward (again under recompute), n backward, per block and microbatch;
+        #              the loss's mean once per training_step
+        calls["send/cp"] = blocks * m * ((2 if plan.ac else 1) * (plan.cp - 1) + plan.cp)
+        calls["all_reduce/cp"] = calls.get("all_reduce/cp", 0) + shape.accumulate
     return {k: v for k, v in calls.items() if k in est.comm}
 
 

@@ -87,7 +87,7 @@ def run_meta(*, run_id: str, label: str, comparison: str | None, world_size: int
     degrees_of = degrees_of or plan
     return {
         "run_id": run_id, "comparison": comparison, "label": label, "plan": str(plan) if plan is not None else None,
-        "degrees": {k: getattr(degrees_of, k) for k in ("dp", "tp", "pp", "microbatches", "virtual")}
+        "degrees": {k: getattr(degrees_of, k) for k in ("dp", "tp", "cp", "pp", "microbatches", "virtual")}
         if degrees_of is not None else None,
         "world_size": world_size, "devices": devices,
         "versions": {"torch": package_version("torch"), "lightning": package_version("lightning"),

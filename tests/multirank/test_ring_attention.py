@@ -33,7 +33,10 @@ def _ring(rank: int, world: int) -> dict:
     errors = [(out - layout.shard(ref, 2, rank, world)).abs().max().item()]
     errors += [(t.grad - layout.shard(r.grad, 2, rank, world)).abs().max().item() for t, r in zip(mine, (q, k, v))]
     sent = (sent_forward, axis.stats.total(Op.SEND, "cp").bytes_sent - sent_forward)
-    return {"errors": errors, "sent": sent, "formula": ring_bytes(tuple(mine[0].shape), torch.float64, world)}
+    # Laid out as SDPA's output is, so that the usual merge of the heads is a view (no second copy kept for backward)
+    merged = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+    return {"errors": errors, "sent": sent, "formula": ring_bytes(tuple(mine[0].shape), torch.float64, world),
+            "merged_is_view": merged.data_ptr() == out.data_ptr() and merged._base is not None}
 
 
 def _model(kind: str):
@@ -76,6 +79,7 @@ def test_ring_attention_and_models_equal_one_process_at_cp2_and_cp4():
         for rank, got in enumerate(run_ranks(_all, world, kinds, timeout_s=240)):
             assert max(got["ring"]["errors"]) < 1e-12, (world, rank, got["ring"])
             assert got["ring"]["sent"] == got["ring"]["formula"], (world, rank, got["ring"])
+            assert got["ring"]["merged_is_view"], "attention's output merges its heads by a copy"
             for kind in kinds:
                 assert got[kind]["loss"] < 1e-6 and got[kind]["grad"] < 1e-5, (world, rank, kind, got[kind])
         assert got["llama"]["sources"] == ["model.model.rotary_emb"] and got["gpt"]["sources"] == ["pos_emb"]

@@ -91,8 +91,32 @@ def test_estimate_refuses_what_cannot_be():
         estimate(shape, "tp2", 2)
     with pytest.raises(ValueError, match="precision must be one of"):
         estimate(shape, "dp", 2, precision="fp8")
-    with pytest.raises(ValueError, match="no model of context parallel yet"):  # not a figure that leaves cp out
-        estimate(shape, "zero3_cp2", 4)
+    with pytest.raises(ValueError, match="cp = 4 cuts each sequence into 8 chunks, which 12 tokens"):
+        estimate(dataclasses.replace(shape, seq=12), "cp4", 4)
+
+
+def test_context_parallel_divides_activations_shards_over_dp_x_cp_and_sends_the_ring():
+    import torch
+
+    from strategies.context_parallel.ring import ring_bytes
+
+    shape = ModelShape(layers=2, hidden=64, heads=4, seq=64, vocab=158, batch=16)
+    quarter = estimate(dataclasses.replace(shape, seq=16), "dp", 1)
+    cp4, zero3 = estimate(shape, "cp4", 4), estimate(shape, "zero3_cp2", 4)
+    # Each rank runs a quarter of every sequence; the weights are whole; ZeRO-3 shards over dp x cp = 4 ranks.
+    assert cp4.memory[0]["activations"] == quarter.memory[0]["activations"]
+    assert cp4.states == estimate(shape, "dp", 1).states
+    assert zero3.states == estimate(shape, "zero3", 4).states
+    assert set(zero3.comm) == {"reduce_scatter/dp_cp", "all_gather/dp_cp", "send/cp", "all_reduce/cp"}
+    assert set(cp4.comm) == {"all_reduce/cp", "send/cp"}  # the gradients' all-reduce is over cp itself here
+    # The ring's bytes are what `ring.ring_bytes` counts per attention call: each sample's K/V per block, forward
+    # and backward (recompute runs the forward again); the fp32 default and bf16's K/V of 2 bytes.
+    for plan, dtype, precision, calls in (("cp4", torch.float32, "32-true", 1), ("cp4_ac", torch.float32, "32-true", 2),
+                                          ("tp2_cp2", torch.bfloat16, "bf16-mixed", 1)):
+        local = (1, shape.heads // (2 if "tp2" in plan else 1), 64 // (4 if "cp4" in plan else 2), 16)
+        forward, backward = ring_bytes(local, dtype, 4 if "cp4" in plan else 2)
+        sent = estimate(shape, plan, 4, precision).comm["send/cp"]
+        assert sent == shape.layers * shape.batch * (calls * forward + backward), plan
 
 
 def test_ranking_puts_plans_that_fit_first_and_explains_each():
