@@ -11,7 +11,8 @@ each chunk's last token with the wrong next one, and averages over the tokens it
 sequence's last token has no label). So when such a model is called with ``labels=`` one of the batch's tensors as
 split here, it is given ``shift_labels=`` (that tensor shifted over the whole sequence first, then split) and
 ``num_items_in_batch=`` (the batch's counted tokens / N): each rank's loss is then its sum over the whole batch's
-count, times N, and their mean over cp is exactly the batch's mean.
+count, times N, and their mean over cp is exactly the batch's mean. Under pipeline parallel the model gets a
+microbatch's rows of the split tensor (a view of it): its rows of the shift, and their count.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class ContextParallel(Technique):
         self.positions = PositionMap(model)
         self._labelled = [m.register_forward_pre_hook(self._labels, with_kwargs=True) for m in model.modules()
                           if type(m).__name__.endswith(("ForCausalLM", "LMHeadModel"))]
-        self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(split tensor) -> (shift_labels, items)
+        # id(split tensor) -> its whole-sequence shift: this rank's part (shift_labels=), and whole (the items)
+        self._shifted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.route.install()
 
     def local_batch(self, batch: Any) -> Any:
@@ -87,21 +89,36 @@ class ContextParallel(Technique):
         local = layout.shard(t, 1, r, n)
         if not t.is_floating_point() and t.dim() == 2:  # could be labels: its whole-sequence shift, split alike
             shifted = F.pad(t[:, 1:], (0, 1), value=IGNORE)
-            self._shifted[id(local)] = (layout.shard(shifted, 1, r, n), (shifted != IGNORE).sum() / n)
+            self._shifted[id(local)] = (layout.shard(shifted, 1, r, n), shifted)
         return local
 
     def _labels(self, module: nn.Module, args: tuple, kwargs: dict):
         labels = kwargs.get("labels")
         if labels is None or kwargs.get("shift_labels") is not None:
             return None
-        known = self._shifted.get(id(labels))
+        known = self._shift_of(labels)
         if known is None:
             raise ValueError(
                 f"context parallel: {type(module).__name__} was given labels= that are not one of the batch's "
                 "tensors as cp split it, so they cannot be shifted over the whole sequence (a Hugging Face model "
                 "shifts them inside, chunk by chunk). Pass the batch's tensor itself, or shift_labels=")
-        shift, items = known
-        return args, {**kwargs, "shift_labels": shift, "num_items_in_batch": items}
+        return args, {**kwargs, "shift_labels": known[0], "num_items_in_batch": known[1]}
+
+    def _shift_of(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``labels``' shift_labels and the count of its samples' labelled tokens / N, for one of the split tensors
+        or a run of its rows (a pipeline's microbatch: a slice, which views it); None for any other tensor."""
+        whole = self._shifted.get(id(labels))
+        rows = slice(None)
+        if whole is None and labels._base is not None and labels._base.is_contiguous():
+            whole = self._shifted.get(id(labels._base))
+            start = labels.storage_offset() // max(labels._base.stride(0), 1)
+            rows = slice(start, start + labels.shape[0])
+            if whole is None or labels.shape[1:] != labels._base.shape[1:] or not labels.is_contiguous():
+                return None
+        if whole is None:
+            return None
+        local, shifted = whole[0][rows], whole[1][rows]
+        return local, (shifted != IGNORE).sum() / self.axis.size
 
     def teardown(self, healthy: bool) -> None:
         self.route.remove()

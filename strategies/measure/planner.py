@@ -67,8 +67,9 @@ class Ranked:
         """One line: what dominates the memory and the communication, and why the plan ranks where it does."""
         peak = max(self.estimate.memory, key=lambda m: sum(v for k, v in m.items() if k != "host"))
         memory_top = max((k for k in MEMORY_CATEGORIES if k != "host"), key=lambda k: peak[k])
-        comm = {axis: sum(v for k, v in self.estimate.comm.items() if k.endswith("/" + axis))
-                for axis in ("dp", "tp", "pp")}
+        comm = dict.fromkeys(("dp", "tp", "cp", "pp"), 0.0)
+        for key, nbytes in self.estimate.comm.items():
+            comm[_axis_of(key)] += nbytes
         axis = max(comm, key=comm.get)
         comm_text = f"comm mostly {axis} ({comm[axis] / GiB:.1f} GiB/step/GPU)" if comm[axis] else "no communication"
         extra = {k: self.parts.get(k, 0) - best.parts.get(k, 0) for k in set(self.parts) | set(best.parts)} \
@@ -86,6 +87,13 @@ class Ranked:
             why = "does not fit: " + why
         return (f"{self.label:<30} {self.estimate.peak() / GiB:6.1f} GiB/GPU (top: {memory_top} "
                 f"{peak[memory_top] / GiB:.1f} GiB), {comm_text}; {self.seconds:.2f}s/step: {why}")
+
+
+def _axis_of(key: str) -> str:
+    """What a ``kind/axis`` key's bytes are for: the data group's reduction ("dp", over dp x cp too), cp's ring, tp,
+    pp."""
+    kind, _, axis = key.partition("/")
+    return "cp" if kind == "send" and axis == "cp" else "dp" if axis in ("dp", "dp_cp", "cp") else axis
 
 
 def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
@@ -182,17 +190,22 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
 
 
 def candidates(shape: ModelShape, gpus: int) -> list[str]:
-    """Every plan worth trying on ``gpus``: data modes x tp (<= 8, dividing the heads) x pp x ac x offload."""
+    """Every plan worth trying on ``gpus``: data modes x tp (<= 8, dividing the heads) x cp (<= 8, its 2 x cp chunks
+    dividing the sequence) x pp x ac x offload."""
     out = []
     for tp in (t for t in (1, 2, 4, 8) if gpus % t == 0 and shape.heads % t == 0):
-        for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= shape.layers):
-            for data in ("dp", "zero1", "zero2", "zero3"):
-                for ac in ("", "_ac"):
-                    for offload in ("", "_offload") if data != "dp" else ("",):
-                        parts = [data] + ([f"tp{tp}", "sp"] if tp > 1 else []) + (
-                            [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
-                        out.append("_".join(parts) + ac + offload)
+        for cp in (c for c in (1, 2, 4, 8) if (gpus // tp) % c == 0 and shape.seq % (2 * c) == 0):
+            rest = gpus // tp // cp
+            for pp in (p for p in range(1, rest + 1) if rest % p == 0 and p <= shape.layers):
+                model = ([f"tp{tp}", "sp"] if tp > 1 else []) + ([f"cp{cp}"] if cp > 1 else []) + (
+                    [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
+                out += [_candidate(data, model, ac, offload) for data in ("dp", "zero1", "zero2", "zero3")
+                        for ac in ("", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
     return out
+
+
+def _candidate(data: str, model: list[str], ac: str, offload: str) -> str:
+    return "_".join([data, *model]) + ac + offload
 
 
 def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: str = DEFAULT_PRECISION) -> list[Ranked]:

@@ -19,6 +19,10 @@ CASES = [("llama", "dp_tp2_pp2_mb2", "adamw", None), ("llama_tied", "zero3_tp2_p
          ("llama_gqa", "dp_tp2_pp2_mb2", "sgd", None), ("qwen2", "zero3_tp2_pp2_mb2", "adamw", None),
          ("mistral", "dp_tp2_pp2_mb2", "sgd", None), ("gpt2", "zero3_tp2_pp2_vp_mb2", "sgd", 0.5),
          ("nanogpt", "zero3_tp2_pp2_mb2", "adamw", None), ("head_first", "dp_tp2_pp2_mb2", "sgd", None)]
+# Context parallel (#23) with rotary positions (Llama) and learned ones (GPT-2, labels shifted inside the model): each
+# sequence of 16 in 4 or 2 parts, with dp, ZeRO-3 over dp x cp, tp and pp; SGD and AdamW.
+CASES += [("llama", "dp_cp4", "adamw", None), ("llama_gqa", "zero3_tp2_cp2", "sgd", None),
+          ("llama", "cp2_pp2_mb2", "sgd", None), ("gpt2", "zero3_cp4", "adamw", None)]
 # The whole cross (`pytest -m matrix`): every model x both plans x both optimizers.
 FULL = [(name, plan, optimizer, None) for name in ("llama", "llama_tied", "llama_gqa", "qwen2", "mistral", "gpt2",
                                                    "nanogpt", "head_first")

@@ -1,7 +1,10 @@
 """The models people bring through the Trainer at 8 ranks, each equal to one process: every model of the issue once
 under `dp_tp2_pp2` or `zero3_tp2_pp2` (GPT-2 with `vp`, its head tied to the embedding, so the first and last stage
 share it, with clipping), with plain SGD or AdamW (`_zoo_job.CASES`); every model under both plans with both
-optimizers with ``-m matrix`` (`_zoo_job.FULL`). The one-process reference runs here, on the batches
+optimizers with ``-m matrix`` (`_zoo_job.FULL`). Context parallel with rotary and learned positions: Llama under
+`dp_cp4` (AdamW), `cp2_pp2_mb2` (its labels shifted per microbatch: counting the whole batch's items instead gives
+a wrong gradient scale, caught here), Llama GQA under `zero3_tp2_cp2`, GPT-2 under `zero3_cp4` (AdamW).
+The one-process reference runs here, on the batches
 Lightning's DistributedSampler gives (shuffled with seed 0: the dp ranks' k-th batches together are the k-th
 slice of that permutation)."""
 

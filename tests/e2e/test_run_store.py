@@ -17,7 +17,7 @@ def test_a_two_rank_run_writes_meta_records_and_summary_and_wandb_offline(tmp_pa
     meta = run["meta"]
     assert run["status"] == "complete" and meta["schema"] == runstore.SCHEMA
     assert meta["label"] == "zero2" and meta["plan"] == "zero2_dp2" and meta["world_size"] == 2
-    assert meta["degrees"] == {"dp": 2, "tp": 1, "pp": 1, "microbatches": None, "virtual": 1}
+    assert meta["degrees"] == {"dp": 2, "tp": 1, "cp": 1, "pp": 1, "microbatches": None, "virtual": 1}
     assert meta["model"]["n_embd"] == 32 and meta["num_params"] == result["num_params"]
     assert set(meta["versions"]) == {"torch", "lightning", "stratpack", "python"}
     assert set(run["records"]) == {0, 1}
