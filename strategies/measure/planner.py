@@ -108,17 +108,12 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         parts = {"compute": compute, "recompute": compute / 3 if plan.ac else 0.0}  # ac: one more forward
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
-    data = plan.data_axis
-    for axis in dict.fromkeys((data, "cp", "tp", "pp")):  # the ring's sends (send/cp) are exposed: not overlapped
-        ranks = {data: plan.data_ranks, "tp": plan.tp}.get(axis, 2)
-        for key, nbytes in est.comm.items():
-            if key.endswith("/" + axis):
-                kind = key.partition("/")[0]
-                name = "dp comm" if kind != "send" and axis == data else f"{axis} comm"
-                seconds = hw.seconds(key, nbytes, calls.get(key, 1), 2 if kind == "send" and axis == "cp" else ranks)
-                parts[name] = parts.get(name, 0.0) + seconds * (1 - hidden if name == "dp comm" else 1)
     for axis in ("dp", "tp", "pp"):
-        parts.setdefault(f"{axis} comm", 0.0)
+        parts[f"{axis} comm"] = 0.0
+    for key, nbytes in est.comm.items():  # the data group's reduction partly hidden behind backward; the ring's not
+        axis = _axis_of(key)
+        seconds = hw.seconds(key, nbytes, calls.get(key, 1), {"dp": plan.data_ranks, "tp": plan.tp}.get(axis, 2))
+        parts[f"{axis} comm"] = parts.get(f"{axis} comm", 0.0) + seconds * (1 - hidden if axis == "dp" else 1)
     # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
     # compute (a stage waits for its neighbour's whole microbatch, collectives included).
     busy = parts["compute"] + parts["recompute"] + parts["tp comm"]

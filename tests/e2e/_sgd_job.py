@@ -14,6 +14,7 @@ from unittest import mock
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers the plan strings)
@@ -28,8 +29,10 @@ ZERO_BUBBLE = ("pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4")  # B and W sp
 # with dp at 4 under ZeRO-2 (the mode whose reduce-scatter follows the backward); two 3D plans at 8. The whole
 # cross (every data mode with each of them, at 4 and 8) under `-m matrix`.
 # Context parallel (#23): each sequence of 8 split over 2 or 4 ranks, alone and with dp, ZeRO-3, tp and pp.
-CONTEXT = {2: [("cp2", 1), ("cp2", 3)],
+# The same plans on Hugging Face Llama (rotary positions, labels shifted inside the model: `+llama`).
+CONTEXT = {2: [("cp2", 1), ("cp2", 3), ("cp2+llama", 1)],
            4: [("cp4", 1), ("dp_cp2", 3), ("zero3_cp2", 1), ("tp2_cp2", 1), ("cp2_pp2_mb4", 1)]}
+CONTEXT[4] += [(f"{plan}+llama", accumulate) for plan, accumulate in CONTEXT[4]]
 CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2],
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
          + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")] + CONTEXT[4],
@@ -51,36 +54,44 @@ def data() -> TensorDataset:
     return TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
-def model() -> GPT:
+def model(kind: str = "gpt") -> nn.Module:
+    """The demo GPT, or (``llama``) a tiny Hugging Face Llama whose ``loss(ids)`` shifts the labels inside."""
     torch.manual_seed(0)
+    if kind == "llama":
+        from tests.models import zoo
+
+        return zoo.build("llama")
     return GPT(CONFIG)
 
 
+def loss_of(net: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return net.loss(x) if kind == "llama" else F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+
+
 class Module(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "gpt") -> None:
         super().__init__()
-        self.model = model()
+        self.model, self.kind = model(kind), kind
 
     def training_step(self, batch, index):
-        x, y = batch
-        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        return loss_of(self.model, self.kind, *batch)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def reference(bf16: bool = False, chunks: int = 1) -> dict[str, torch.Tensor]:
+def reference(bf16: bool = False, chunks: int = 1, kind: str = "gpt") -> dict[str, torch.Tensor]:
     """One process, one batch of GLOBAL samples per step: Lightning's DistributedSampler (shuffled, seed 0) gives
     the k-th micro-step of every dp rank together the k-th slice of the same permutation. ``bf16``: the forward
     under CPU autocast to bfloat16, as Lightning's bf16-mixed runs training_step; ``chunks``: the step's batch in
-    that many accumulated parts (the same samples summed in another order)."""
-    net, (x, y) = model(), data().tensors
+    that many accumulated parts (the same samples summed in another order); ``kind``: the model (`model`)."""
+    net, (x, y) = model(kind), data().tensors
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
         for rows in order[step * GLOBAL : (step + 1) * GLOBAL].chunk(chunks):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = F.cross_entropy(net(x[rows]).flatten(0, 1), y[rows].flatten())
+                loss = loss_of(net, kind, x[rows], y[rows])
             (loss / chunks).backward()
         opt.step()
         opt.zero_grad()
@@ -123,7 +134,7 @@ def fit(case: str, accumulate: int, world: int) -> dict[str, torch.Tensor]:
 
     plan, *options = case.split("+")
     dp = ParallelPlan.parse(plan).resolve(world).dp
-    module = Module()
+    module = Module("llama" if "llama" in options else "gpt")
     strategy = PlanStrategy(plan, deterministic=True) if "deterministic" in options else plan
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,

@@ -5,7 +5,8 @@ and pp2 (GPipe mb1, 1F1B mb4, and the zero-bubble zb1p, zbv, dualpipev at mb4) x
 first three composed with ZeRO-2 over dp at 4; `zero3_tp2_pp2_mb4` (accumulating), `zero2_tp2_pp2_interleaved_v2_mb4`
 and the zero-bubble schedules composed with dp, ZeRO-3 and ZeRO-1 (`dp_tp2_pp2_zb1p_mb4`, `zero3_tp2_pp2_zbv_mb4`,
 `zero1_tp2_pp2_dualpipev_mb4`) at 8; context parallel `cp2` (x accumulation) at 2, `cp4`, `dp_cp2` (accumulating),
-`zero3_cp2`, `tp2_cp2` and `cp2_pp2_mb4` at 4 (planted: positions not translated gives 3e-2). Under ``-m matrix``:
+`zero3_cp2`, `tp2_cp2` and `cp2_pp2_mb4` at 4 (planted: positions not translated gives 3e-2), on the demo GPT and
+on Hugging Face Llama (rotary positions, labels shifted inside the model; its own reference). Under ``-m matrix``:
 each data mode x {tp2, pp2 mb1,
 pp2 mb4} x accumulation at 4, and x {tp2_pp2 1F1B, interleaved} x accumulation at 8. The parameters after 2
 steps are compared, not only the losses. One set of processes per world size (`_sgd_job`); one single-process
@@ -49,6 +50,11 @@ def expected() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
+def expected_llama() -> dict[str, torch.Tensor]:
+    return reference(kind="llama")
+
+
+@pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     return {world: _job(tmp_path_factory, world, "ci") for world in CASES}
 
@@ -58,8 +64,8 @@ def full_results(tmp_path_factory) -> dict:
     return {world: _job(tmp_path_factory, world, "full") for world in (4, 8)}
 
 
-def _check(state: dict, expected: dict) -> None:
-    start = model().state_dict()
+def _check(state: dict, expected: dict, kind: str = "gpt") -> None:
+    start = model(kind).state_dict()
     assert max(float((expected[k] - start[k]).abs().max()) for k in expected) > 1e-2  # the steps move the weights
     assert state.keys() == expected.keys()
     for key, value in expected.items():
@@ -67,8 +73,10 @@ def _check(state: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize("world,plan,accumulate", [(w, *case) for w, cases in CASES.items() for case in cases])
-def test_sgd_without_momentum_matches_one_process(results, expected, world: int, plan: str, accumulate: int):
-    _check(results[world][plan, accumulate], expected)
+def test_sgd_without_momentum_matches_one_process(results, expected, expected_llama, world: int, plan: str,
+                                                   accumulate: int):
+    llama = plan.endswith("+llama")
+    _check(results[world][plan, accumulate], expected_llama if llama else expected, "llama" if llama else "gpt")
 
 
 def test_deterministic_option_makes_dp_and_zero_bit_identical_through_the_trainer(results):
