@@ -64,13 +64,12 @@ class ParallelMesh:
         return self.axes["dp"]
 
     def _data_axis(self) -> Axis:
-        """The ranks whose gradients are averaged: dp x cp (dp itself without cp; cp itself with one dp rank)."""
-        if self.plan.cp == 1:
-            return self.axes["dp"]
-        if self.plan.dp == 1:
-            return self.axes["cp"]
-        assert self.device_mesh is not None  # dp and cp both > 1: the grid was built
+        """The ranks whose gradients are averaged: dp x cp, named by `ParallelPlan.data_axis` (dp itself without cp,
+        cp itself with one dp rank, else the two flattened)."""
         name = self.plan.data_axis
+        if name in self.axes:
+            return self.axes[name]
+        assert self.device_mesh is not None  # dp and cp both > 1: the grid was built
         return Axis.of_group(name, self.device_mesh["dp", "cp"]._flatten(name).get_group(), self.stats)
 
     @property

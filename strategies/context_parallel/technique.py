@@ -107,14 +107,12 @@ class ContextParallel(Technique):
     def _shift_of(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``labels``' shift_labels and the count of its samples' labelled tokens / N, for one of the split tensors
         or a run of its rows (a pipeline's microbatch: a slice, which views it); None for any other tensor."""
-        whole = self._shifted.get(id(labels))
-        rows = slice(None)
-        if whole is None and labels._base is not None and labels._base.is_contiguous():
-            whole = self._shifted.get(id(labels._base))
-            start = labels.storage_offset() // max(labels._base.stride(0), 1)
+        whole, rows, base = self._shifted.get(id(labels)), slice(None), labels._base
+        if whole is None and base is not None and id(base) in self._shifted and base.is_contiguous() \
+                and labels.is_contiguous() and labels.shape[1:] == base.shape[1:]:  # whole rows of the split tensor
+            whole = self._shifted[id(base)]
+            start = labels.storage_offset() // max(base.stride(0), 1)
             rows = slice(start, start + labels.shape[0])
-            if whole is None or labels.shape[1:] != labels._base.shape[1:] or not labels.is_contiguous():
-                return None
         if whole is None:
             return None
         local, shifted = whole[0][rows], whole[1][rows]

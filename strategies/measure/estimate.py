@@ -332,8 +332,9 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     that ``nccl`` does not); ``workspace``: the matrix library's working memory in one matmul (`peak`)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
     _check_plan(shape, plan)
-    weight_bytes, grad_bytes = layout(precision)[:2]
-    pieces = step_pieces(shape, plan, act_bytes or layout(precision)[3], weight_bytes, backend)
+    weight_bytes, grad_bytes, _, default_act = layout(precision)
+    act_bytes = act_bytes or default_act
+    pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend)
     ranges, per_stage = _stages(shape, plan)
     stages = len(ranges)
     tables = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
@@ -358,7 +359,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
-    comm = communication(shape, plan, per_rank[0], first_blocks, kept, act_bytes or layout(precision)[3])
+    comm = communication(shape, plan, per_rank[0], first_blocks, kept, act_bytes)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
     return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where, states=between)
