@@ -71,9 +71,10 @@ class PipelineParallel(Technique):
         # Only the blocks' linears wait for W (the head's logits-sized output gradient is not kept).
         blocks = module.get_submodule(self.layout.blocks_name)
         self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
-        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
-                                     where=self.where, weights=self.weights)
         self._last_backward = _reducing(self.table)
+        fused = fused_weights(self.table, self._last_backward) if self.weights is not None else frozenset()
+        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
+                                     where=self.where, weights=self.weights, fused=fused)
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
         top, _, _ = self.layout.blocks_name.partition(".")
@@ -255,6 +256,15 @@ def _reducing(actions: list[schedules.Action]) -> set[schedules.Action]:
         if action.phase is not schedules.Phase.FORWARD:
             last[(action.phase, action.stage)] = action
     return set(last.values())
+
+
+def fused_weights(actions: list[schedules.Action], reducing: set[schedules.Action]) -> frozenset[tuple[int, int]]:
+    """The (stage, microbatch) whose W directly follows its B in this rank's ``actions``: the runner runs them as one
+    full backward (torch's `_merge_bw` defines the same merge). Not where only one of the two reduces over dp
+    (``reducing``): a full backward reduces every gradient it makes, or none."""
+    return frozenset((b.stage, b.microbatch) for b, w in zip(actions, actions[1:])
+                     if b.phase is schedules.Phase.BACKWARD and w.phase is schedules.Phase.WEIGHT
+                     and (b.stage, b.microbatch) == (w.stage, w.microbatch) and (b in reducing) == (w in reducing))
 
 
 def _on_gloo(axis: Axis) -> bool:

@@ -19,7 +19,10 @@ has no message of its own (it was one more send and receive per rank and step, t
 each gradient a stage sends back carries its microbatch's (scaled) loss in a few extra elements at its end, a float32
 bit for bit in the gradient's dtype (float64 in an 8-byte one), and each stage passes it on with its own gradient, so
 every rank has every microbatch's loss when its backwards are done and sums them in the same order: the same float on
-every rank.
+every rank. A W that directly follows its own B in this rank's table (``fused``) runs inside that B, as one full
+backward (torch's `_merge_bw` defines the same merge): split, the pair costs the deferred linears' Python (about 8% of
+a stage's compute on the demo's blocks) to send the input's gradient one W earlier, which measured slower (pp4 ZB-V
+and DualPipeV on 2 CPU cores: 3% a step); the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations
@@ -90,11 +93,13 @@ class PipelineRunner:
     and returns its output (the scaled loss on the last stage). ``wait_sends``: in training, complete the sends
     before each compute (on gloo, where that is faster; see the module's docstring), else at the step's end.
     ``where``: stage -> pp rank (two neighbouring stages on this rank pass activations and gradients in memory);
-    ``weights``: the store that splits weight gradients off B for the table's W actions (None: no W actions)."""
+    ``weights``: the store that splits weight gradients off B for the table's W actions (None: no W actions);
+    ``fused``: the (stage, microbatch) whose W runs inside its B (see the module's docstring)."""
 
     def __init__(self, axis: Axis, stages: int, wait_sends: bool = True, where: dict[int, int] | None = None,
-                 weights: WeightStore | None = None) -> None:
+                 weights: WeightStore | None = None, fused: frozenset[tuple[int, int]] = frozenset()) -> None:
         self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
+        self.fused = fused
         self.where = where if where is not None else {s: s % axis.size for s in range(stages)}
         self.weights = weights
         # stage -> (shape, dtype) of its activation, as the last training step's headers gave them (received) and
@@ -110,8 +115,8 @@ class PipelineRunner:
         step = _start(program, self._shapes, self._sent)
         for item in program:
             self._exchange(item, step, device)
-            if item.action is None:
-                continue
+            if item.action is None or self._merged(item.action, Phase.WEIGHT):
+                continue  # (a fused W ran inside its B)
             if self.wait_sends and item.action.phase is not Phase.WEIGHT:
                 _complete(step.sending)
             context = contextlib.nullcontext()
@@ -123,7 +128,8 @@ class PipelineRunner:
                 start, end = self._backward(item.action, step, context)
             else:
                 start, end = self._weights(item.action, context)
-            step.result.timeline.append(TimelineEntry(str(item.action), item.action.phase.value, item.action.stage,
+            name = f"{item.action}+W" if self._merged(item.action, Phase.BACKWARD) else str(item.action)
+            step.result.timeline.append(TimelineEntry(name, item.action.phase.value, item.action.stage,
                                                       item.action.microbatch, start - step.t0, end - step.t0))
         _complete(step.sending)
         step.result.loss = torch.stack([step.mb_losses[m] for m in sorted(step.mb_losses)]).sum()
@@ -202,6 +208,13 @@ class PipelineRunner:
                 "receiver sizes its buffer from the header): make the shapes depend on the batch's shapes only")
         step.outbox[Message("a", stage, m)] = out.detach().contiguous()
 
+    def _split(self, stage: int, m: int) -> bool:
+        """Whether (stage, m)'s backward leaves its weights' gradients to a later W."""
+        return self.weights is not None and (stage, m) not in self.fused
+
+    def _merged(self, action: Action, phase: Phase) -> bool:
+        return action.phase is phase and (action.stage, action.microbatch) in self.fused
+
     def _local(self, stage: int, other: int) -> bool:
         """Whether ``other``, a neighbour of ``stage``, runs on this rank too (no message between them)."""
         return self.where[stage] == self.where[other]
@@ -213,7 +226,7 @@ class PipelineRunner:
             received = (step.local.pop(("a", s - 1, m)) if self._local(s, s - 1)
                         else _receive(Message("a", s - 1, m), step)).requires_grad_()
         start = time.perf_counter()
-        with self.weights.linears() if self.weights is not None else contextlib.nullcontext():
+        with self.weights.linears() if self._split(s, m) else contextlib.nullcontext():
             out = forward(s, m, received)
         end = time.perf_counter()
         if s == self.stages - 1:
@@ -233,7 +246,7 @@ class PipelineRunner:
             local = self._local(s, s + 1)
             packed = step.local.pop(("g", s + 1, m)) if local else _receive(Message("g", s + 1, m), step)
             grad, step.mb_losses[m] = _unpack(packed, out)
-        split = self.weights.backward_input((s, m)) if self.weights is not None else contextlib.nullcontext()
+        split = self.weights.backward_input((s, m)) if self._split(s, m) else contextlib.nullcontext()
         start = time.perf_counter()
         if out.requires_grad:
             with context, split:
