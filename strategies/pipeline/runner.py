@@ -19,10 +19,9 @@ has no message of its own (it was one more send and receive per rank and step, t
 each gradient a stage sends back carries its microbatch's (scaled) loss in a few extra elements at its end, a float32
 bit for bit in the gradient's dtype (float64 in an 8-byte one), and each stage passes it on with its own gradient, so
 every rank has every microbatch's loss when its backwards are done and sums them in the same order: the same float on
-every rank. A W that directly follows its own B in this rank's table (``fused``) runs inside that B, as one full
-backward (torch's `_merge_bw` defines the same merge): split, the pair costs the deferred linears' Python (about 8% of
-a stage's compute on the demo's blocks) to send the input's gradient one W earlier, which measured slower (pp4 ZB-V
-and DualPipeV on 2 CPU cores: 3% a step); the timeline names that B ``B<s>.<m>+W``.
+every rank. A W that directly follows its own B (``fused``: where B's input gradient goes to no other rank, see
+`engine.fused_weights`) runs inside that B, as one full backward: split, the pair would only cost the deferred
+linears' Python, about 8% of a stage's compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations

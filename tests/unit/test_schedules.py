@@ -144,19 +144,24 @@ def test_zero_bubble_refuses_too_few_microbatches():
         build("dualpipev", 4, 6)
 
 
-def test_a_w_right_after_its_own_b_runs_inside_it_unless_only_one_of_them_reduces():
+def test_a_w_right_after_its_own_b_runs_inside_it_where_no_rank_waits_for_bs_gradient():
     from strategies.pipeline.engine import _reducing, fused_weights
 
     def table(text: str) -> list[Action]:
         return [Action(Phase(a[0]), int(a[1]), int(a[3])) for a in text.split()]
 
-    # Adjacent B and W of one microbatch merge (the last pair reduces over dp in both halves); W's held back do not.
+    alone = {0: 0, 1: 1}  # stage 0 sends no gradient back: its adjacent B and W merge (the last pair reduces in both)
     ahead = table("F0.0 F0.1 B0.0 W0.0 F0.2 B0.1 F0.3 B0.2 W0.1 W0.2 B0.3 W0.3")
-    assert fused_weights(ahead, _reducing(ahead)) == {(0, 0), (0, 3)}
+    assert fused_weights(ahead, _reducing(ahead), alone) == {(0, 0), (0, 3)}  # W's held back stay split
     # B0.1 is the stage's last B (it reduces what B finishes) but W0.1 is not its last W: a full backward would reduce
     # the weights before W0.0 adds to them, so the pair stays split.
     behind = table("F0.0 F0.1 B0.0 B0.1 W0.1 W0.0")
-    assert fused_weights(behind, _reducing(behind)) == set()
-    # In the shipped tables: every W of ZB-V's rank 0 at pp2 follows its B; ZB-H1's last rank holds its W's back.
-    zbv, zb1p = build("zbv", 2, 4), build("zb1p", 2, 4)
-    assert len(fused_weights(zbv[0], _reducing(zbv[0]))) == 8 and not fused_weights(zb1p[1], _reducing(zb1p[1]))
+    assert fused_weights(behind, _reducing(behind), alone) == set()
+    # Stage 1's B sends its input's gradient to stage 0 on another rank, which may wait: split; on one rank, merged.
+    sends = table("F1.0 B1.0 W1.0")
+    assert fused_weights(sends, _reducing(sends), alone) == set()
+    assert fused_weights(sends, _reducing(sends), {0: 0, 1: 0}) == {(1, 0)}
+    # ZB-V at pp2: rank 0's stage 0 and rank 1's stage 2 (the V's bottom, after stage 1 on the same rank).
+    zbv = build("zbv", 2, 4)
+    assert fused_weights(zbv[0], _reducing(zbv[0]), owners(zbv)) == {(0, m) for m in range(4)}
+    assert {s for s, _ in fused_weights(zbv[1], _reducing(zbv[1]), owners(zbv))} == {2}
