@@ -42,7 +42,8 @@ def _check_same(record: CallRecord, axis: Axis) -> None:
     except Exception as err:  # noqa: BLE001
         raise fail(record, err) from err
     if any(t != mine for t in theirs):
-        calls = "; ".join(f"rank {axis.ranks[i]}: #{t[0]} {t[1]} {' '.join(map(str, t[2]))} {t[3]}"
+        calls = "; ".join(f"rank {axis.ranks[i]}: #{t[0]} {t[1]} {' '.join(str(tuple(s)) for s in t[2])} "
+                          f"{str(t[3]).removeprefix('torch.')}"
                           + (f" peer {t[4]}" if t[4] is not None else "") for i, t in enumerate(theirs))
         record.state = "mismatch"
         raise CollectiveMismatch(f"[rank {dist.get_rank()}] mismatched collectives on axis {axis.name}: {calls}")

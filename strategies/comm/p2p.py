@@ -62,12 +62,13 @@ class GroupHandle:
     """A group in flight; ``wait()`` completes every message of it (and, in strict mode, checks the labels)."""
 
     def __init__(self, works: list, records: list[CallRecord], checks: list[tuple[P2P, torch.Tensor]],
-                 axis: Axis, kind: Op) -> None:
+                 axis: Axis, kind: Op, limit: float | None = None) -> None:
         self._works, self._records, self._checks, self._axis, self._kind = works, records, checks, axis, kind
+        self._limit = limit  # strict mode's, as it was when the group was issued
 
     def wait(self) -> None:
         if self._works:
-            limit = strict_seconds()
+            limit = self._limit
             start = time.perf_counter()
             try:
                 for work in self._works:  # one deadline for the whole group
@@ -101,7 +102,8 @@ _outstanding: dict[str, list[GroupHandle]] = {}  # strict mode: per axis, this r
 def exchange(ops: list[P2P], axis: Axis) -> GroupHandle:
     """Issue ``ops`` as one group on ``axis`` (one ``batch_isend_irecv``); wait on the handle before reading a
     received tensor or changing a sent one. Each message is counted (send, recv) and logged like every call."""
-    strict = strict_seconds() is not None
+    limit = strict_seconds()
+    strict = limit is not None
     if strict:  # in order per rank, as NCCL's stream runs them
         for earlier in _outstanding.pop(axis.name, []):
             earlier.wait()
@@ -116,23 +118,28 @@ def exchange(ops: list[P2P], axis: Axis) -> GroupHandle:
             if not op.send:
                 checks.append((op, box))
         wire.append(op)
-    records = [_count(op, axis) for op in ops]
+    records = _count(ops, axis)
     try:
         works = _issue(wire, axis)
     except Exception as err:  # noqa: BLE001
         raise fail(records[0], err) from err
     group = GroupHandle(list(works or []), records, checks, axis,
-                        Op.RECV if any(not op.send for op in ops) else Op.SEND)
+                        Op.RECV if any(not op.send for op in ops) else Op.SEND, limit)
     if strict:
         _outstanding.setdefault(axis.name, []).append(group)
     return group
 
 
-def _count(op: P2P, axis: Axis) -> CallRecord:
-    nbytes = op.tensor.numel() * op.tensor.element_size()
-    kind = Op.SEND if op.send else Op.RECV
-    axis.stats.record(kind, axis.name, sent=nbytes if op.send else 0, recv=0 if op.send else nbytes)
-    return RECORDER.start(kind, axis, (op.tensor,), op.peer)
+def _count(ops: list[P2P], axis: Axis) -> list[CallRecord]:
+    """Count the group's messages (one record per direction: a pipeline issues a few dozen groups a step, and
+    each counter update is Python on the step's critical path) and log each in the flight recorder."""
+    sent = [op.tensor.nbytes for op in ops if op.send]
+    if sent:
+        axis.stats.record(Op.SEND, axis.name, sent=sum(sent), calls=len(sent))
+    if len(sent) < len(ops):
+        axis.stats.record(Op.RECV, axis.name, recv=sum(op.tensor.nbytes for op in ops if not op.send),
+                          calls=len(ops) - len(sent))
+    return [RECORDER.start(Op.SEND if op.send else Op.RECV, axis, (op.tensor,), op.peer) for op in ops]
 
 
 _COALESCES: dict[int, bool] = {}  # per process group: whether its backend groups p2p calls (nccl) or not (gloo)
@@ -141,15 +148,23 @@ _COALESCES: dict[int, bool] = {}  # per process group: whether its backend group
 def _issue(wire: list[P2P], axis: Axis) -> list:
     """One ``batch_isend_irecv`` where the backend groups p2p calls (nccl: ``ncclGroupStart/End``); elsewhere
     (gloo) the same calls it would make, one by one, without its per-call checks (a third of a small message's
-    cost here). Tag 0 always: NCCL ignores tags, and gloo matches a pair's same-tag messages in issue order."""
+    cost here, and of the Python a pipeline spends posting its messages). Tag 0 always: NCCL ignores tags, and gloo
+    matches a pair's same-tag messages in issue order."""
     key = id(axis.group)
     if key not in _COALESCES:
         _COALESCES[key] = dist.get_backend(axis.group) != "gloo"
     if _COALESCES[key]:
         return dist.batch_isend_irecv([dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=axis.group,
                                                   group_peer=op.peer) for op in wire]) or []
-    return [dist.isend(op.tensor, group=axis.group, group_dst=op.peer) if op.send
-            else dist.irecv(op.tensor, group=axis.group, group_src=op.peer) for op in wire]
+    # The process group's own send/recv, which ``dist.isend``/``irecv`` end in after checks that hold here by
+    # construction (a member of the group, a group rank, one dense tensor): a pipeline posts a few dozen a step.
+    group = axis.group
+    return [group.send([_real(op.tensor)], op.peer, 0) if op.send else group.recv([_real(op.tensor)], op.peer, 0)
+            for op in wire]
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def _label_tensor(label: str, device: torch.device) -> torch.Tensor:

@@ -28,14 +28,14 @@ class CallRecord:
     op: str
     axis: str
     shapes: tuple
-    dtype: str
+    dtype: str | torch.dtype
     peer: int | None = None  # src / dst on the axis (broadcast, p2p)
     state: str = "running"
 
     def describe(self) -> str:
         shapes = " ".join(str(tuple(s)) for s in self.shapes)
         peer = f" peer {self.peer}" if self.peer is not None else ""
-        return f"#{self.seq} {self.op} on {self.axis}{peer} {shapes} {self.dtype}"
+        return f"#{self.seq} {self.op} on {self.axis}{peer} {shapes} {str(self.dtype).removeprefix('torch.')}"
 
 
 class CollectiveError(RuntimeError):
@@ -60,8 +60,9 @@ class FlightRecorder:
 
     def start(self, op: Op, axis: Axis, tensors: tuple[torch.Tensor, ...], peer: int | None = None) -> CallRecord:
         self.seq[axis.name] += 1
-        record = CallRecord(self.seq[axis.name], op.value, axis.name, tuple(tuple(t.shape) for t in tensors),
-                            str(tensors[0].dtype).removeprefix("torch.") if tensors else "-", peer)
+        # shapes and dtype as torch gives them (written out only in `describe`: this runs for every call)
+        record = CallRecord(self.seq[axis.name], op.value, axis.name, tuple(t.shape for t in tensors),
+                            tensors[0].dtype if tensors else "-", peer)
         self.calls.append(record)
         return record
 

@@ -48,7 +48,11 @@ class CommStats:
         self.records: dict[tuple[Op, str], CommRecord] = defaultdict(CommRecord)
 
     def record(self, op: Op, axis: str, *, sent: float = 0.0, recv: float = 0.0, wait_s: float = 0.0, calls: int = 1):
-        self.records[(op, axis)].add(CommRecord(calls, sent, recv, wait_s))
+        record = self.records[(op, axis)]  # in place: this runs for every call and message
+        record.calls += calls
+        record.bytes_sent += sent
+        record.bytes_recv += recv
+        record.wait_s += wait_s
 
     def total(self, op: Op | None = None, axis: str | None = None) -> CommRecord:
         """Sum of the records that match ``op`` and ``axis`` (None matches all)."""

@@ -51,6 +51,11 @@ class Transfer:
     def __str__(self) -> str:
         return f"{'send' if self.send else 'recv'} {self.message} {'to' if self.send else 'from'} {self.peer}"
 
+    @property
+    def label(self) -> str:
+        """The message's name on the wire (strict mode checks it), made once: a program runs every step."""
+        return _labels.setdefault(self.message, str(self.message))
+
 
 @dataclass(frozen=True)
 class Step:
@@ -59,6 +64,7 @@ class Step:
 
 
 Program = list[Step]
+_labels: dict[Message, str] = {}
 
 
 def programs(table: ScheduleTable, pp: int, how: str | None = None, headers: bool = True) -> list[Program]:

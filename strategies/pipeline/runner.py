@@ -79,7 +79,7 @@ class _Step:
     arriving: dict = field(default_factory=dict)  # Message -> (group handle, buffer): issued, waited when needed
     sending: list = field(default_factory=list)  # (group handle, tensors) of sends not yet waited for
     local: dict = field(default_factory=dict)  # ("a"|"g", stage, microbatch) -> tensor passed to a stage on this rank
-    mb_losses: dict = field(default_factory=dict)  # microbatch -> its scaled loss, float32 (computed, or carried)
+    mb_losses: dict = field(default_factory=dict)  # microbatch -> its scaled loss: float32, or carried (`_loss`)
     result: StepResult = field(default_factory=StepResult)
     # stage -> (shape, dtype) of its activation: received (from headers) and sent (announced), kept across training
     # steps by the runner; evaluation's are its own
@@ -131,7 +131,7 @@ class PipelineRunner:
             step.result.timeline.append(TimelineEntry(name, item.action.phase.value, item.action.stage,
                                                       item.action.microbatch, start - step.t0, end - step.t0))
         _complete(step.sending)
-        step.result.loss = torch.stack([step.mb_losses[m] for m in sorted(step.mb_losses)]).sum()
+        step.result.loss = torch.stack([_loss(step.mb_losses[m]) for m in sorted(step.mb_losses)]).sum()
         return step.result
 
     def forward_only(self, program: Program, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
@@ -159,11 +159,10 @@ class PipelineRunner:
         if not item.group:
             return
         ops = [comm.P2P(t.send, step.outbox.pop(t.message) if t.send else self._buffer(t.message, step, device),
-                        t.peer, str(t.message)) for t in item.group]
+                        t.peer, t.label) for t in item.group]
         handle = comm.exchange(ops, self.axis)
-        sent = [op.tensor for t, op in zip(item.group, ops, strict=True) if t.send]
-        if sent:
-            step.sending.append((handle, sent))
+        if ops[0].send:  # sends first (`messages._payloads`); held until waited for: the backend reads them
+            step.sending.append((handle, [op.tensor for op in ops if op.send]))
         for t, op in zip(item.group, ops, strict=True):
             if not t.send:
                 step.arriving[t.message] = (handle, op.tensor)
@@ -288,18 +287,28 @@ def _carried(dtype: torch.dtype) -> int:
 
 
 def _pack(grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """``grad``, flat, followed by ``loss``'s bits: what a stage sends back (or passes in memory) to the one before."""
-    n = grad.numel()
-    flat = torch.empty(n + _carried(grad.dtype), dtype=grad.dtype, device=grad.device)
-    flat[:n].copy_(grad.reshape(-1))
-    flat[n:].copy_(loss.to(_carrier(grad.dtype)).reshape(1).view(grad.dtype))
-    return flat
+    """``grad``, flat, followed by the loss's bits: what a stage sends back (or passes in memory) to the one before.
+    ``loss``: the float32 the last stage computed, or the tail `_unpack` passed on (forwarded as it came where it is
+    in ``grad``'s dtype: the middle stages never decode it)."""
+    tail = loss if loss.dim() == 1 and loss.dtype == grad.dtype else _encode(_loss(loss), grad.dtype)
+    return torch.cat([grad.reshape(-1), tail])
 
 
 def _unpack(flat: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of ``out`` and the microbatch's loss (float32), from what `_pack` made."""
+    """The gradient of ``out`` and the tail that carries the microbatch's loss (`_loss` reads it), from `_pack`."""
     n = out.numel()
-    return flat[:n].view(out.shape), flat[n:].clone().view(_carrier(out.dtype)).float().reshape(())
+    return flat[:n].view(out.shape), flat[n:].clone()  # a copy: a view would hold the whole buffer to the step's end
+
+
+def _encode(loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return loss.to(_carrier(dtype)).reshape(1).view(dtype)
+
+
+def _loss(carried: torch.Tensor) -> torch.Tensor:
+    """The float32 loss in ``carried``: itself (computed here), or decoded from a gradient's tail."""
+    if carried.dim() == 0:
+        return carried
+    return carried.view(_carrier(carried.dtype)).float().reshape(())  # (aligned: `_unpack` copied it)
 
 
 def _receive(message: Message, step: _Step) -> torch.Tensor:

@@ -268,6 +268,7 @@ class StageRunner:
         self.blocks = module.get_submodule(layout.blocks_name)
         self.owned = {name for name, _ in module.named_parameters() if layout.held_by(name, stages)}
         self.shapes: dict[str, tuple[torch.Size, bool]] = {}
+        self._containers: dict[int, nn.Module] = {}  # stage -> its blocks in a container like the user's (`_swap`)
         for name, p in module.named_parameters():
             if name not in self.owned:  # a placeholder: the right shape, one element of storage, no gradient
                 self.shapes[name] = (p.shape, p.requires_grad)
@@ -278,7 +279,7 @@ class StageRunner:
     def stage(self, stage: int, received: torch.Tensor | None) -> Iterator[None]:
         """Run the user's code as stage ``stage``: its blocks only, fed ``received`` (stages > 0)."""
         blocks = [self.blocks[i] for i in self.layout.ranges[stage]]
-        swapped = type(self.blocks)(*blocks) if isinstance(self.blocks, nn.Sequential) else nn.ModuleList(blocks)
+        swapped = self._swap(stage, blocks)
         hooks = []
         if received is not None:
             hooks.append(blocks[0].register_forward_pre_hook(lambda m, args: (received, *args[1:])))
@@ -291,6 +292,16 @@ class StageRunner:
             setattr(self._parent, self._attr, self.blocks)
             for hook in hooks:
                 hook.remove()
+
+    def _swap(self, stage: int, blocks: list[nn.Module]) -> nn.Module:
+        """``blocks`` (stage ``stage``'s) in a container of the user's kind: built once per stage, since a
+        container's construction is a good part of a stage's overhead in Python, and again if a block was replaced
+        since (the container holds the blocks themselves)."""
+        held = self._containers.get(stage)
+        if held is None or len(held) != len(blocks) or any(a is not b for a, b in zip(held, blocks)):
+            held = type(self.blocks)(*blocks) if isinstance(self.blocks, nn.Sequential) else nn.ModuleList(blocks)
+            self._containers[stage] = held
+        return held
 
     def restore(self, full: dict[str, torch.Tensor]) -> None:
         """Put full parameters (gathered from their owners) back in place of the placeholders."""
