@@ -17,11 +17,12 @@ headers gave; every activation is checked against the shape its header announced
 whose output changes shape unannounced stops with an error (a receive of the wrong size hangs NCCL). The step's loss
 has no message of its own (it was one more send and receive per rank and step, the last stage to every other rank):
 each gradient a stage sends back carries its microbatch's (scaled) loss in a few extra elements at its end, a float32
-bit for bit in the gradient's dtype (float64 in an 8-byte one), and each stage passes it on with its own gradient, so
-every rank has every microbatch's loss when its backwards are done and sums them in the same order: the same float on
-every rank. A W that directly follows its own B (``fused``: where B's input gradient goes to no other rank, see
-`engine.fused_weights`) runs inside that B, as one full backward: split, the pair would only cost the deferred
-linears' Python, about 8% of a stage's compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
+bit for bit in the gradient's dtype (float64 in an 8-byte one), and each stage passes it on with its own gradient
+(as it came, where the dtypes agree: only the step's end decodes it), so every rank has every microbatch's loss when
+its backwards are done and sums them in the same order: the same float on every rank. A W that directly follows its
+own B (``fused``: where B's input gradient goes to no other rank, see `engine.fused_weights`) runs inside that B, as
+one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a stage's compute on the
+demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations
