@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+# plotly looks pandas up in sys.modules without importing it; while another thread of the Streamlit server is still
+# importing pandas, plotly finds the half-made module and a chart fails with "partially initialized module 'pandas'
+# has no attribute 'Series'" (a fresh server's first Pipeline page, 2026-11-25). An import here waits on pandas'
+# module lock until that import is done. (Streamlit depends on pandas.)
+import pandas  # noqa: F401
 import plotly.graph_objects as go
 
 from strategies.runs import MEMORY_CATEGORIES
