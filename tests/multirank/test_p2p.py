@@ -20,10 +20,13 @@ def _world() -> Axis:
 def _cases(rank: int, world_size: int, limit: str) -> list[str]:
     os.environ[comm.STRICT_ENV] = limit
     axis, peer, out = _world(), 1 - rank, []
-    # 1. A send and a receive in one group, both ranks at once: fine (alone, both sends would wait).
+    # 1. A send and a receive in one group, both ranks at once: fine (alone, both sends would wait). A complex
+    # tensor arrives whole (posted through the process group's own send/recv, without isend's view as real).
     mine, theirs = torch.full((3,), float(rank)), torch.empty(3)
-    comm.exchange([comm.P2P(True, mine, peer, "x"), comm.P2P(False, theirs, peer, "x")], axis).wait()
-    out.append(f"got {theirs.tolist()}")
+    z, zt = torch.full((2,), complex(rank + 1, 2)), torch.empty(2, dtype=torch.complex64)
+    comm.exchange([comm.P2P(True, mine, peer, "x"), comm.P2P(True, z, peer, "z"), comm.P2P(False, theirs, peer, "x"),
+                   comm.P2P(False, zt, peer, "z")], axis).wait()
+    out.append(f"got {theirs.tolist()} {zt.tolist()}")
     # 2. Two messages of one shape, received in the other order: NCCL would swap them silently.
     a, b = torch.ones(2), torch.zeros(2)
     try:
@@ -52,7 +55,8 @@ def _hang(rank: int, world_size: int) -> str:
 
 def test_strict_mode_names_a_swapped_message_and_groups_exchange():
     results = run_ranks(_cases, 2, "3", timeout_s=90.0)
-    assert results[0][0] == "got [1.0, 1.0, 1.0]" and results[1][0] == "got [0.0, 0.0, 0.0]"
+    assert results[0][0] == "got [1.0, 1.0, 1.0] [(2+2j), (2+2j)]", results[0][0]
+    assert results[1][0] == "got [0.0, 0.0, 0.0] [(1+2j), (1+2j)]", results[1][0]
     assert "the receive of 'second' from axis rank 0 got 'first'" in results[1][1], results[1][1]
     # rank 0's second send is never received (rank 1 stopped at the mismatch): named as a hang, not left hanging
     assert results[0][1].startswith("strict p2p mode: no progress in 3 s"), results[0][1]

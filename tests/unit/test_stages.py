@@ -68,6 +68,25 @@ def test_stage_runner_runs_one_stage_and_frees_the_others():
         torch.testing.assert_close(other(ids), expected)
 
 
+def test_a_stages_container_is_built_once_and_again_when_a_block_is_replaced():
+    # The swap reuses the container it built for the stage (Python per forward), but never runs a block the model
+    # no longer holds: a block replaced after the first step (a wrapper, a compiled copy) is the one that runs.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    ids = torch.randint(0, 32, (2, 8))
+    runner = StageRunner(model, plan_stages(model, 2), [0])
+    seen = []
+    for _ in range(2):
+        with runner.stage(0, None), pytest.raises(StageDone):
+            model(ids)
+        seen.append(runner._containers[0])
+    assert seen[0] is seen[1]
+    model.blocks[0] = nn.Sequential(model.blocks[0], nn.Identity())
+    with runner.stage(0, None), pytest.raises(StageDone):
+        model(ids)
+    assert runner._containers[0] is not seen[0] and runner._containers[0][0] is model.blocks[0]
+
+
 @pytest.mark.parametrize("batch", [torch.arange(12).view(6, 2), (torch.zeros(6, 3), torch.ones(6)),
                                    {"x": torch.zeros(6, 3), "y": [torch.ones(6)]}])
 def test_split_microbatches(batch):
