@@ -162,8 +162,9 @@ class PipelineRunner:
         ops = [comm.P2P(t.send, step.outbox.pop(t.message) if t.send else self._buffer(t.message, step, device),
                         t.peer, t.label) for t in item.group]
         handle = comm.exchange(ops, self.axis)
-        if ops[0].send:  # sends first (`messages._payloads`); held until waited for: the backend reads them
-            step.sending.append((handle, [op.tensor for op in ops if op.send]))
+        sent = [op.tensor for op in ops if op.send]
+        if sent:  # held until waited for: the backend reads them
+            step.sending.append((handle, sent))
         for t, op in zip(item.group, ops, strict=True):
             if not t.send:
                 step.arriving[t.message] = (handle, op.tensor)
