@@ -74,7 +74,7 @@ class PipelineParallel(Technique):
         self._last_backward = _reducing(self.table)
         fused = fused_weights(self.table, self._last_backward, self.where) if self.weights is not None else frozenset()
         self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
-                                     where=self.where, weights=self.weights, fused=fused)
+                                     where=self.where, weights=self.weights, fused=fused, carrier=_loss_carrier(tables))
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
         top, _, _ = self.layout.blocks_name.partition(".")
@@ -246,6 +246,14 @@ def _shapes_of(batch: Any, microbatches: int) -> tuple:
     """What decides the activations' shapes, as every rank of the pipeline sees it (they all load the same batch):
     the microbatch count and each tensor's shape and dtype."""
     return microbatches, tuple((tuple(t.shape), t.dtype) for t in tensors_of(batch))
+
+
+def _loss_carrier(tables: schedules.ScheduleTable) -> int:
+    """The microbatch whose gradients carry the step's loss down the stages (`runner`): the last stage's last
+    backward's, since by then the last stage has run every forward and knows every microbatch's loss."""
+    last = max(schedules.owners(tables))
+    return [a for actions in tables for a in actions if a.phase is schedules.Phase.BACKWARD and a.stage == last][-1] \
+        .microbatch
 
 
 def _reducing(actions: list[schedules.Action]) -> set[schedules.Action]:

@@ -3,26 +3,27 @@ by an action of the schedule) and records a timeline.
 
 Every group goes out as one `comm.exchange`, in the program's order: that order is what NCCL runs by (one stream per
 rank, a pair's messages matched as issued, no tags) and what `messages.check` proved free of hangs and swapped
-messages. The CPU waits less than the stream does, which can only let things progress sooner: a receive is waited
-for when an action needs it (or a buffer's shape: a header), sends before the next compute where the program is
-grouped per action on gloo (a send left in flight is moved by gloo's thread while this rank computes, and on a host
-with a core per rank that thread waits for a core, so the next stage gets its input late), else at the step's end. A
-W does not wait for them: it fills the time the receiver takes to post its receive (a large send completes only
-then), which waiting would turn back into bubble (measured, pp2_zb1p_mb8 on 2 CPU ranks: 21% idle waiting, 7% not;
-1F1B 10%). The first microbatch's activation of each stage goes with a small header (shape, dtype), since the
-receiver cannot know it in advance; the step's other microbatches have the same shape (the batch is cut evenly), so
-they go without one, and a gradient has the shape of the output the receiver sent, so it never needs one. A step
-run with a program without headers (the engine's, for a batch shaped as the last one) reuses the shapes the last
-headers gave; every activation is checked against the shape its header announced before it is sent, so a stage
-whose output changes shape unannounced stops with an error (a receive of the wrong size hangs NCCL). The step's loss
-has no message of its own (it was one more send and receive per rank and step, the last stage to every other rank):
-each gradient a stage sends back carries its microbatch's (scaled) loss in a few extra elements at its end, a float32
-bit for bit in the gradient's dtype (float64 in an 8-byte one), and each stage passes it on with its own gradient
-(as it came, where the dtypes agree: only the step's end decodes it), so every rank has every microbatch's loss when
-its backwards are done and sums them in the same order: the same float on every rank. A W that directly follows its
-own B (``fused``: where B's input gradient goes to no other rank, see `engine.fused_weights`) runs inside that B, as
-one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a stage's compute on the
-demo's blocks; the timeline names that B ``B<s>.<m>+W``.
+messages. The CPU waits less than the stream does, which can only let things progress sooner: a receive is waited for
+when an action needs it (or a buffer's shape: a header), sends before the next compute where the program is grouped
+per action on gloo (a send left in flight is moved by gloo's thread while this rank computes, and on a host with a
+core per rank that thread waits for a core, so the next stage gets its input late), else at the step's end. A W does
+not wait for them: it fills the time the receiver takes to post its receive (a large send completes only then), which
+waiting would turn back into bubble (measured, pp2_zb1p_mb8 on 2 CPU ranks: 21% idle waiting, 7% not; 1F1B 10%). The
+first microbatch's activation of each stage goes with a small header (shape, dtype), since the receiver cannot know
+it in advance; the step's other microbatches have the same shape (the batch is cut evenly), so they go without one,
+and a gradient has the shape of the output the receiver sent, so it never needs one. A step run with a program
+without headers (the engine's, for a batch shaped as the last one) reuses the shapes the last headers gave; every
+activation is checked against the shape its header announced before it is sent, so a stage whose output changes shape
+unannounced stops with an error (a receive of the wrong size hangs NCCL). The step's loss has no message of its own
+(it was one more send and receive per rank and step, the last stage to every other rank): the last stage sums its
+microbatches' (scaled) losses at its last backward, when every one is known, and the gradient that backward sends
+carries the sum in a few extra elements at its end, a float32 bit for bit in the gradient's dtype (float64 in an
+8-byte one); each stage passes it on with its own gradient of that microbatch (``carrier``; as it came, where the
+dtypes agree), so every rank has the same float when its backwards are done. Only that microbatch's gradients are
+copied to make room for it: it rode on every gradient once, a copy each way per backward. A W that directly follows
+its own B (``fused``: where B's input gradient goes to no other rank, see `engine.fused_weights`) runs inside that B,
+as one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a stage's compute on
+the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class _Step:
     arriving: dict = field(default_factory=dict)  # Message -> (group handle, buffer): issued, waited when needed
     sending: list = field(default_factory=list)  # (group handle, tensors) of sends not yet waited for
     local: dict = field(default_factory=dict)  # ("a"|"g", stage, microbatch) -> tensor passed to a stage on this rank
-    mb_losses: dict = field(default_factory=dict)  # microbatch -> its scaled loss: float32, or carried (`_loss`)
+    losses: dict = field(default_factory=dict)  # microbatch -> its scaled loss, float32 (on the last stage)
+    loss: torch.Tensor | None = None  # the step's, summed on the last stage: float32, or as carried (`_loss`)
     result: StepResult = field(default_factory=StepResult)
     # stage -> (shape, dtype) of its activation: received (from headers) and sent (announced), kept across training
     # steps by the runner; evaluation's are its own
@@ -97,9 +99,10 @@ class PipelineRunner:
     ``fused``: the (stage, microbatch) whose W runs inside its B (see the module's docstring)."""
 
     def __init__(self, axis: Axis, stages: int, wait_sends: bool = True, where: dict[int, int] | None = None,
-                 weights: WeightStore | None = None, fused: frozenset[tuple[int, int]] = frozenset()) -> None:
+                 weights: WeightStore | None = None, fused: frozenset[tuple[int, int]] = frozenset(),
+                 carrier: int = 0) -> None:
         self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
-        self.fused = fused
+        self.fused, self.carrier = fused, carrier
         self.where = where if where is not None else {s: s % axis.size for s in range(stages)}
         self.weights = weights
         # stage -> (shape, dtype) of its activation, as the last training step's headers gave them (received) and
@@ -132,7 +135,7 @@ class PipelineRunner:
             step.result.timeline.append(TimelineEntry(name, item.action.phase.value, item.action.stage,
                                                       item.action.microbatch, start - step.t0, end - step.t0))
         _complete(step.sending)
-        step.result.loss = torch.stack([_loss(step.mb_losses[m]) for m in sorted(step.mb_losses)]).sum()
+        step.result.loss = _loss(step.loss)
         return step.result
 
     def forward_only(self, program: Program, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
@@ -185,9 +188,10 @@ class PipelineRunner:
                                    f"{message.stage} ever came (a program without headers ran first)")
             shape, dtype = step.shapes[message.stage]
             return torch.empty(shape, dtype=dtype, device=device)
-        # the gradient of the output this rank's stage message.stage - 1 sent, flat, and the microbatch's loss
+        # the gradient of the output this rank's stage message.stage - 1 sent, flat (and the step's loss)
         out = step.kept[(message.stage - 1, message.microbatch)][0]
-        return torch.empty(out.numel() + _carried(out.dtype), dtype=out.dtype, device=out.device)
+        extra = _carried(out.dtype) if message.microbatch == self.carrier else 0
+        return torch.empty(out.numel() + extra, dtype=out.dtype, device=out.device)
 
     def _outgoing(self, out: torch.Tensor, stage: int, m: int, step: _Step) -> None:
         """Put a forward's output (and, for the stage's first microbatch, its header) in the outbox."""
@@ -230,7 +234,7 @@ class PipelineRunner:
             out = forward(s, m, received)
         end = time.perf_counter()
         if s == self.stages - 1:
-            step.mb_losses[m] = out.detach().float().reshape(())
+            step.losses[m] = out.detach().float().reshape(())
         elif self._local(s, s + 1):
             step.local[("a", s, m)] = out.detach()
         else:
@@ -241,11 +245,16 @@ class PipelineRunner:
     def _backward(self, action: Action, step: _Step, context: contextlib.AbstractContextManager) -> tuple[float, float]:
         s, m = action.stage, action.microbatch
         out, received = step.kept.pop((s, m))
-        grad = None
+        grad, carries = None, m == self.carrier
         if s < self.stages - 1:
             local = self._local(s, s + 1)
             packed = step.local.pop(("g", s + 1, m)) if local else _receive(Message("g", s + 1, m), step)
-            grad, step.mb_losses[m] = _unpack(packed, out)
+            if carries:
+                grad, step.loss = _unpack(packed, out)
+            else:
+                grad = packed.view(out.shape)
+        elif carries:  # the last stage's last backward: every forward has run, so every loss is known
+            step.loss = torch.stack([step.losses[k] for k in sorted(step.losses)]).sum()
         split = self.weights.backward_input((s, m)) if self._split(s, m) else contextlib.nullcontext()
         start = time.perf_counter()
         if out.requires_grad:
@@ -253,7 +262,8 @@ class PipelineRunner:
                 torch.autograd.backward(out, grad)
         end = time.perf_counter()
         if s > 0:
-            sent = _pack(received.grad if received.grad is not None else torch.zeros_like(received), step.mb_losses[m])
+            grad_in = (received.grad if received.grad is not None else torch.zeros_like(received)).contiguous()
+            sent = _pack(grad_in, step.loss) if carries else grad_in.view(-1)
             if self._local(s, s - 1):
                 step.local[("g", s, m)] = sent
             else:
