@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 from strategies.pipeline.schedules import Action, Phase, ScheduleTable, dependencies, owners
 
@@ -51,10 +52,10 @@ class Transfer:
     def __str__(self) -> str:
         return f"{'send' if self.send else 'recv'} {self.message} {'to' if self.send else 'from'} {self.peer}"
 
-    @property
+    @cached_property
     def label(self) -> str:
         """The message's name on the wire (strict mode checks it), made once: a program runs every step."""
-        return _labels.setdefault(self.message, str(self.message))
+        return str(self.message)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,6 @@ class Step:
 
 
 Program = list[Step]
-_labels: dict[Message, str] = {}
 
 
 def programs(table: ScheduleTable, pp: int, how: str | None = None, headers: bool = True) -> list[Program]:

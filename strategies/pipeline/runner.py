@@ -307,7 +307,7 @@ def _pack(grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(flat: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of ``out`` and the tail that carries the microbatch's loss (`_loss` reads it), from `_pack`."""
+    """The gradient of ``out`` and the tail that carries the step's loss (`_loss` reads it), from `_pack`."""
     n = out.numel()
     return flat[:n].view(out.shape), flat[n:].clone()  # a copy: a view would hold the whole buffer to the step's end
 
