@@ -69,14 +69,20 @@ def ours_tensor_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: 
 
 
 def ours_pipeline(schedule: str) -> Callable[..., Step]:
-    """Our pipeline engine in a plain loop: the step function is the loss."""
+    """Our pipeline engine in a plain loop: the step function is the loss. Cut after one traced forward of the
+    first microbatch, as the Lightning strategy cuts it (`lightning.assemble.traced_pipeline`)."""
     def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
         from strategies.mesh import ParallelMesh
         from strategies.pipeline import PipelineParallel
+        from strategies.pipeline.stages import split_microbatches
+        from strategies.pipeline.trace import trace_forward
         from strategies.plan import ParallelPlan
 
         plan = ParallelPlan.parse(pipeline_plan(schedule, dist.get_world_size()))
-        engine = PipelineParallel(model, plan.resolve(dist.get_world_size()), ParallelMesh(plan, "cpu"))
+        x, y = split_microbatches(workload.bench_batches(cfg, 0)[0], plan.microbatches)[0]
+        trace = trace_forward(model, lambda: workload.loss(model(x), y))
+        engine = PipelineParallel(model, plan.resolve(dist.get_world_size()), ParallelMesh(plan, "cpu"), trace.blocks,
+                                  trace=trace)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
 
         def step(batch: Any) -> None:

@@ -55,7 +55,7 @@ class PipelineParallel(Technique):
         self.stages = len(self.where)
         self.layout = plan_stages(module, self.stages, blocks, weights, trace)
         self.my_stages = sorted(s for s, r in self.where.items() if r == self.axis.index)
-        self.runner_stages = StageRunner(module, self.layout, self.my_stages)
+        self.runner_stages = StageRunner(module, self.layout, self.my_stages, trace is not None and trace.chained)
         # One collective on the axis before its first grouped p2p: on nccl, the first batch_isend_irecv of a group
         # must involve every rank of it (it creates the communicator); later ones may involve a pair.
         comm.barrier(self.axis)
@@ -99,8 +99,11 @@ class PipelineParallel(Technique):
         backward."""
         micro = split_microbatches(batch, self.microbatches)
         scale = self.microbatches * accumulate
+        direct = self.runner_stages.direct_stages()
 
         def forward(stage: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
+            if stage in direct:  # a middle stage of a plain chain of blocks: the user's code would add nothing
+                return self.runner_stages.run_blocks(stage, received)
             with self.runner_stages.stage(stage, received):
                 try:
                     out = step(micro[m], batch_idx)

@@ -10,7 +10,11 @@ The user's code is left as written. To run stage s, the list is swapped for one 
 blocks; for s > 0 the first of them gets the activation received from stage s-1 in place of its input,
 and for s < last the last of them ends the forward by raising `StageDone` with its output. So the user's
 ``training_step`` runs the pre-block code (cheap lookups, and on stages > 0 their result is dropped), this
-stage's blocks, and on the last stage the head and the user's loss.
+stage's blocks, and on the last stage the head and the user's loss. Where the traced forward showed the blocks as a
+plain chain (`trace.ForwardTrace.chained`: each takes the previous one's output alone) and nothing outside them is
+hooked, a stage between the first and the last runs its blocks by themselves (`StageRunner.run_blocks`), as torch's
+stage modules do: the user's code around them would only compute what the received activation replaces. The last
+stage checks, on every microbatch, that its first block is still called with the hidden states alone.
 
 Parameters a rank does not own are replaced by zero-stride placeholders of the same shape (one element of
 storage) and frozen: the memory per stage is the stage's own.
@@ -261,11 +265,15 @@ def measure_times(module: nn.Module, blocks_name: str, run) -> tuple[list[float]
 class StageRunner:
     """This rank's stages of ``module`` (global indices ``stages``), and the swap that runs one of them."""
 
-    def __init__(self, module: nn.Module, layout: StageLayout, stages: list[int]) -> None:
+    def __init__(self, module: nn.Module, layout: StageLayout, stages: list[int], chained: bool = False) -> None:
         self.module, self.layout, self.stages = module, layout, stages
         parent_name, _, self._attr = layout.blocks_name.rpartition(".")
         self._parent = module.get_submodule(parent_name) if parent_name else module
         self.blocks = module.get_submodule(layout.blocks_name)
+        # The blocks are a plain chain (the trace's `chained`) in a list of torch's own kind (a subclass could run
+        # them its way): the middle stages may run them by themselves (`direct_stages`).
+        self.chained = chained and type(self.blocks) in (nn.ModuleList, nn.Sequential)
+        self._outside = [m for n, m in module.named_modules() if not n.startswith(layout.blocks_name + ".")]
         self.owned = {name for name, _ in module.named_parameters() if layout.held_by(name, stages)}
         self.shapes: dict[str, tuple[torch.Size, bool]] = {}
         self._containers: dict[int, nn.Module] = {}  # stage -> its blocks in a container like the user's (`_swap`)
@@ -282,7 +290,7 @@ class StageRunner:
         swapped = self._swap(stage, blocks)
         hooks = []
         if received is not None:
-            hooks.append(blocks[0].register_forward_pre_hook(lambda m, args: (received, *args[1:])))
+            hooks.append(blocks[0].register_forward_pre_hook(self._feed(received), with_kwargs=True))
         if stage < self.layout.stages - 1:
             hooks.append(blocks[-1].register_forward_hook(_finish))
         setattr(self._parent, self._attr, swapped)
@@ -292,6 +300,36 @@ class StageRunner:
             setattr(self._parent, self._attr, self.blocks)
             for hook in hooks:
                 hook.remove()
+
+    def direct_stages(self) -> frozenset[int]:
+        """This rank's stages that run their blocks by themselves this step: those between the first and the last,
+        when the blocks are a plain chain and no hook waits on a module outside them (the user's code around the
+        blocks would run it: a hook added since the trace, ZeRO-3's on the model, context parallel's on the
+        embeddings) nor on every module."""
+        if not self.chained or _global_hooks() or any(m._forward_pre_hooks or m._forward_hooks for m in self._outside):
+            return frozenset()
+        return frozenset(s for s in self.stages if 0 < s < self.layout.stages - 1)
+
+    def run_blocks(self, stage: int, received: torch.Tensor) -> torch.Tensor:
+        """Stage ``stage``'s blocks on ``received``, one after the other (see `direct_stages`)."""
+        out = received
+        for i in self.layout.ranges[stage]:
+            out = self.blocks[i](out)
+        return out
+
+    def _feed(self, received: torch.Tensor):
+        """The first block's pre-hook: ``received`` in place of its input (on a chained model, checked to be its
+        only argument, as the middle stages that run their blocks by themselves assume)."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            if self.chained and (len(args) != 1 or kwargs):
+                raise ValueError(
+                    f"pipeline: {self.layout.blocks_name}'s blocks are called with more than the hidden states "
+                    f"({len(args)} positional arguments, keywords {sorted(kwargs)}), but the first training batch "
+                    "called them with the hidden states alone, so the stages between the first and the last run "
+                    "their blocks by themselves and would leave the rest out. Call the blocks the same way on every "
+                    "batch (an attention mask always, or never)")
+            return (received, *args[1:]), kwargs
+        return hook
 
     def _swap(self, stage: int, blocks: list[nn.Module]) -> nn.Module:
         """``blocks`` (stage ``stage``'s) in a container of the user's kind: built once per stage, since a
@@ -310,6 +348,14 @@ class StageRunner:
             params[name].data = full[name].to(params[name].device).reshape(shape)
             params[name].requires_grad_(requires_grad)
         self.shapes.clear()
+
+
+def _global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`torch.nn.modules.module.register_module_forward_hook`
+    and the like)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks)
 
 
 def _finish(module: nn.Module, args: tuple, output):

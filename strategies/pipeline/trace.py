@@ -11,6 +11,8 @@ the blocks, in them, between two of them, or after them. Block arguments other t
 computed from parameters (a timestep or condition embedding, an encoder's output), and block outputs beyond the
 hidden states that the forward reads afterwards (an aux loss, a residual stream), are recorded too: the stages
 could not reproduce them (`stages.check_trace`). Extra outputs nothing reads (attention weights) are harmless.
+Whether the blocks form a plain chain is recorded too (`ForwardTrace.chained`): then a stage between the first and
+the last can run its blocks by themselves, without the user's code around them (`stages.StageRunner.run_blocks`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class ForwardTrace:
     uses: dict[str, set[str]] = field(default_factory=dict)  # parameter or buffer name -> phases it was used in
     computed_args: list[str] = field(default_factory=list)  # block arguments computed from parameters
     extra_outputs: list[str] = field(default_factory=list)  # blocks whose outputs beyond the hidden states are read
+    # Every block was called with one tensor alone, the previous block's output itself (the first block's: whatever
+    # the code before computed), and returned one tensor, under the autocast state and torch-function modes the
+    # forward was called in: nothing the user's code does around a middle stage's blocks reaches them.
+    chained: bool = False
 
     def phases(self, name: str) -> set[str]:
         return self.uses.get(name, set())
@@ -93,9 +99,12 @@ def trace_forward(module: nn.Module, run: Callable[[], Any], blocks_name: str | 
     log: list[tuple] = []
     recorder = _Recorder(names, {id(p) for p in module.parameters()}, log)
     lists = candidate_lists(module) if blocks_name is None else {blocks_name: module.get_submodule(blocks_name)}
-    hooks = [hook for name, container in lists.items() for hook in _log_hooks(name, container, recorder, log)]
+    hooks: list = []
     try:
         with torch.no_grad(), recorder:
+            ambient = _ambient()  # as the forward is called: the blocks must run in the same (`ForwardTrace.chained`)
+            hooks += [hook for name, container in lists.items()
+                      for hook in _log_hooks(name, container, recorder, log, ambient)]
             run()
     finally:
         for hook in hooks:
@@ -104,12 +113,22 @@ def trace_forward(module: nn.Module, run: Callable[[], Any], blocks_name: str | 
     return read_log(log, blocks, len(lists[blocks]))
 
 
-def _log_hooks(name: str, container: nn.Module, recorder: _Recorder, log: list) -> list:
+def _ambient() -> tuple:
+    """What decides how torch runs a call besides its arguments: autocast, and the torch-function modes pushed."""
+    return (*((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+            torch._C._len_torch_function_stack())
+
+
+def _log_hooks(name: str, container: nn.Module, recorder: _Recorder, log: list, ambient: tuple) -> list:
+    last: list = [None]  # the previous element's output (held for the chain check only while the forward runs)
+
     def enter(index: int):
         def hook(m, args, kwargs):
             extra = [(f"argument {k + 1}", a) for k, a in enumerate(args[1:])] + list(kwargs.items())
             computed = [key for key, value in extra if recorder.is_derived(value)]
-            log.append(("enter", name, index, computed))
+            alone = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+            chained = alone and (index == 0 or args[0] is last[0]) and _ambient() == ambient
+            log.append(("enter", name, index, computed, chained))
         return hook
 
     def leave(index: int):
@@ -117,7 +136,8 @@ def _log_hooks(name: str, container: nn.Module, recorder: _Recorder, log: list) 
             if isinstance(output, (tuple, list)):  # what else a block returns matters only if something reads it
                 for t in tensors_of(list(output[1:])):
                     recorder.extras[id(t)] = (t, name, index)
-            log.append(("leave", name, index))
+            last[0] = output if index < len(container) - 1 else None
+            log.append(("leave", name, index, isinstance(output, torch.Tensor)))
         return hook
 
     return [hook for index, child in enumerate(container)
@@ -159,6 +179,8 @@ def pick_blocks(log: list, lists: dict[str, nn.Module], given: str | None) -> st
 def read_log(log: list, blocks: str, size: int) -> ForwardTrace:
     """Phases of every use, with ``blocks`` as the list of blocks."""
     trace, phase, open_calls = ForwardTrace(blocks), PRE, 0
+    calls = [e for e in log if e[0] in ("enter", "leave") and e[1] == blocks]
+    trace.chained = bool(calls) and all(e[-1] is True for e in calls)
     for event in log:
         if event[0] == "use":
             trace.uses.setdefault(event[1], set()).add(BLOCKS if open_calls else phase)

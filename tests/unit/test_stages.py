@@ -100,3 +100,37 @@ def test_split_microbatches(batch):
 def test_batch_that_does_not_split_names_the_sizes():
     with pytest.raises(ValueError, match="a batch of 6 samples does not split into mb4"):
         split_microbatches((torch.zeros(6, 2), torch.zeros(6)), 4)
+
+
+def test_a_middle_stage_of_a_chain_runs_its_blocks_alone_as_the_users_code_would():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    ids, hidden = torch.randint(0, 32, (2, 8)), torch.randn(2, 8, 16)
+    runner = StageRunner(model, plan_stages(model, 3), [0, 1, 2], chained=True)
+    assert runner.direct_stages() == {1}  # the first and the last stage need the code before and after the blocks
+    with runner.stage(1, hidden), pytest.raises(StageDone) as done:
+        model(ids)
+    torch.testing.assert_close(runner.run_blocks(1, hidden), done.value.output, rtol=0, atol=0)
+    handle = model.tok_emb.register_forward_hook(lambda *a: None)  # a hook the user's code would run: not alone
+    assert runner.direct_stages() == frozenset()
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    assert runner.direct_stages() == frozenset()
+    handle.remove()
+    assert StageRunner(model, plan_stages(model, 3), [1]).direct_stages() == frozenset()  # not traced as a chain
+
+
+def test_the_last_stage_refuses_blocks_called_with_more_than_the_traced_chain():
+    # The trace saw the hidden states alone; a later batch's mask would be left out by the middle stages.
+    class Masked(GPT):
+        def forward(self, idx):
+            x = self.tok_emb(idx)
+            for block in self.blocks:
+                x = block(x, idx > 0)
+            return x
+
+    torch.manual_seed(0)
+    model = Masked(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    runner = StageRunner(model, plan_stages(model, 2), [1], chained=True)
+    with runner.stage(1, torch.randn(2, 8, 16)), pytest.raises(ValueError, match="called with more than the hidden"):
+        model(torch.randint(0, 32, (2, 8)))

@@ -160,3 +160,40 @@ def test_one_tensor_in_two_blocks_is_refused():
     model.blocks[1].experts[0].weight = model.blocks[0].experts[0].weight
     with pytest.raises(ValueError, match=r"blocks.0.experts.0.weight: it is the same tensor in blocks \['0', '1'\]"):
         _layout(model, torch.randint(0, 16, (2, 4)))
+
+
+class _Around(nn.Module):
+    """The demo's blocks with the user's code around them: a mask, code between blocks, or autocast."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(_Masked() for _ in range(3))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.how == "autocast"):
+            for block in self.blocks:
+                x = block(x, mask=ids > 0) if self.how == "mask" else block(x)
+                x = x * 2 if self.how == "between" else x
+        return x.float().sum()
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        return self.lin(x) if mask is None else self.lin(x) * mask[..., None]
+
+
+@pytest.mark.parametrize("how, chained", [("plain", True), ("mask", False), ("between", False), ("autocast", False)])
+def test_blocks_are_a_plain_chain_only_when_nothing_but_the_previous_output_reaches_them(how: str, chained: bool):
+    # A middle stage runs its blocks by themselves only on a chain: a mask, code between two blocks or an autocast
+    # the user's forward enters would be left out.
+    model = _Around(how)
+    assert trace_forward(model, lambda: model(torch.randint(0, 16, (2, 4)))).chained is chained
+    demo = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    assert trace_forward(demo, lambda: demo(torch.randint(0, 32, (2, 8)))).chained
