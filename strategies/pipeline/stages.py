@@ -271,9 +271,9 @@ class StageRunner:
         self._parent = module.get_submodule(parent_name) if parent_name else module
         self.blocks = module.get_submodule(layout.blocks_name)
         # The blocks are a plain chain (the trace's `chained`) in a list of torch's own kind (a subclass could run
-        # them its way): the middle stages may run them by themselves (`direct_stages`).
-        self.chained = chained and type(self.blocks) in (nn.ModuleList, nn.Sequential)
-        self._outside = [m for n, m in module.named_modules() if not n.startswith(layout.blocks_name + ".")]
+        # them its way), and there are stages between the first and the last: those may run their blocks by
+        # themselves (`direct_stages`), and the stages that run the user's code check the chain holds (`_feed`).
+        self.chained = chained and type(self.blocks) in (nn.ModuleList, nn.Sequential) and layout.stages > 2
         self.owned = {name for name, _ in module.named_parameters() if layout.held_by(name, stages)}
         self.shapes: dict[str, tuple[torch.Size, bool]] = {}
         self._containers: dict[int, nn.Module] = {}  # stage -> its blocks in a container like the user's (`_swap`)
@@ -306,7 +306,8 @@ class StageRunner:
         when the blocks are a plain chain and no hook waits on a module outside them (the user's code around the
         blocks would run it: a hook added since the trace, ZeRO-3's on the model, context parallel's on the
         embeddings) nor on every module."""
-        if not self.chained or _global_hooks() or any(m._forward_pre_hooks or m._forward_hooks for m in self._outside):
+        if not self.chained or _global_hooks() or any(m._forward_pre_hooks or m._forward_hooks
+                                                      for m in _outside(self.module, self.blocks)):
             return frozenset()
         return frozenset(s for s in self.stages if 0 < s < self.layout.stages - 1)
 
@@ -348,6 +349,17 @@ class StageRunner:
             params[name].data = full[name].to(params[name].device).reshape(shape)
             params[name].requires_grad_(requires_grad)
         self.shapes.clear()
+
+
+def _outside(module: nn.Module, blocks: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules but the blocks' own (the container itself included), walked each step: a
+    technique may have replaced one (a vocabulary-parallel head) since the runner was built."""
+    yield module
+    for child in module.children():
+        if child is blocks:
+            yield child
+        else:
+            yield from _outside(child, blocks)
 
 
 def _global_hooks() -> bool:

@@ -130,7 +130,14 @@ def test_the_last_stage_refuses_blocks_called_with_more_than_the_traced_chain():
             return x
 
     torch.manual_seed(0)
-    model = Masked(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
-    runner = StageRunner(model, plan_stages(model, 2), [1], chained=True)
-    with runner.stage(1, torch.randn(2, 8, 16)), pytest.raises(ValueError, match="called with more than the hidden"):
+    model = Masked(GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    runner = StageRunner(model, plan_stages(model, 3), [2], chained=True)
+    with runner.stage(2, torch.randn(2, 8, 16)), pytest.raises(ValueError, match="called with more than the hidden"):
         model(torch.randint(0, 32, (2, 8)))
+
+
+def test_two_stages_have_no_middle_so_nothing_is_checked_or_run_alone():
+    # With no stage between the first and the last every stage runs the user's code: a mask on some batches is fine.
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, seq_len=8))
+    runner = StageRunner(model, plan_stages(model, 2), [0, 1], chained=True)
+    assert not runner.chained and runner.direct_stages() == frozenset()
