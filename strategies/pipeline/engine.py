@@ -72,8 +72,11 @@ class PipelineParallel(Technique):
         blocks = module.get_submodule(self.layout.blocks_name)
         self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
         self._last_backward = _reducing(self.table)
-        fused = fused_weights(self.table, self._last_backward, self.where) if self.weights is not None else frozenset()
-        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _waits_for_sends(mesh),
+        # On gloo, the host's cores decide what a step waits on (`_crowded`): the messages, or the CPU time.
+        gloo, crowded = _on_gloo(self.axis), _crowded(mesh)
+        fused = fused_weights(self.table, self._last_backward, self.where, across=gloo and crowded) \
+            if self.weights is not None else frozenset()
+        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and gloo and not crowded,
                                      where=self.where, weights=self.weights, fused=fused, carrier=_loss_carrier(tables))
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
@@ -270,35 +273,41 @@ def _reducing(actions: list[schedules.Action]) -> set[schedules.Action]:
 
 
 def fused_weights(actions: list[schedules.Action], reducing: set[schedules.Action],
-                  where: dict[int, int]) -> frozenset[tuple[int, int]]:
+                  where: dict[int, int], across: bool = False) -> frozenset[tuple[int, int]]:
     """The (stage, microbatch) whose W the runner runs inside its B, as one full backward (torch's `_merge_bw` defines
     the merge): where the W directly follows its B in this rank's ``actions`` and B's input gradient goes to no other
     rank (stage 0, or the previous stage on this rank per ``where``, the V's bottom). Where it goes to another rank the
     split is what sends it one W sooner, which the receiver may be waiting for (merged anyway: pp2 ZB-V on 2 CPU ranks,
-    10% slower a step). Not where only one of the two reduces over dp (``reducing``): a full backward reduces every
-    gradient it makes, or none."""
+    10% slower a step), unless ``across``: the CPU time is what the step waits on (`_crowded`), and the split's costs
+    more than the receiver gains (pp4 on 2 CPU cores, merged: DualPipeV 0.96 -> 1.02 of torch's steps a second, 4 ms
+    less CPU a rank and step; ZB-V 1.07 -> 1.09). Not where only one of the two reduces over dp (``reducing``): a full
+    backward reduces every gradient it makes, or none."""
     return frozenset((b.stage, b.microbatch) for b, w in zip(actions, actions[1:])
                      if b.phase is schedules.Phase.BACKWARD and w.phase is schedules.Phase.WEIGHT
                      and (b.stage, b.microbatch) == (w.stage, w.microbatch) and (b in reducing) == (w in reducing)
-                     and (b.stage == 0 or where[b.stage - 1] == where[b.stage]))
+                     and (across or b.stage == 0 or where[b.stage - 1] == where[b.stage]))
 
 
-def _waits_for_sends(mesh: ParallelMesh) -> bool:
-    """Whether the runner completes its sends before computing again (see `runner`): on gloo, where each rank of this
-    node has a core of its own. With more ranks than cores, a rank that waits for its send waits until the receiver,
-    itself waiting for a core, posts its receive, while it could have computed its next action (pp4 on 2 CPU cores,
-    steps a second against torch's: GPipe 0.96 -> 0.99, 1F1B 0.97 -> 0.99, ZB-H1 0.99 -> 1.04 without waiting; at
-    pp2, GPipe 1.02 -> 1.07 with). On nccl the CPU leaves sends to the stream."""
+def _on_gloo(axis: Axis) -> bool:
+    import torch.distributed as dist
+
+    return axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"
+
+
+def _crowded(mesh: ParallelMesh) -> bool:
+    """Whether this node runs more ranks than this process has cores. On gloo, where each rank has a core, the runner
+    completes its sends before computing again (`runner`); where they have not, a rank that waits for its send waits
+    until the receiver, itself waiting for a core, posts its receive, while it could have computed its next action (pp4
+    on 2 CPU cores, steps a second against torch's: GPipe 0.96 -> 0.99, 1F1B 0.97 -> 0.99, ZB-H1 0.99 -> 1.04 without
+    waiting; at pp2, GPipe 1.02 -> 1.07 with), and a B and its W merge (`fused_weights`). (A launcher that pins each
+    rank to cores of its own is taken for crowded: a heuristic of speed only.)"""
     import os
 
     import torch.distributed as dist
 
-    axis = mesh.pp
-    if not (axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"):
-        return False
-    here = mesh.nodes.count(mesh.nodes[dist.get_rank()])  # the ranks of this node, every axis's
+    here = mesh.nodes.count(mesh.nodes[dist.get_rank()]) if dist.is_initialized() else 1  # every axis's ranks
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return here <= cores
+    return here > cores
 
 
 def _to(tree: Any, device: torch.device) -> Any:

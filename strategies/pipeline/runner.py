@@ -7,7 +7,7 @@ messages. The CPU waits less than the stream does, which can only let things pro
 when an action needs it (or a buffer's shape: a header), sends before the next compute where the program is grouped
 per action on gloo and each rank of the node has a core (a send left in flight is moved by gloo's thread while this
 rank computes, and that thread then waits for a core, so the next stage gets its input late; with more ranks than
-cores, waiting costs more: `engine._waits_for_sends`), else at the step's end. A W does
+cores, waiting costs more: `engine._crowded`), else at the step's end. A W does
 not wait for them: it fills the time the receiver takes to post its receive (a large send completes only then), which
 waiting would turn back into bubble (measured, pp2_zb1p_mb8 on 2 CPU ranks: 21% idle waiting, 7% not; 1F1B 10%). The
 first microbatch's activation of each stage goes with a small header (shape, dtype), since the receiver cannot know
@@ -22,9 +22,9 @@ carries the sum in a few extra elements at its end, a float32 bit for bit in the
 8-byte one); each stage passes it on with its own gradient of that microbatch (``carrier``; as it came, where the
 dtypes agree), so every rank has the same float when its backwards are done. Only that microbatch's gradients are
 copied to make room for it: it rode on every gradient once, a copy each way per backward. A W that directly follows
-its own B (``fused``: where B's input gradient goes to no other rank, see `engine.fused_weights`) runs inside that B,
-as one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a stage's compute on
-the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
+its own B (``fused``: where B's input gradient goes to no other rank, or the CPU is short: `engine.fused_weights`) runs
+inside that B, as one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a
+stage's compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations

@@ -180,23 +180,21 @@ def test_a_gradient_carries_its_microbatchs_loss_bit_for_bit(dtype: torch.dtype,
         assert runner._loss(runner._unpack(again, torch.zeros(3, dtype=other))[1]).item() == loss.item()
 
 
-@pytest.mark.parametrize("backend, nodes, cores, waits", [
-    ("gloo", [0, 0], 2, True),  # a core per rank: sends are completed before the next compute
-    ("gloo", [0, 0, 0, 0], 2, False),  # more ranks than cores: a rank computes on while its sends wait
-    ("gloo", [0, 0, 1, 1], 2, True),  # counted per node
-    ("nccl", [0, 0], 2, False),  # the stream runs them
+
+@pytest.mark.parametrize("nodes, cores, crowded", [
+    ([0, 0], 2, False),  # a core per rank: sends are completed before the next compute, B and W stay split
+    ([0, 0, 0, 0], 2, True),  # more ranks than cores: a rank computes on while its sends wait; B and W merge
+    ([0, 0, 1, 1], 2, False),  # counted per node
 ])
-def test_sends_are_waited_for_where_each_rank_has_a_core(monkeypatch, backend, nodes, cores, waits):
+def test_a_node_is_crowded_where_it_runs_more_ranks_than_a_process_has_cores(monkeypatch, nodes, cores, crowded):
     import os
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from strategies.pipeline.engine import _waits_for_sends
+    from strategies.pipeline.engine import _crowded
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    mesh = SimpleNamespace(pp=SimpleNamespace(size=len(nodes), group=None), nodes=nodes)
-    assert _waits_for_sends(mesh) is waits
+    assert _crowded(SimpleNamespace(nodes=nodes)) is crowded

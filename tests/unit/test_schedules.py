@@ -161,6 +161,8 @@ def test_a_w_right_after_its_own_b_runs_inside_it_where_no_rank_waits_for_bs_gra
     sends = table("F1.0 B1.0 W1.0")
     assert fused_weights(sends, _reducing(sends), alone) == set()
     assert fused_weights(sends, _reducing(sends), {0: 0, 1: 0}) == {(1, 0)}
+    assert fused_weights(sends, _reducing(sends), alone, across=True) == {(1, 0)}  # where the CPU is short: merged
+    assert fused_weights(ahead, _reducing(ahead), alone, across=True) == {(0, 0), (0, 3)}  # held W's: still split
     # ZB-V at pp2: rank 0's stage 0 and rank 1's stage 2 (the V's bottom, after stage 1 on the same rank).
     zbv = build("zbv", 2, 4)
     assert fused_weights(zbv[0], _reducing(zbv[0]), owners(zbv)) == {(0, m) for m in range(4)}
