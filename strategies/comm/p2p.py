@@ -66,6 +66,11 @@ class GroupHandle:
         self._works, self._records, self._checks, self._axis, self._kind = works, records, checks, axis, kind
         self._limit = limit  # strict mode's, as it was when the group was issued
 
+    def done(self) -> bool:
+        """Whether every message of the group has completed (without waiting; `wait` still checks strict mode's
+        labels)."""
+        return all(work.is_completed() for work in self._works)
+
     def wait(self) -> None:
         if self._works:
             limit = self._limit

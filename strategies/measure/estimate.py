@@ -246,7 +246,7 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = sum(chunk_grads) / max(blocks, 1)
     early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
-                 sends_wait_to_the_end=early is not None, early=tuple(early[rank]) if early else ())
+                 early=tuple(early[rank]) if early else ())
 
 
 def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:

@@ -13,13 +13,13 @@ micro-step (the accumulation window's micro-steps one after the other, the table
   chunk its input (received from the previous stage: kept until its backward). A stage's output is its last block's
   residual add, counted with that block.
 - **temporaries**, the rest beyond the states: the loss's and a block backward's working set (the incoming gradient,
-  the MLP's input gradient, one weight gradient before it is accumulated), the block rebuilt by recompute,
-  ZeRO-3's gathered blocks (the current one and the one prefetched), gradients ZeRO-2/3 keep whole across the
-  backwards of a step that are not its last (under pp, or accumulation: they are reduce-scattered only in the
-  last), what the interleaved schedule leaves in flight until the step ends (the gradients it sends back), and
-  two costs of the machine: the communication backend's working memory (gloo copies a reduce-scatter's input and
-  gathers through a buffer the size of the output; NCCL does neither) and the matrix library's workspace inside one
-  matmul (`workspace`, measured on CPU by `calibrate.kernel_workspace`).
+  the MLP's input gradient, one weight gradient before it is accumulated), the block rebuilt by recompute, ZeRO-3's
+  gathered blocks (the current one and the one prefetched), gradients ZeRO-2/3 keep whole across the backwards of a
+  step that are not its last (under pp, or accumulation: they are reduce-scattered only in the last), the messages a
+  program in rounds receives ahead of use (the runner lets go of a send once it has completed, before its next action:
+  no send is counted as held), and two costs of the machine: the communication backend's working memory (gloo copies a
+  reduce-scatter's input and gathers through a buffer the size of the output; NCCL does neither) and the matrix
+  library's workspace inside one matmul (`workspace`, measured on CPU by `calibrate.kernel_workspace`).
 
 Split backwards (the zero-bubble schedules): B frees the chunk's activations but keeps, per block, each linear's input
 and output gradient (`Pieces.stash`, 4 + 12/t: as much as a block saves without recompute, so ZB-H1 holds what 1F1B
@@ -107,9 +107,8 @@ class Rules:
     #                     beside the gradients not yet moved into it (freed once the last one has reduced) ...
     flats_early: bool = True  # ... before the block's first matmul (ZeRO-2's buckets start at the chunk's last
     #                           parameters), or after it (ZeRO-3's flat is its block's)
-    sends_wait_to_the_end: bool = False  # what a chunk sends (its output, the gradient of its input) stays in flight
-    #                                      until the step ends (programs in rounds, `pipeline.messages`) ...
-    early: tuple[int, ...] = ()  # ... which also receive ahead of use: per action, the messages held for later ones
+    early: tuple[int, ...] = ()  # programs in rounds (`pipeline.messages`) receive ahead of use: per action, the
+    #                              messages held for later ones
 
 
 def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], workspace: float = 0.0,
@@ -165,7 +164,6 @@ class _Walk:
         self.held += flat
         self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
         self._gradients(action, chunk, ahead)
-        self._sent(chunk)
 
     def input_backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
         """B of a split backward: the working set without the weights' gradients; the chunk's activations are
@@ -179,7 +177,6 @@ class _Walk:
         self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
         self.stash += p.stashed(chunk.blocks)
         self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + p.backward, action)
-        self._sent(chunk)
 
     def weight_backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
@@ -214,7 +211,3 @@ class _Walk:
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)
-
-    def _sent(self, chunk: Chunk) -> None:
-        if self.rules.sends_wait_to_the_end:  # its output and the gradient it sent back stay in flight
-            self.held += self.pieces.boundary * ((not chunk.last) + (not chunk.first))

@@ -121,8 +121,8 @@ class PipelineRunner:
             self._exchange(item, step, device)
             if item.action is None or self._merged(item.action, Phase.WEIGHT):
                 continue  # (a fused W ran inside its B)
-            if self.wait_sends and item.action.phase is not Phase.WEIGHT:
-                _complete(step.sending)
+            if item.action.phase is not Phase.WEIGHT:
+                _complete(step.sending) if self.wait_sends else _release(step.sending)
             context = contextlib.nullcontext()
             if item.action.phase is not Phase.FORWARD and backward_context is not None:
                 context = backward_context(item.action)
@@ -329,6 +329,18 @@ def _receive(message: Message, step: _Step) -> torch.Tensor:
     handle, tensor = step.arriving.pop(message)
     handle.wait()
     return tensor
+
+
+def _release(sending: list) -> None:
+    """Let go of the sends that have completed (the others stay in flight): a gradient sent is held by nothing
+    else, and held to the step's end it would raise the step's peak by a microbatch's worth per backward."""
+    kept = []
+    for handle, tensors in sending:
+        if handle.done():
+            handle.wait()  # returns at once (and runs strict mode's checks)
+        else:
+            kept.append((handle, tensors))
+    sending[:] = kept
 
 
 def _complete(sending: list) -> None:

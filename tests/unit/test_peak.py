@@ -55,17 +55,14 @@ def test_released_gradients_and_flats():
     assert walk(PIECES, chunk, actions, rules=Rules(flats=256)).total == base.total + 256
 
 
-def test_lock_step_sends_stay_in_flight_to_the_end():
+def test_messages_received_ahead_of_use_are_held():
     table = [Action(Phase.FORWARD, 1, m) for m in range(3)] + [Action(Phase.BACKWARD, 1, m) for m in range(3)]
     chunks = {1: Chunk(blocks=0, first=False, last=False, reduce=100)}
     actions = step_actions(table, 1, 3)
     quiet = Pieces(boundary=1, block=0, recompute=0, embedding=0, head=0, logits=0, backward=0)
-    # The peak is the last backward's reduction: with the outputs and input gradients of the two microbatches before
-    # it still in flight (a middle chunk sends both), 4 more; with one message received ahead, 5.
+    # The peak is the last backward's reduction; with one message received ahead of it, one more.
     assert walk(quiet, chunks, actions).total == 100
-    assert walk(quiet, chunks, actions, rules=Rules(sends_wait_to_the_end=True)).total == 104
-    ahead = Rules(sends_wait_to_the_end=True, early=(0, 0, 0, 0, 0, 1))
-    assert walk(quiet, chunks, actions, rules=ahead).total == 105
+    assert walk(quiet, chunks, actions, rules=Rules(early=(0, 0, 0, 0, 0, 1))).total == 101
 
 
 def test_accumulation_runs_micro_steps_one_after_the_other():
