@@ -227,9 +227,11 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
                  weights=grads if plan.schedule.splits_backward else 0.0)
 
 
-def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int) -> Rules:
+def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
+           rounds: bool = False) -> Rules:
     """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
-    model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all)."""
+    model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all); ``rounds``: every program grouped
+    in rounds (a crowded host: `messages.crowded`)."""
     n = plan.data_ranks
     naive = plan.data is DataMode.NAIVE and n > 1
     # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
@@ -244,7 +246,7 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
     elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
-    early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
+    early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds) if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
                  early=tuple(early[rank]) if early else ())
 
@@ -326,10 +328,11 @@ def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
 
 
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
-             act_bytes: int | None = None, backend: str = "nccl", workspace: float = 0.0) -> Estimate:
+             act_bytes: int | None = None, backend: str = "nccl", workspace: float = 0.0,
+             crowded: bool = False) -> Estimate:
     """Predict ``plan`` at ``world_size`` for ``shape`` under Lightning's ``precision``. ``act_bytes``: bytes per
-    activation element (default: the precision's, 4 or 2). ``backend``: the collectives' (``gloo`` holds copies
-    that ``nccl`` does not); ``workspace``: the matrix library's working memory in one matmul (`peak`)."""
+    activation element (default: the precision's); ``backend``: the collectives' (``gloo`` holds copies ``nccl`` does
+    not); ``workspace``: one matmul's working memory (`peak`); ``crowded``: `messages.crowded` (the host's ranks)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
     _check_plan(shape, plan)
     weight_bytes, grad_bytes, _, default_act = layout(precision)
@@ -347,7 +350,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, stages, grad_bytes, backend, held) for s in mine}
         actions = step_actions(tables[rank] if tables else None, shape.accumulate, plan.microbatches or 1)
         states = model_states(psi, plan, precision)
-        rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine))
+        rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
+                       crowded and backend == GLOO)
         peak = walk(pieces, chunks, actions, workspace, rules)
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
         memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
@@ -378,9 +382,11 @@ def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int
 
 
 @functools.cache
-def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int) -> list[list[int]] | None:
-    """For pipeline programs grouped in rounds (interleaved, the V schedules: `messages.grouped`), per rank and action
-    the messages received ahead of use (`messages.held_receives`); None for programs grouped per action."""
+def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int,
+                rounds: bool = False) -> list[list[int]] | None:
+    """For pipeline programs grouped in rounds (interleaved, the V schedules: `messages.grouped`; every schedule where
+    ``rounds``), per rank and action the messages received ahead of use (`messages.held_receives`); None for programs
+    grouped per action."""
     tables = schedules.build(schedule, pp, microbatches, virtual)
-    progs, how = messages.grouped(tables, pp)
+    progs, how = messages.grouped(tables, pp, "rounds" if rounds else None)
     return [messages.held_receives(p) for p in progs] if how == "rounds" else None

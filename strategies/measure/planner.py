@@ -236,17 +236,17 @@ class Choice:
 
 def choose_schedule(shape: ModelShape, plan: ParallelPlan, hw: Hardware, precision: str = DEFAULT_PRECISION,
                     backend: str = "nccl", workspace: float = 0.0,
-                    names: tuple[str, ...] = SCHEDULE_CANDIDATES) -> Choice:
+                    names: tuple[str, ...] = SCHEDULE_CANDIDATES, crowded: bool = False) -> Choice:
     """``plan`` (resolved) with a schedule: its own, or for ``pp<N>`` without one (AUTO), the candidate of ``names``
     with the smallest predicted step time whose peak memory fits ``hw`` (the one holding least if none fits), and
-    why."""
+    why. ``crowded``: `estimate`'s."""
     options, refusals = [], []
     auto = plan.pp > 1 and plan.schedule is PipelineSchedule.AUTO
     for name in names if auto else ("",):
         try:
             cand = dataclasses.replace(plan, schedule=PipelineSchedule(name), virtual=2 if name == "interleaved"
                                        else 1) if auto else plan
-            est = estimate(shape, cand, hw.gpus, precision, backend=backend, workspace=workspace)
+            est = estimate(shape, cand, hw.gpus, precision, backend=backend, workspace=workspace, crowded=crowded)
         except ValueError as err:  # a schedule the microbatches or the blocks do not allow
             refusals.append(f"{name or plan.schedule.value}: {err}")
             continue

@@ -9,6 +9,7 @@ from strategies.equivalents import equivalent_plan
 from strategies.measure.estimate import ModelShape
 from strategies.measure.peak import GLOO
 from strategies.measure.planner import GiB, Hardware, choose_schedule, step_time
+from strategies.pipeline import messages
 from strategies.plan import ParallelPlan
 from strategies.runs.schema import MODEL_STATE
 
@@ -29,7 +30,8 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
         cpu = accelerator == "cpu"
         workspace = _cpu_workspace(shape, plan, world_size) if cpu else 0.0
         hw = Hardware(gpus=world_size, memory=memory if memory is not None else device_memory(accelerator, world_size))
-        choice = choose_schedule(shape, plan, hw, precision, backend=GLOO if cpu else "nccl", workspace=workspace)
+        choice = choose_schedule(shape, plan, hw, precision, backend=GLOO if cpu else "nccl", workspace=workspace,
+                                 crowded=cpu and messages.crowded(world_size))  # a CPU run's ranks: on this host
     except (KeyError, ValueError):
         return None
     est, plan = choice.estimate, choice.plan

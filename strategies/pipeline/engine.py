@@ -63,8 +63,10 @@ class PipelineParallel(Technique):
                                 self.where[self.stages - 1])
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.table_bubble(tables)
-        # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use.
-        self.program, self.known_program, how = _programs(tables, pp, self.axis.index)
+        # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use. On gloo,
+        # the host's cores decide what a step waits on (`messages.crowded`): the messages, or the CPU time.
+        crowded = _crowded(mesh)
+        self.program, self.known_program, how = _programs(tables, pp, self.axis.index, crowded)
         self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
@@ -72,11 +74,9 @@ class PipelineParallel(Technique):
         blocks = module.get_submodule(self.layout.blocks_name)
         self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
         self._last_backward = _reducing(self.table)
-        # On gloo, the host's cores decide what a step waits on (`_crowded`): the messages, or the CPU time.
-        gloo, crowded = _on_gloo(self.axis), _crowded(mesh)
-        fused = fused_weights(self.table, self._last_backward, self.where, across=gloo and crowded) \
-            if self.weights is not None else frozenset()
-        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and gloo and not crowded,
+        split = self.weights is not None
+        fused = fused_weights(self.table, self._last_backward, self.where, crowded) if split else frozenset()
+        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
                                      where=self.where, weights=self.weights, fused=fused, carrier=_loss_carrier(tables))
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
@@ -240,11 +240,12 @@ class PipelineParallel(Technique):
             self.restore_full_model()  # every parameter back from its stage: a whole module again
 
 
-def _programs(tables: schedules.ScheduleTable, pp: int, rank: int) -> tuple[list, list, str]:
+def _programs(tables: schedules.ScheduleTable, pp: int, rank: int, crowded: bool = False) -> tuple[list, list, str]:
     """This rank's program, the same without headers (for a step whose batch is shaped as the last step's: the
     receivers know the activations' shapes from that step's headers, and the runner checks each send against them;
-    two messages and a wait fewer per stage boundary and step), and how both are grouped."""
-    progs, how = messages.grouped(tables, pp)
+    two messages and a wait fewer per stage boundary and step), and how both are grouped: in rounds where the host is
+    ``crowded`` (`messages.crowded`), else as `messages.grouped` prefers."""
+    progs, how = messages.grouped(tables, pp, "rounds" if crowded else None)
     return progs[rank], messages.grouped(tables, pp, how=how, headers=False)[0][rank], how
 
 
@@ -278,36 +279,25 @@ def fused_weights(actions: list[schedules.Action], reducing: set[schedules.Actio
     the merge): where the W directly follows its B in this rank's ``actions`` and B's input gradient goes to no other
     rank (stage 0, or the previous stage on this rank per ``where``, the V's bottom). Where it goes to another rank the
     split is what sends it one W sooner, which the receiver may be waiting for (merged anyway: pp2 ZB-V on 2 CPU ranks,
-    10% slower a step), unless ``across``: the CPU time is what the step waits on (`_crowded`), and the split's costs
-    more than the receiver gains (pp4 on 2 CPU cores, merged: DualPipeV 0.96 -> 1.02 of torch's steps a second, 4 ms
-    less CPU a rank and step; ZB-V 1.07 -> 1.09). Not where only one of the two reduces over dp (``reducing``): a full
-    backward reduces every gradient it makes, or none."""
+    10% slower a step), unless ``across``: the CPU time is what the step waits on (`messages.crowded`), and the split
+    costs more than the receiver gains (pp4 on 2 CPU cores, merged: DualPipeV 0.96 -> 1.02 of torch's steps a second,
+    4 ms less CPU a rank and step; ZB-V 1.07 -> 1.09). Not where only one of the two reduces over dp (``reducing``): a
+    full backward reduces every gradient it makes, or none."""
     return frozenset((b.stage, b.microbatch) for b, w in zip(actions, actions[1:])
                      if b.phase is schedules.Phase.BACKWARD and w.phase is schedules.Phase.WEIGHT
                      and (b.stage, b.microbatch) == (w.stage, w.microbatch) and (b in reducing) == (w in reducing)
                      and (across or b.stage == 0 or where[b.stage - 1] == where[b.stage]))
 
 
+def _crowded(mesh: ParallelMesh) -> bool:
+    """On gloo, whether this node's ranks outnumber this process's cores (`messages.crowded`)."""
+    return _on_gloo(mesh.pp) and messages.crowded(mesh.nodes.count(mesh.nodes[mesh.world.index]))
+
+
 def _on_gloo(axis: Axis) -> bool:
     import torch.distributed as dist
 
     return axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"
-
-
-def _crowded(mesh: ParallelMesh) -> bool:
-    """Whether this node runs more ranks than this process has cores. On gloo, where each rank has a core, the runner
-    completes its sends before computing again (`runner`); where they have not, a rank that waits for its send waits
-    until the receiver, itself waiting for a core, posts its receive, while it could have computed its next action (pp4
-    on 2 CPU cores, steps a second against torch's: GPipe 0.96 -> 0.99, 1F1B 0.97 -> 0.99, ZB-H1 0.99 -> 1.04 without
-    waiting; at pp2, GPipe 1.02 -> 1.07 with), and a B and its W merge (`fused_weights`). (A launcher that pins each
-    rank to cores of its own is taken for crowded: a heuristic of speed only.)"""
-    import os
-
-    import torch.distributed as dist
-
-    here = mesh.nodes.count(mesh.nodes[dist.get_rank()]) if dist.is_initialized() else 1  # every axis's ranks
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return here > cores
 
 
 def _to(tree: Any, device: torch.device) -> Any:

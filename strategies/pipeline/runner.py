@@ -5,9 +5,9 @@ Every group goes out as one `comm.exchange`, in the program's order: that order 
 rank, a pair's messages matched as issued, no tags) and what `messages.check` proved free of hangs and swapped
 messages. The CPU waits less than the stream does, which can only let things progress sooner: a receive is waited for
 when an action needs it (or a buffer's shape: a header), sends before the next compute where the program is grouped
-per action on gloo and each rank of the node has a core (a send left in flight is moved by gloo's thread while this
-rank computes, and that thread then waits for a core, so the next stage gets its input late; with more ranks than
-cores, waiting costs more: `engine._crowded`), else at the step's end. A W does
+per action on gloo (a send left in flight is moved by gloo's thread while this rank computes, and on a host with a core
+per rank that thread waits for a core, so the next stage gets its input late; on a host with fewer cores than ranks
+every program is grouped in rounds: `messages.crowded`), else at the step's end. A W does
 not wait for them: it fills the time the receiver takes to post its receive (a large send completes only then), which
 waiting would turn back into bubble (measured, pp2_zb1p_mb8 on 2 CPU ranks: 21% idle waiting, 7% not; 1F1B 10%). The
 first microbatch's activation of each stage goes with a small header (shape, dtype), since the receiver cannot know

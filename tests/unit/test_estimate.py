@@ -153,3 +153,14 @@ def test_sequence_parallel_recompute_gathers_again_up_to_the_blocks_last_saved_t
     plain, again = estimate(shape, "dp_tp2_sp", 4).comm, estimate(shape, "dp_tp2_sp_ac", 4).comm
     assert (plain["all_gather/tp"], plain["reduce_scatter/tp"]) == (655360, 524288)
     assert (again["all_gather/tp"], again["reduce_scatter/tp"]) == (917504, 655360)
+
+
+def test_a_crowded_gloo_host_holds_the_receives_its_rounds_post_ahead():
+    # Where the ranks outnumber the cores, gloo's pipeline groups 1F1B's messages in rounds (`messages.crowded`): a
+    # receive is posted as soon as its send is issued, so a rank holds buffers for actions still ahead.
+    shape = ModelShape(layers=4, hidden=32, heads=4, seq=16, vocab=88, batch=8)
+    alone = estimate(shape, "pp2_1f1b_mb4", 2, backend="gloo")
+    crowded = estimate(shape, "pp2_1f1b_mb4", 2, backend="gloo", crowded=True)
+    assert crowded.memory[1]["temporaries"] > alone.memory[1]["temporaries"]  # rank 1 receives gradients ahead
+    nccl = estimate(shape, "pp2_1f1b_mb4", 2, crowded=True), estimate(shape, "pp2_1f1b_mb4", 2)
+    assert nccl[0].memory == nccl[1].memory  # NCCL's stream moves the messages: grouped per action all the same

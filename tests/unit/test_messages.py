@@ -181,20 +181,10 @@ def test_a_gradient_carries_its_microbatchs_loss_bit_for_bit(dtype: torch.dtype,
 
 
 
-@pytest.mark.parametrize("nodes, cores, crowded", [
-    ([0, 0], 2, False),  # a core per rank: sends are completed before the next compute, B and W stay split
-    ([0, 0, 0, 0], 2, True),  # more ranks than cores: a rank computes on while its sends wait; B and W merge
-    ([0, 0, 1, 1], 2, False),  # counted per node
-])
-def test_a_node_is_crowded_where_it_runs_more_ranks_than_a_process_has_cores(monkeypatch, nodes, cores, crowded):
+
+@pytest.mark.parametrize("ranks, cores, crowded", [(2, 2, False), (4, 2, True), (2, 4, False)])
+def test_a_host_is_crowded_where_its_ranks_outnumber_a_process_s_cores(monkeypatch, ranks, cores, crowded):
     import os
-    from types import SimpleNamespace
 
-    import torch.distributed as dist
-
-    from strategies.pipeline.engine import _crowded
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert _crowded(SimpleNamespace(nodes=nodes)) is crowded
+    assert messages.crowded(ranks) is crowded
