@@ -161,15 +161,15 @@ def predict(impl: str, cfg: BenchConfig) -> dict | None:
 
 
 def describe(cfg: BenchConfig) -> str:
-    from strategies.cli.bench_engines import MICROBATCHES
+    from strategies.cli.bench_engines import microbatches
 
     return (f"Workload {cfg.workload!r} {cfg.n_layer} layers x {cfg.n_embd} wide, sequence {cfg.seq_len}, "
             f"{cfg.batch_per_rank} samples per rank (tp/pp: one batch of {cfg.batch_per_rank} through all ranks, "
-            f"{MICROBATCHES} microbatches), AdamW, {cfg.world_size} gloo ranks on CPU; {cfg.steps} steps per run, the "
-            f"first {cfg.warmup_steps} not timed; tokens/s is the median over pairs of runs in alternating order, "
-            f"the ratio the median of the per-pair ratios ours/peer; peak MiB is each rank's most heap in use above "
-            f"what it held before the model was built (glibc, sampled every 0.2 ms; median of {MEMORY_RUNS} runs of "
-            f"{MEMORY_STEPS} steps), beside the estimator's model states + activations.")
+            f"{microbatches(cfg.world_size)} microbatches), AdamW, {cfg.world_size} gloo ranks on CPU; {cfg.steps} "
+            f"steps per run, the first {cfg.warmup_steps} not timed; tokens/s is the median over pairs of runs in "
+            f"alternating order, the ratio the median of the per-pair ratios ours/peer; peak MiB is each rank's most "
+            f"heap in use above what it held before the model was built (glibc, sampled every 0.2 ms; median of "
+            f"{MEMORY_RUNS} runs of {MEMORY_STEPS} steps), beside the estimator's model states + activations.")
 
 
 # -- the command line ---------------------------------------------------------------------------------------
