@@ -295,6 +295,7 @@ def _crowded(mesh: ParallelMesh) -> bool:
 
 
 def _on_gloo(axis: Axis) -> bool:
+    """Whether ``axis`` (of more than one rank) runs on gloo, where the CPU moves the messages."""
     import torch.distributed as dist
 
     return axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"

@@ -2,29 +2,29 @@
 by an action of the schedule) and records a timeline.
 
 Every group goes out as one `comm.exchange`, in the program's order: that order is what NCCL runs by (one stream per
-rank, a pair's messages matched as issued, no tags) and what `messages.check` proved free of hangs and swapped
-messages. The CPU waits less than the stream does, which can only let things progress sooner: a receive is waited for
-when an action needs it (or a buffer's shape: a header), sends before the next compute where the program is grouped
-per action on gloo (a send left in flight is moved by gloo's thread while this rank computes, and on a host with a core
-per rank that thread waits for a core, so the next stage gets its input late; on a host with fewer cores than ranks
-every program is grouped in rounds: `messages.crowded`), else at the step's end. A W does
-not wait for them: it fills the time the receiver takes to post its receive (a large send completes only then), which
-waiting would turn back into bubble (measured, pp2_zb1p_mb8 on 2 CPU ranks: 21% idle waiting, 7% not; 1F1B 10%). The
-first microbatch's activation of each stage goes with a small header (shape, dtype), since the receiver cannot know
-it in advance; the step's other microbatches have the same shape (the batch is cut evenly), so they go without one,
-and a gradient has the shape of the output the receiver sent, so it never needs one. A step run with a program
-without headers (the engine's, for a batch shaped as the last one) reuses the shapes the last headers gave; every
-activation is checked against the shape its header announced before it is sent, so a stage whose output changes shape
-unannounced stops with an error (a receive of the wrong size hangs NCCL). The step's loss has no message of its own
-(it was one more send and receive per rank and step, the last stage to every other rank): the last stage sums its
-microbatches' (scaled) losses at its last backward, when every one is known, and the gradient that backward sends
-carries the sum in a few extra elements at its end, a float32 bit for bit in the gradient's dtype (float64 in an
-8-byte one); each stage passes it on with its own gradient of that microbatch (``carrier``; as it came, where the
-dtypes agree), so every rank has the same float when its backwards are done. Only that microbatch's gradients are
-copied to make room for it: it rode on every gradient once, a copy each way per backward. A W that directly follows
+rank, a pair's messages matched as issued, no tags) and what `messages.check` proved free of hangs and swapped messages.
+The CPU waits less than the stream does, which can only let things progress sooner: a receive is waited for when an
+action needs it (or a buffer's shape: a header), sends before the next compute where the program is grouped per action
+on gloo (a send left in flight is moved by gloo's thread while this rank computes, and on a host with a core per rank
+that thread waits for a core, so the next stage gets its input late; on a host with fewer cores than ranks every program
+is grouped in rounds: `messages.crowded`), else at the step's end (each let go before the next compute once it has
+completed: a gradient sent is held by nothing else). A W does not wait for them: it fills the time the receiver takes to
+post its receive (a large send completes only then), which waiting would turn back into bubble (measured, pp2_zb1p_mb8
+on 2 CPU ranks: 21% idle waiting, 7% not; 1F1B 10%). The first microbatch's activation of each stage goes with a small
+header (shape, dtype), since the receiver cannot know it in advance; the step's other microbatches have the same shape
+(the batch is cut evenly), so they go without one, and a gradient has the shape of the output the receiver sent, so it
+never needs one. A step run with a program without headers (the engine's, for a batch shaped as the last one) reuses the
+shapes the last headers gave; every activation is checked against the shape its header announced before it is sent, so a
+stage whose output changes shape unannounced stops with an error (a receive of the wrong size hangs NCCL). The step's
+loss has no message of its own (it was one more send and receive per rank and step, the last stage to every other rank):
+the last stage sums its microbatches' (scaled) losses at its last backward, when every one is known, and the gradient
+that backward sends carries the sum in a few extra elements at its end, a float32 bit for bit in the gradient's dtype
+(float64 in an 8-byte one); each stage passes it on with its own gradient of that microbatch (``carrier``; as it came,
+where the dtypes agree), so every rank has the same float when its backwards are done. Only that microbatch's gradients
+are copied to make room for it: it rode on every gradient once, a copy each way per backward. A W that directly follows
 its own B (``fused``: where B's input gradient goes to no other rank, or the CPU is short: `engine.fused_weights`) runs
-inside that B, as one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a
-stage's compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
+inside that B, as one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a stage's
+compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations
