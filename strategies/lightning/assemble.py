@@ -25,7 +25,8 @@ from strategies.context_parallel import ContextParallel
 from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
 from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
-from strategies.pipeline import PipelineParallel, messages
+from strategies.pipeline import PipelineParallel
+from strategies.pipeline.engine import crowded_host
 from strategies.pipeline.stages import find_blocks, measure_times
 from strategies.pipeline.trace import trace_forward
 from strategies.plan import DataMode, ParallelPlan
@@ -125,7 +126,7 @@ def choose_schedule(module: Any, batch: Any, plan: ParallelPlan, mesh: ParallelM
             try:
                 picked = choose(shape, plan, hw, str(trainer.precision), backend="gloo" if cpu else "nccl",
                                 names=SCHEDULE_CANDIDATES if split else UNSPLIT,
-                                crowded=cpu and messages.crowded(mesh.nodes.count(mesh.nodes[0])))
+                                crowded=crowded_host(mesh))
                 chosen = (picked.plan.schedule.value, picked.why)
             except ValueError as err:  # sent on, so that every rank stops with it (not waits for rank 0)
                 chosen = ("", str(err))

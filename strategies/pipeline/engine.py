@@ -65,7 +65,7 @@ class PipelineParallel(Technique):
         self.ideal_bubble = schedules.table_bubble(tables)
         # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use. On gloo,
         # the host's cores decide what a step waits on (`messages.crowded`): the messages, or the CPU time.
-        crowded = _crowded(mesh)
+        crowded = crowded_host(mesh)
         self.program, self.known_program, how = _programs(tables, pp, self.axis.index, crowded)
         self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
@@ -289,8 +289,9 @@ def fused_weights(actions: list[schedules.Action], reducing: set[schedules.Actio
                      and (across or b.stage == 0 or where[b.stage - 1] == where[b.stage]))
 
 
-def _crowded(mesh: ParallelMesh) -> bool:
-    """On gloo, whether this node's ranks outnumber this process's cores (`messages.crowded`)."""
+def crowded_host(mesh: ParallelMesh) -> bool:
+    """On gloo, whether this node's ranks outnumber this process's cores (`messages.crowded`): what the engine and
+    the schedule's choice (`lightning.assemble.choose_schedule`) both go by."""
     return _on_gloo(mesh.pp) and messages.crowded(mesh.nodes.count(mesh.nodes[mesh.world.index]))
 
 
