@@ -228,10 +228,10 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
-           rounds: bool = False) -> Rules:
+           rounds: bool = False, gloo: bool = False) -> Rules:
     """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
     model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all); ``rounds``: every program grouped
-    in rounds (a crowded host: `messages.crowded`)."""
+    in rounds (a crowded host: `messages.crowded`); ``gloo``: the ranks talk over gloo (`messages.posts_early`)."""
     n = plan.data_ranks
     naive = plan.data is DataMode.NAIVE and n > 1
     # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
@@ -246,7 +246,8 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
     elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
-    early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds) if plan.pp > 1 else None
+    early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds,
+                        messages.posts_early(gloo)) if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
                  early=tuple(early[rank]) if early else ())
 
@@ -351,7 +352,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         actions = step_actions(tables[rank] if tables else None, shape.accumulate, plan.microbatches or 1)
         states = model_states(psi, plan, precision)
         rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
-                       crowded and backend == GLOO)
+                       crowded and backend == GLOO, backend == GLOO)
         peak = walk(pieces, chunks, actions, workspace, rules)
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
         memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
@@ -382,11 +383,14 @@ def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int
 
 
 @functools.cache
-def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int,
-                rounds: bool = False) -> list[list[int]] | None:
-    """For pipeline programs grouped in rounds (interleaved, the V schedules: `messages.grouped`; every schedule where
-    ``rounds``), per rank and action the messages received ahead of use (`messages.held_receives`); None for programs
-    grouped per action."""
+def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int, rounds: bool = False,
+                early: bool = False) -> list[list[int]] | None:
+    """Per rank and action the messages received ahead of use (`messages.held_receives`) by a step shaped as the last
+    one (no headers), for programs grouped in rounds (interleaved, the V schedules: `messages.grouped`; every schedule
+    where ``rounds``) or with every receive posted at the first (``early``: `messages.early_receives`); None for
+    programs grouped per action, which post each receive just before its use."""
     tables = schedules.build(schedule, pp, microbatches, virtual)
-    progs, how = messages.grouped(tables, pp, "rounds" if rounds else None)
-    return [messages.held_receives(p) for p in progs] if how == "rounds" else None
+    progs, how = messages.grouped(tables, pp, "rounds" if rounds else None, headers=False)
+    if early:
+        progs = [messages.early_receives(p) for p in progs]
+    return [messages.held_receives(p) for p in progs] if how == "rounds" or early else None

@@ -67,6 +67,8 @@ class PipelineParallel(Technique):
         # the host's cores decide what a step waits on (`messages.crowded`): the messages, or the CPU time.
         crowded = crowded_host(mesh)
         self.program, self.known_program, how = _programs(tables, pp, self.axis.index, crowded)
+        if messages.posts_early(_on_gloo(self.axis)):  # gloo runs each message by itself: receives posted together
+            self.known_program = messages.early_receives(self.known_program)
         self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).

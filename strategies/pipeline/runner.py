@@ -3,6 +3,9 @@ by an action of the schedule) and records a timeline.
 
 Every group goes out as one `comm.exchange`, in the program's order: that order is what NCCL runs by (one stream per
 rank, a pair's messages matched as issued, no tags) and what `messages.check` proved free of hangs and swapped messages.
+On gloo (outside strict mode) the engine hands a step shaped as the last one a program with every receive posted at the
+first (`messages.early_receives`): gloo runs each message by itself, and a receive posted before its send spares gloo's
+threads a handshake; a gradient's buffer is then made before the output it answers, sized as its header announced.
 The CPU waits less than the stream does, which can only let things progress sooner: a receive is waited for when an
 action needs it (or a buffer's shape: a header), sends before the next compute where the program is grouped per action
 on gloo (a send left in flight is moved by gloo's thread while this rank computes, and on a host with a core per rank
@@ -30,6 +33,7 @@ compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,10 +193,12 @@ class PipelineRunner:
                                    f"{message.stage} ever came (a program without headers ran first)")
             shape, dtype = step.shapes[message.stage]
             return torch.empty(shape, dtype=dtype, device=device)
-        # the gradient of the output this rank's stage message.stage - 1 sent, flat (and the step's loss)
-        out = step.kept[(message.stage - 1, message.microbatch)][0]
-        extra = _carried(out.dtype) if message.microbatch == self.carrier else 0
-        return torch.empty(out.numel() + extra, dtype=out.dtype, device=out.device)
+        # the gradient of the output this rank's stage message.stage - 1 sent, flat (and the step's loss); where the
+        # receive is posted before that output is made (`messages.early_receives`), sized as its header announced it
+        kept = step.kept.get((message.stage - 1, message.microbatch))
+        shape, dtype = (kept[0].shape, kept[0].dtype) if kept is not None else step.sent[message.stage - 1]
+        extra = _carried(dtype) if message.microbatch == self.carrier else 0
+        return torch.empty(math.prod(shape) + extra, dtype=dtype, device=device)
 
     def _outgoing(self, out: torch.Tensor, stage: int, m: int, step: _Step) -> None:
         """Put a forward's output (and, for the stage's first microbatch, its header) in the outbox."""

@@ -5,7 +5,8 @@ the estimator's predicted peak (model states, the activations and temporaries it
 The model is large enough (4 x 128, sequence 128) that model states and activations are most of the heap: at the
 demo's test size (2 x 32) the interpreter's and gloo's own allocations would be as large as the model. CI runs four
 plans that between them take every path of the walk (no pp and ZeRO-2's released shards; interleaved lock step with
-ZeRO-1; ZB-H1's split backwards, B keeping a stash for W; ZeRO-3 with recompute, tp and pp on 8 ranks);
+ZeRO-1; ZB-H1's split backwards, B keeping a stash for W, with gloo's receives posted together; ZeRO-3 with recompute,
+tp and pp on 8 ranks);
 `pytest -m matrix` runs the whole 3D matrix of `stratpack heap` (docs/heap-*.md).
 """
 
@@ -19,6 +20,9 @@ from tests.helpers import train_demo
 
 SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
 CI = [("zero2_tp2", 4), ("zero1_pp2_interleaved_v2_mb4", 4), ("zero1_pp2_zb1p_mb4", 4), ("zero3_tp2_pp2_1f1b_ac", 8)]
+# Run as gloo's users run it, strict p2p mode off: from its second step a pipeline rank posts every receive of a step
+# at its first (`messages.early_receives`), which the estimator counts (the others run NCCL's programs, strict mode on)
+USERS_PATH = {"zero1_pp2_zb1p_mb4"}
 MATRIX = [(p, 8) for p in EIGHT] + [(p, 4) for p in FOUR]
 
 
@@ -34,7 +38,10 @@ def check_heap(tmp_path, plan: str, devices: int) -> None:
 
 
 @pytest.mark.parametrize("plan,devices", CI, ids=[f"{p}@{d}" for p, d in CI])
-def test_every_ranks_steady_heap_peak_is_the_estimators_within_5_percent(tmp_path, plan: str, devices: int):
+def test_every_ranks_steady_heap_peak_is_the_estimators_within_5_percent(tmp_path, monkeypatch, plan: str,
+                                                                          devices: int):
+    if plan in USERS_PATH:
+        monkeypatch.setenv("STRATPACK_STRICT_P2P", "0")
     check_heap(tmp_path, plan, devices)
 
 

@@ -91,8 +91,9 @@ def test_pipeline_matches_single_device(tmp_path, monkeypatch, reference, deep_r
                                         extra):
     # The schedule runs the user's training_step per microbatch on the last stage; the losses, scaled by 1/mb,
     # give the batch's gradient. Parameters are gathered from the stages that own them.
-    if strategy in ("pp2_1f1b_mb4", "pp2_interleaved_v2_mb4"):  # the path users run on gloo: strict p2p mode off
-        monkeypatch.setenv("STRATPACK_STRICT_P2P", "0")  # (lazy waits, no labels; grouped per action / lock step)
+    if strategy in ("pp2_1f1b_mb4", "pp2_interleaved_v2_mb4", "pp4_1f1b_mb8"):  # the path users run on gloo: strict
+        monkeypatch.setenv("STRATPACK_STRICT_P2P", "0")  # p2p mode off (lazy waits, no labels; a step's receives posted
+        # together from the second step on: `messages.early_receives`; pp4: 4 ranks on 2 cores, grouped in rounds)
     if extra == DEEP:
         ref_result, ref_params = deep_reference
     else:

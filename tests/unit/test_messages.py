@@ -90,12 +90,13 @@ def test_1f1b_groups_like_torch_and_interleaved_runs_in_rounds():
 def test_held_receives_counts_the_buffers_posted_ahead_of_use():
     # Per action: messages received before it and used after it. Grouped per action (1F1B) nothing is held; in
     # rounds (interleaved v2 at pp2 mb4) rank 1 holds up to two: its first chunk's activations arrive while it works
-    # on its second.
+    # on its second. An activation and a gradient for one (stage, microbatch) are told apart (F2.0 uses a1.0, B2.0
+    # uses g3.0): counted by (stage, microbatch) alone, rank 0's a1.0 was lost when g3.0 was posted.
     one = programs(build("1f1b", 2, 4), 2)
     assert [held_receives(p) for p in one] == [[0] * 8, [0] * 8]
     counts = [held_receives(p) for p in programs(build("interleaved", 2, 4, 2), 2)]
-    assert counts[0] == [0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0]
-    assert counts[1] == [0, 0, 0, 1, 0, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 0]
+    assert counts[0] == [0, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert counts[1] == [0, 0, 0, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0]
 
 
 def _prog(*groups):
@@ -188,3 +189,44 @@ def test_a_host_is_crowded_where_its_ranks_outnumber_a_process_s_cores(monkeypat
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert messages.crowded(ranks) is crowded
+
+
+def _sends_and_actions(program) -> list[str]:
+    return [str(x) for step in program for x in (*(t for t in step.group if t.send), step.action) if x is not None]
+
+
+def test_gloo_posts_a_steps_receives_together_in_the_order_nccl_s_program_matches_them(monkeypatch):
+    for name, pp, mb, v, table in _shipped():
+        if pp > 4 or mb > 8:
+            continue
+        plain = messages.grouped(table, pp, headers=False)[0]
+        early = [messages.early_receives(p) for p in plain]
+        # gloo matches a pair's messages in the order they are posted, as NCCL does: each pair's k-th send still meets
+        # the k-th receive it was proven against (raises otherwise)
+        messages._match([[s.group for s in p if s.group] for p in early])
+        for before, after in zip(plain, early, strict=True):
+            received = [t for s in before for t in s.group if not t.send]
+            start = next(i for i, s in enumerate(after) if any(not t.send for t in s.group))
+            # every receive at the first one, each a group of its own (waited for alone), in the program's order
+            assert [s.group for s in after[start : start + len(received)]] == [(t,) for t in received], (name, pp)
+            assert not any(not t.send for s in after[start + len(received):] for t in s.group)
+            # the sends and the actions as they were, the sends before each action they came before
+            assert [s.action for s in after if s.action] == [s.action for s in before if s.action]
+            assert _sends_and_actions(after) == _sends_and_actions(before)
+    # Under NCCL's in-order rule it would hang (a receive posted ahead holds back the rank's own later sends)
+    with pytest.raises(PipelineOrderError, match="would hang"):
+        check([messages.early_receives(p) for p in programs(build("1f1b", 2, 4), 2, headers=False)])
+    with pytest.raises(ValueError, match="without headers"):
+        messages.early_receives(programs(build("1f1b", 2, 4), 2)[0])
+    # Only on gloo, and not in strict mode (which makes gloo follow NCCL's rules)
+    monkeypatch.setenv("STRATPACK_STRICT_P2P", "0")
+    assert messages.posts_early(True) and not messages.posts_early(False)
+    monkeypatch.setenv("STRATPACK_STRICT_P2P", "60")
+    assert not messages.posts_early(True)
+
+
+def test_receives_posted_together_are_counted_as_held_ahead():
+    # 1F1B pp2 mb4: rank 1 posts a0.0-a0.3 before F1.0 and holds the three it has not used yet; rank 0 posts g1.0-g1.3
+    # after its warm-up forwards. Per action, as the estimator walks them (`measure.estimate._held_ahead`).
+    early = [messages.early_receives(p) for p in programs(build("1f1b", 2, 4), 2, headers=False)]
+    assert [held_receives(p) for p in early] == [[0, 0, 3, 3, 2, 2, 1, 0], [3, 3, 2, 2, 1, 1, 0, 0]]
