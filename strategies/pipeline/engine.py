@@ -63,12 +63,10 @@ class PipelineParallel(Technique):
                                 self.where[self.stages - 1])
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.table_bubble(tables)
-        # Each rank's messages, proven free of hangs and swaps under NCCL's rules (messages.check) before use. On gloo,
-        # the host's cores decide what a step waits on (`messages.crowded`): the messages, or the CPU time.
-        crowded = crowded_host(mesh)
-        self.program, self.known_program, how = _programs(tables, pp, self.axis.index, crowded)
-        if messages.posts_early(_on_gloo(self.axis)):  # gloo runs each message by itself: receives posted together
-            self.known_program = messages.early_receives(self.known_program)
+        # Each rank's messages, proven under NCCL's rules (messages.check). On gloo the host's cores decide what a step
+        # waits on (`messages.crowded`), and a step shaped as the last posts its receives together (`posts_early`).
+        crowded, early = crowded_host(mesh), messages.posts_early(_on_gloo(self.axis))
+        self.program, self.known_program, how = _programs(tables, pp, self.axis.index, crowded, early)
         self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
@@ -242,13 +240,16 @@ class PipelineParallel(Technique):
             self.restore_full_model()  # every parameter back from its stage: a whole module again
 
 
-def _programs(tables: schedules.ScheduleTable, pp: int, rank: int, crowded: bool = False) -> tuple[list, list, str]:
+def _programs(tables: schedules.ScheduleTable, pp: int, rank: int, crowded: bool = False,
+              early: bool = False) -> tuple[list, list, str]:
     """This rank's program, the same without headers (for a step whose batch is shaped as the last step's: the
     receivers know the activations' shapes from that step's headers, and the runner checks each send against them;
     two messages and a wait fewer per stage boundary and step), and how both are grouped: in rounds where the host is
-    ``crowded`` (`messages.crowded`), else as `messages.grouped` prefers."""
+    ``crowded`` (`messages.crowded`), else as `messages.grouped` prefers. ``early``: the one without headers posts
+    every receive at its first (`messages.early_receives`: gloo, which runs each message by itself)."""
     progs, how = messages.grouped(tables, pp, "rounds" if crowded else None)
-    return progs[rank], messages.grouped(tables, pp, how=how, headers=False)[0][rank], how
+    known = messages.grouped(tables, pp, how=how, headers=False)[0][rank]
+    return progs[rank], messages.early_receives(known) if early else known, how
 
 
 def _shapes_of(batch: Any, microbatches: int) -> tuple:

@@ -129,11 +129,13 @@ def early_receives(program: Program) -> Program:
 
     Why: gloo writes a payload at once from the sender's call only if the receive is already posted; a receive posted
     after its send costs two notices and a write from the sender's event thread, and every receive posted while the
-    peer computes wakes the peer's event thread. Posted together, at a point where the rank waits anyway, the notices
-    cost one wake-up and every send finds its receive (2 CPU cores, 7 alternating pairs a schedule, steps a second
-    against torch's same schedule: pp2 GPipe 1.02 -> 1.08, interleaved 0.93 -> 0.97, DualPipeV 1.01 -> 1.07; pp4 on
-    the same 2 cores, 7-21% faster than the program it replaces). The cost is memory: every received buffer of the
-    step exists from the first receive on (`held_receives` counts them for the estimator)."""
+    peer computes wakes the peer's event thread. Posted together, at the rank's first receive (where it waits anyway),
+    the notices cost one wake-up and every send finds its receive (`stratpack bench` against torch's same schedules on
+    2 CPU cores: pp2 interleaved 0.95 -> 1.07, GPipe 1.03 -> 1.13; pp4 on the same cores interleaved 0.98 -> 1.25,
+    GPipe 0.98 -> 1.17). At the step's very start they would put their posts before the first forward (ZB-V and
+    DualPipeV 2-4% slower); spread over the step, each post wakes the peer mid-compute (slower still). The cost is
+    memory: every buffer the step receives exists from the first receive on (`held_receives` counts them for the
+    estimator)."""
     if any(t.message.kind == "h" for step in program for t in step.group):
         raise ValueError("early_receives needs a program without headers: a header must be read before its "
                          "activation's buffer can be made")
