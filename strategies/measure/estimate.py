@@ -386,11 +386,8 @@ def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int
 def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int, rounds: bool = False,
                 early: bool = False) -> list[list[int]] | None:
     """Per rank and action the messages received ahead of use (`messages.held_receives`) by a step shaped as the last
-    one (no headers), for programs grouped in rounds (interleaved, the V schedules: `messages.grouped`; every schedule
-    where ``rounds``) or with every receive posted at the first (``early``: `messages.early_receives`); None for
-    programs grouped per action, which post each receive just before its use."""
-    tables = schedules.build(schedule, pp, microbatches, virtual)
-    progs, how = messages.grouped(tables, pp, "rounds" if rounds else None, headers=False)
-    if early:
-        progs = [messages.early_receives(p) for p in progs]
+    one, as the runner runs it (`messages.as_run`), for programs grouped in rounds (interleaved, the V schedules; every
+    schedule where ``rounds``) or with every receive posted at the first (``early``: `messages.early_receives`); None
+    for programs grouped per action, which post each receive just before its use."""
+    _, progs, how = messages.as_run(schedules.build(schedule, pp, microbatches, virtual), pp, rounds, early)
     return [messages.held_receives(p) for p in progs] if how == "rounds" or early else None

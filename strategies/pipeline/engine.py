@@ -63,10 +63,11 @@ class PipelineParallel(Technique):
                                 self.where[self.stages - 1])
         self.table = tables[self.axis.index]
         self.ideal_bubble = schedules.table_bubble(tables)
-        # Each rank's messages, proven under NCCL's rules (messages.check). On gloo the host's cores decide what a step
-        # waits on (`messages.crowded`), and a step shaped as the last posts its receives together (`posts_early`).
-        crowded, early = crowded_host(mesh), messages.posts_early(_on_gloo(self.axis))
-        self.program, self.known_program, how = _programs(tables, pp, self.axis.index, crowded, early)
+        # Messages proven under NCCL's rules (messages.check), grouped by the host's cores on gloo (`messages.crowded`)
+        crowded, self._gloo = crowded_host(mesh), _on_gloo(self.axis)
+        progs, known, how = messages.as_run(tables, pp, crowded)
+        self.program, self.known_program = progs[self.axis.index], known[self.axis.index]
+        self.early_program = messages.early_receives(self.known_program) if self._gloo else None
         self._known: tuple | None = None  # the shapes of the batch whose headers the runner last sent and received
         self.eval_program = messages.evaluation(pp, self.where)[self.axis.index]
         # Zero-bubble tables split each backward: B for the input now, W for the weights later (`weights`).
@@ -74,9 +75,8 @@ class PipelineParallel(Technique):
         blocks = module.get_submodule(self.layout.blocks_name)
         self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
         self._last_backward = _reducing(self.table)
-        split = self.weights is not None
-        fused = fused_weights(self.table, self._last_backward, self.where, crowded) if split else frozenset()
-        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and _on_gloo(self.axis),
+        fused = fused_weights(self.table, self._last_backward, self.where, crowded) if self.weights else frozenset()
+        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and self._gloo,
                                      where=self.where, weights=self.weights, fused=fused, carrier=_loss_carrier(tables))
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
@@ -124,7 +124,9 @@ class PipelineParallel(Technique):
         # The loss reaches every rank with the gradients (`runner`): no broadcast, which would hold the last stage
         # until stage 0 finishes its last backward instead of letting it step its optimizer meanwhile.
         shapes = _shapes_of(batch, self.microbatches)
-        program = self.known_program if shapes == self._known else self.program
+        program = self.program
+        if shapes == self._known:  # on gloo outside strict mode every receive posted at the first (`messages`)
+            program = self.early_program if messages.posts_early(self._gloo) else self.known_program
         self._known = None  # until this step has run: if it fails midway, the next one sends its headers
         self.last_step = self.runner.run(program, forward, device, backward_context)
         self._known = shapes
@@ -238,18 +240,6 @@ class PipelineParallel(Technique):
         self.tied.remove()
         if healthy:
             self.restore_full_model()  # every parameter back from its stage: a whole module again
-
-
-def _programs(tables: schedules.ScheduleTable, pp: int, rank: int, crowded: bool = False,
-              early: bool = False) -> tuple[list, list, str]:
-    """This rank's program, the same without headers (for a step whose batch is shaped as the last step's: the
-    receivers know the activations' shapes from that step's headers, and the runner checks each send against them;
-    two messages and a wait fewer per stage boundary and step), and how both are grouped: in rounds where the host is
-    ``crowded`` (`messages.crowded`), else as `messages.grouped` prefers. ``early``: the one without headers posts
-    every receive at its first (`messages.early_receives`: gloo, which runs each message by itself)."""
-    progs, how = messages.grouped(tables, pp, "rounds" if crowded else None)
-    known = messages.grouped(tables, pp, how=how, headers=False)[0][rank]
-    return progs[rank], messages.early_receives(known) if early else known, how
 
 
 def _shapes_of(batch: Any, microbatches: int) -> tuple:

@@ -111,9 +111,24 @@ def crowded(ranks_here: int) -> bool:
     return ranks_here > cores
 
 
+def as_run(table: ScheduleTable, pp: int, crowded: bool = False,
+           early: bool = False) -> tuple[list[Program], list[Program], str]:
+    """Each rank's programs as the runner runs them: for a step that sends headers, for a step shaped as the last one
+    (no headers: the receivers know the activations' shapes from the last headers, and the runner checks each send
+    against them; two messages and a wait fewer per stage boundary and step), and how both are grouped: in rounds
+    where the host is ``crowded`` (`crowded`), else as `grouped` prefers for the program with headers (the one without
+    takes the same grouping; alone it may prefer another). ``early``: the program without headers posts every receive
+    at its first (`early_receives`, where `posts_early`). The engine runs these; the estimator counts their buffers."""
+    progs, how = grouped(table, pp, "rounds" if crowded else None)
+    known = grouped(table, pp, how=how, headers=False)[0]
+    return progs, [early_receives(p) for p in known] if early else known, how
+
+
 def posts_early(gloo: bool) -> bool:
     """Whether the runner posts a step's receives together (`early_receives`): on gloo, unless strict mode
-    (``STRATPACK_STRICT_P2P``) makes gloo follow NCCL's rules, where that program would hang."""
+    (``STRATPACK_STRICT_P2P``) makes gloo follow NCCL's rules, under which that program would in general hang. Read
+    when a step starts (the engine) and when a run is predicted (the estimator, in the process that starts the ranks,
+    whose environment they inherit)."""
     from strategies.comm.p2p import strict_seconds
 
     return gloo and strict_seconds() is None
@@ -124,8 +139,9 @@ def early_receives(program: Program) -> Program:
     posted at its first one, each a group of its own (waited for alone), in the order ``program`` posts them; the
     sends and the actions stay where they were. For gloo only: there each message progresses by itself (no stream runs
     a rank's messages in order), and a pair's messages are matched in the order they are posted, as on NCCL, so the
-    per-pair order `check` proved is what keeps every tensor in its buffer. Under NCCL this program would hang (a
-    receive posted ahead holds back the rank's own later sends), and `check` says so.
+    per-pair order `check` proved is what keeps every tensor in its buffer. Under NCCL this program would in general
+    hang (a receive posted ahead holds back the rank's own later sends; `check` refuses 1F1B's at pp2 mb4, though not
+    GPipe's), so it never runs there.
 
     Why: gloo writes a payload at once from the sender's call only if the receive is already posted; a receive posted
     after its send costs two notices and a write from the sender's event thread, and every receive posted while the

@@ -5,8 +5,8 @@ the estimator's predicted peak (model states, the activations and temporaries it
 The model is large enough (4 x 128, sequence 128) that model states and activations are most of the heap: at the
 demo's test size (2 x 32) the interpreter's and gloo's own allocations would be as large as the model. CI runs four
 plans that between them take every path of the walk (no pp and ZeRO-2's released shards; interleaved lock step with
-ZeRO-1; ZB-H1's split backwards, B keeping a stash for W, with gloo's receives posted together; ZeRO-3 with recompute,
-tp and pp on 8 ranks);
+ZeRO-1, with gloo's receives posted together; ZB-H1's split backwards, B keeping a stash for W; ZeRO-3 with
+recompute, tp and pp on 8 ranks);
 `pytest -m matrix` runs the whole 3D matrix of `stratpack heap` (docs/heap-*.md).
 """
 
@@ -22,7 +22,7 @@ SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128"
 CI = [("zero2_tp2", 4), ("zero1_pp2_interleaved_v2_mb4", 4), ("zero1_pp2_zb1p_mb4", 4), ("zero3_tp2_pp2_1f1b_ac", 8)]
 # Run as gloo's users run it, strict p2p mode off: from its second step a pipeline rank posts every receive of a step
 # at its first (`messages.early_receives`), which the estimator counts (the others run NCCL's programs, strict mode on)
-USERS_PATH = {"zero1_pp2_zb1p_mb4"}
+USERS_PATH = {"zero1_pp2_interleaved_v2_mb4"}
 MATRIX = [(p, 8) for p in EIGHT] + [(p, 4) for p in FOUR]
 
 

@@ -38,7 +38,8 @@ def _train(plan_text: str, strict: str) -> tuple[list[float], dict[str, torch.Te
     trace = trace_forward(model, lambda: workload.loss(model(x), y))
     pipe = PipelineParallel(model, plan, ParallelMesh(plan, "cpu"), trace.blocks, trace=trace)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    losses = []
+    losses, ran, run = [], [], pipe.runner.run
+    pipe.runner.run = lambda program, *args: ran.append(program) or run(program, *args)  # the program each step ran
     for batch in batches:
         loss = pipe.train_step(batch, 0, lambda mb, i: workload.loss(model(mb[0]), mb[1]), torch.device("cpu"))
         opt.step()
@@ -46,8 +47,8 @@ def _train(plan_text: str, strict: str) -> tuple[list[float], dict[str, torch.Te
         losses.append(loss.item())
     # the steps of the program it ran that post a receive: one after the other with no compute between them, or
     # spread over the step
-    posting = [i for i, s in enumerate(pipe.known_program) if any(not t.send for t in s.group)]
-    together = all(pipe.known_program[i].action is None for i in posting)
+    posting = [i for i, s in enumerate(ran[-1]) if any(not t.send for t in s.group)]
+    together = all(ran[-1][i].action is None for i in posting)
     state = pipe.full_state_dict()
     pipe.teardown(healthy=True)
     return losses, state, together and posting == list(range(posting[0], posting[0] + len(posting)))

@@ -230,3 +230,17 @@ def test_receives_posted_together_are_counted_as_held_ahead():
     # after its warm-up forwards. Per action, as the estimator walks them (`measure.estimate._held_ahead`).
     early = [messages.early_receives(p) for p in programs(build("1f1b", 2, 4), 2, headers=False)]
     assert [held_receives(p) for p in early] == [[0, 0, 3, 3, 2, 2, 1, 0], [3, 3, 2, 2, 1, 1, 0, 0]]
+
+
+def test_a_step_without_headers_is_grouped_as_the_step_with_them_and_the_estimator_counts_what_it_holds():
+    # ZB-V with mb <= pp: with headers only rounds are safe; without them per action would be, but the runner keeps
+    # the rounds (one grouping for both, `as_run`), and so does the estimator's count of the buffers held ahead.
+    from strategies.measure.estimate import _held_ahead
+
+    table = build("zbv", 4, 4)
+    progs, known, how = messages.as_run(table, 4)
+    assert how == "rounds" and messages.grouped(table, 4, headers=False)[1] == "action"
+    assert check(known) > 0 and [max(held_receives(p)) for p in known] == [0, 1, 1, 1]
+    assert _held_ahead("zbv", 4, 4, 1) == [held_receives(p) for p in known]
+    early = messages.as_run(table, 4, early=True)[1]
+    assert _held_ahead("zbv", 4, 4, 1, early=True) == [held_receives(p) for p in early]
