@@ -153,11 +153,12 @@ def model_config(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def predict(impl: str, cfg: BenchConfig) -> dict | None:
-    """What `measure.predict.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble)."""
+    """What `measure.predict.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble), on
+    the CPU ranks the bench runs (gloo: its buffers, the kernels' workspace, a pipeline's receives posted ahead)."""
     from strategies.measure.predict import predict_run
 
     return predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg),
-                       cfg.batch_per_rank * replicas(impl, cfg.world_size))
+                       cfg.batch_per_rank * replicas(impl, cfg.world_size), accelerator="cpu")  # gloo ranks, as run
 
 
 def describe(cfg: BenchConfig) -> str:
