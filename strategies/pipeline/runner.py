@@ -193,10 +193,10 @@ class PipelineRunner:
                                    f"{message.stage} ever came (a program without headers ran first)")
             shape, dtype = step.shapes[message.stage]
             return torch.empty(shape, dtype=dtype, device=device)
-        # the gradient of the output this rank's stage message.stage - 1 sent, flat (and the step's loss); where the
-        # receive is posted before that output is made (`messages.early_receives`), sized as its header announced it
-        kept = step.kept.get((message.stage - 1, message.microbatch))
-        shape, dtype = (kept[0].shape, kept[0].dtype) if kept is not None else step.sent[message.stage - 1]
+        # the gradient of the output this rank's stage message.stage - 1 sent, flat (and the step's loss), sized as the
+        # stage's header announced it (`_outgoing` checks every output against it): the receive may be posted before
+        # that output is made (`messages.early_receives`)
+        shape, dtype = step.sent[message.stage - 1]
         extra = _carried(dtype) if message.microbatch == self.carrier else 0
         return torch.empty(math.prod(shape) + extra, dtype=dtype, device=device)
 
