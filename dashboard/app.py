@@ -40,7 +40,7 @@ def _csv(rows: list[dict]) -> str:
 
 
 def _chart(fig, name: str) -> None:
-    st.plotly_chart(fig, use_container_width=True)
+    st.plotly_chart(fig, width="stretch")
     st.download_button(f"Download {name} (HTML)", fig.to_html(include_plotlyjs="cdn"), f"{name}.html",
                        mime="text/html", key=f"html-{name}")
 
@@ -89,7 +89,7 @@ def page_planner() -> None:
     rows = [{"plan": r.label, "fits": r.fits, "GiB/GPU": round(r.estimate.peak() / GiB, 1),
              "step s": round(r.seconds, 2), "bubble": round(r.estimate.bubble, 3),
              "why": r.explain(shape, best).split(": ", 1)[-1]} for r in (fits or ranked)[:25]]
-    st.dataframe(rows, use_container_width=True)
+    st.dataframe(rows, width="stretch")
 
 
 def main() -> None:
@@ -165,12 +165,12 @@ def page_compare(runs: list[dict], rows: list[dict]) -> None:
     st.header("Side by side")
     _answer(runs, rows)
     _step_time(runs)
-    st.dataframe(rows, use_container_width=True)
+    st.dataframe(rows, width="stretch")
     st.download_button("Download table (CSV)", _csv(rows), "runs.csv", mime="text/csv")
     bench = data.bench_rows(runs)
     if bench:
         st.subheader("stratpack bench: ours against the peer, same model, data and ranks")
-        st.dataframe(bench, use_container_width=True)
+        st.dataframe(bench, width="stretch")
     differences = answer.loss_differences(runs, data.label)
     if differences:
         _chart(charts.loss_difference_figure(differences, answer.LOSS_RTOL), "loss-difference")

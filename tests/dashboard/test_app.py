@@ -177,3 +177,27 @@ def test_step_time_rows_keep_numbers_only_from_records_the_schema_lets_through()
     assert parts == {("rank 0", "forward"): 0.0, ("rank 0", "backward"): 0.5, ("rank 0", "optimizer"): 0.0,
                      ("rank 0", "comm x/dp"): 0.25, ("rank 0", "other"): 0.25, ("predicted", "forward"): 0.0,
                      ("predicted", "backward"): 0.0, ("predicted", "other"): 0.1}
+
+
+def test_no_page_uses_what_its_streamlit_warns_is_going_away(store):
+    """Streamlit logs each deprecated argument it is given (``use_container_width``, say) through its deprecation
+    logger, whatever the browser shows: every page, drawn here, must log nothing there, and no dashboard source may
+    pass the argument on a path the fixture store does not reach (the bench table)."""
+    import glob
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("streamlit.deprecation_util")
+    logger.addHandler(handler)
+    try:
+        at = _app()
+        for page in ("Memory", "Throughput", "Communication", "Loss", "Pipeline", "Planner"):
+            at.sidebar.radio[0].set_value(page).run()
+            assert not at.exception, [e.message for e in at.exception]
+    finally:
+        logger.removeHandler(handler)
+    assert said == []
+    sources = glob.glob(os.path.join(os.path.dirname(APP), "*.py"))
+    assert sources and not [s for s in sources if "use_container_width" in open(s).read()]
