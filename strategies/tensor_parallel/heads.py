@@ -5,13 +5,19 @@ counts heads from the projection's width (``view(..., -1, head_dim)``: Llama, Mi
 ``transformers`` 5) needs nothing more. Code that reads a head count or a width from the module (``num_heads``,
 ``split_size``, ``self.config.num_attention_heads``) must read this rank's count instead: `localise` divides those
 attributes by tp on the attention modules, and gives each its own copy of the model config with the local counts;
-`restore` undoes it. nanoGPT's attention reads the width from its input, which stays whole, so it gets a forward
-that reads it from the projection (`nanogpt_attention_forward`), the same computation on this rank's heads.
+`restore` undoes it.
+
+Before the split, `prove_forwards` checks each module holding split layers (the pack's demo, nanoGPT, a user's
+own) by simulating the ranks on a probe (`proof`): the user's forward runs on the slice if it computes what it
+computes whole. nanoGPT's attention cannot (it reads the width from its input, which stays whole): it gets a
+forward that reads it from the projection (`nanogpt_attention_forward`) only where that is proven to compute what
+the user's forward does; anything else is refused, saying what to change.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 from typing import Any
 
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strategies.comm import Axis
+from strategies.tensor_parallel import proof
 
 # Attributes that count attention heads, and the ones that count key/value heads (grouped-query attention).
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_heads", "num_kv_heads")
@@ -76,37 +83,119 @@ def check_attention_parameters(module: nn.Module, found: dict[str, Any]) -> None
                 "drop tp for this model, or pass a plan that keeps this attention whole.")
 
 
+def split_parents(module: nn.Module, found: dict[str, Any]) -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    """``(name, module, {relative layer name: style})`` of each module that holds layers of the blocks tensor
+    parallel splits (the attention, the MLP; the block when it holds them itself)."""
+    # Only the block layers: the vocabulary's layers ('vp') sit beside the blocks, often on the model's root.
+    parents: dict[str, dict[str, Any]] = {}
+    for n, style in found.items():
+        if type(style).__name__ in ("Colwise", "Rowwise"):
+            parent, _, attr = n.rpartition(".")
+            parents.setdefault(parent, {})[attr] = style
+    return [(name, module.get_submodule(name) if name else module, layers) for name, layers in sorted(parents.items())]
+
+
+def _is_attention(m: nn.Module) -> bool:
+    kind = type(m).__name__.lower()
+    return any(hasattr(m, a) for a in HEAD_COUNTS) or "attention" in kind or "attn" in kind
+
+
 def attention_modules(module: nn.Module, found: dict[str, Any]) -> list[nn.Module]:
     """The modules holding a split layer that are attention: they count heads, or are named so."""
-    # Only the block layers: the vocabulary's layers ('vp') sit beside the blocks, often on the model's root.
-    parents = {n.rpartition(".")[0] for n, style in found.items() if type(style).__name__ in ("Colwise", "Rowwise")}
-    out = []
-    for name in sorted(parents):
-        m = module.get_submodule(name) if name else module
-        kind = type(m).__name__.lower()
-        if any(hasattr(m, a) for a in HEAD_COUNTS) or "attention" in kind or "attn" in kind:
-            out.append(m)
-    return out
+    return [m for _, m, _ in split_parents(module, found) if _is_attention(m)]
 
 
-def localise(module: nn.Module, found: dict[str, Any], axis: Axis) -> list[tuple[Any, str, Any]]:
-    """Make the attention modules above the split layers count this rank's heads; returns what to `restore`."""
+def prove_forwards(module: nn.Module, found: dict[str, Any], tp: int) -> set[str]:
+    """Before the split: prove for each module holding split layers that its forward computes on every rank's slice
+    what it computes whole (`proof.check`), and return the names of the nanoGPT-style attentions whose forward cannot
+    run on a slice but that `nanogpt_attention_forward` is proven to compute. A module that neither is refused with
+    what to change. Hugging Face's own classes (head counts made local, each family tested) and forwards that need
+    more than one tensor (nothing to probe them with) are not probed: the first-batch check covers them."""
+    replaced: set[str] = set()
+    decided: dict[Any, str] = {}  # one proof per class and layout: the same code computes the same way
+    for name, m, layers in split_parents(module, found):
+        if type(m).__module__.startswith("transformers."):
+            continue
+        key = (type(m), tuple(sorted(layers.items(), key=lambda item: item[0])))
+        if key not in decided:
+            decided[key] = _decide(name or type(m).__name__, m, layers, tp)
+        if decided[key] == "ours":
+            replaced.add(name)
+    return replaced
+
+
+def _decide(name: str, m: nn.Module, layers: dict[str, Any], tp: int) -> str:
+    """``"own"``: the user's forward runs on the slice; ``"ours"``: nanoGPT's forward replaced by one proven equal;
+    ``"unprobed"``: nothing to probe it with. Raises when neither is proven."""
+    nano = _is_nanogpt_attention(m)
+    x = proof.probe_input(m, layers)
+    if x is None:
+        if nano:
+            raise ValueError(
+                f"tensor parallel: {name} ({type(m).__name__}) is laid out as nanoGPT's attention, whose forward "
+                "reads the width from its input and so cannot run on a rank's slice as written; the pack would run "
+                "nanoGPT's forward instead, but yours takes more than one tensor "
+                f"{tuple(inspect.signature(m.forward).parameters)}, so it cannot prove that it computes the same. "
+                + _ADVICE)
+        return "unprobed"
+    own = proof.check(m, layers, tp, lambda c, x: c(x), x, _localise_copy)
+    if own.same:
+        return "own"
+    if nano:
+        ours = proof.check(m, layers, tp, nanogpt_attention_forward, x, _localise_copy)
+        if ours.same:
+            return "ours"
+        raise ValueError(
+            f"tensor parallel: {name} ({type(m).__name__}) cannot be split as written: your forward {own.why}, and "
+            f"nanoGPT's attention forward, which the pack runs instead on nanoGPT's layout, {ours.why}: your "
+            "attention computes something other than nanoGPT's. " + _ADVICE)
+    raise ValueError(
+        f"tensor parallel: {name} ({type(m).__name__}) computes something else on a rank's slice than whole: its "
+        f"forward {own.why}. Between the split layers ({', '.join(layers)}) everything must act per head or per "
+        "element (a norm over the whole width, or a width read from the input, does not). Pass a tp_plan that "
+        "keeps this module whole (leave its layers out), or drop tp.")
+
+
+_ADVICE = ("To run your own forward on each rank's heads, read widths and head counts from the module, not from "
+           "the input: the pack divides n_head and n_embd by tp on every rank (e.g. `y.view(B, T, self.n_embd)` and "
+           "head size `self.n_embd // self.n_head` instead of `C` from `x.size()`). Or pass a tp_plan that keeps "
+           "this attention whole, or drop tp.")
+
+
+def _local_counts(m: nn.Module, tp: int) -> list[tuple[Any, str, Any]]:
+    """Divide ``m``'s head counts and widths by tp (and give it a config of its own with local counts); returns
+    what to `restore`."""
     changed: list[tuple[Any, str, Any]] = []
-    for m in attention_modules(module, found):
-        for attr in HEAD_COUNTS + WIDTHS:
-            value = getattr(m, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                changed.append((m, attr, value))
-                setattr(m, attr, value // axis.size)
-        config = getattr(m, "config", None)
-        if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
-            local = copy.copy(config)  # this module's own copy: the model's config stays whole
-            for attr in ("num_attention_heads", "num_key_value_heads"):
-                if isinstance(getattr(config, attr, None), int):
-                    setattr(local, attr, getattr(config, attr) // axis.size)
-            changed.append((m, "config", config))
-            m.config = local
-        if _is_nanogpt_attention(m):
+    for attr in HEAD_COUNTS + WIDTHS:
+        value = getattr(m, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            changed.append((m, attr, value))
+            setattr(m, attr, value // tp)
+    config = getattr(m, "config", None)
+    if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+        local = copy.copy(config)  # this module's own copy: the model's config stays whole
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            if isinstance(getattr(config, attr, None), int):
+                setattr(local, attr, getattr(config, attr) // tp)
+        changed.append((m, "config", config))
+        m.config = local
+    return changed
+
+
+def _localise_copy(m: nn.Module, tp: int) -> None:
+    if _is_attention(m):
+        _local_counts(m, tp)
+
+
+def localise(module: nn.Module, found: dict[str, Any], axis: Axis,
+             replaced: set[str] = frozenset()) -> list[tuple[Any, str, Any]]:
+    """Make the attention modules above the split layers count this rank's heads, and give the ones named in
+    ``replaced`` (`prove_forwards`) nanoGPT's forward on the slice; returns what to `restore`."""
+    changed: list[tuple[Any, str, Any]] = []
+    for name, m, _ in split_parents(module, found):
+        if _is_attention(m):
+            changed += _local_counts(m, axis.size)
+        if name in replaced:
             changed.append((m, "forward", m.__dict__.get("forward", _MISSING)))
             m.forward = types.MethodType(nanogpt_attention_forward, m)
     return changed
@@ -127,7 +216,8 @@ def _is_nanogpt_attention(m: nn.Module) -> bool:
 
 def nanogpt_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """nanoGPT's ``CausalSelfAttention.forward`` with the width read from the projection, not the input: the same
-    causal attention over this rank's ``n_head`` heads (``n_embd`` is this rank's width)."""
+    causal attention over this rank's ``n_head`` heads (``n_embd`` is this rank's width). Its dropout modules are
+    used where the module has them. Run only where `prove_forwards` showed it computes what the user's forward does."""
     B, T = x.shape[:2]
     q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
     q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
@@ -137,6 +227,11 @@ def nanogpt_attention_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     else:
         att = (q @ k.transpose(-2, -1)) * (1.0 / k.size(-1) ** 0.5)
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        y = self.attn_dropout(F.softmax(att, dim=-1)) @ v
+        y = _maybe(self, "attn_dropout", F.softmax(att, dim=-1)) @ v
     y = y.transpose(1, 2).contiguous().view(B, T, -1)
-    return self.resid_dropout(self.c_proj(y))
+    return _maybe(self, "resid_dropout", self.c_proj(y))
+
+
+def _maybe(m: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    layer = getattr(m, name, None)
+    return layer(x) if isinstance(layer, nn.Module) else x

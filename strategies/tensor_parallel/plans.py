@@ -91,6 +91,7 @@ def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLa
         raise ValueError(f"the tensor-parallel plan names no module of this model: patterns {list(plan)}")
     heads.check_heads(module, found, axis)
     heads.check_attention_parameters(module, found)
+    replaced = heads.prove_forwards(module, found, axis.size)  # on the whole layers, before they are split
     found.tied = tied_groups(module, found)
     for name, style in found.items():
         child = module.get_submodule(name)
@@ -102,7 +103,7 @@ def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLa
             setattr(child, pname, nn.Parameter(param.detach().new_empty(0), requires_grad=param.requires_grad))
         setattr(parent, attr, layer)
     _retie(module, found)
-    found.localised = heads.localise(module, found, axis)
+    found.localised = heads.localise(module, found, axis, replaced)
     return found
 
 

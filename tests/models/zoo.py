@@ -112,10 +112,65 @@ class NanoMLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class NanoBlock(nn.Module):
+# nanoGPT exists to be changed: its attention as users change it. Under tensor parallel each is either run on the
+# slice (its forward reads widths from the module), run as nanoGPT's forward where that is proven the same, or refused.
+class NanoScaledQ(NanoAttention):
+    """Queries scaled before attention (QK scaling), the width still read from the input as nanoGPT does: no forward
+    can run it on a slice, and nanoGPT's forward would drop the scaling, so tensor parallel refuses it."""
+
+    q_scale = 1.7
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q * self.q_scale
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class NanoRotary(NanoAttention):
+    """Rotary positions on q and k, widths read from the module (``self.n_embd``): its own forward runs on a slice."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(WIDTH), NanoAttention(), nn.LayerNorm(WIDTH), NanoMLP()
+        head = WIDTH // HEADS
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head, 2).float() / head), persistent=False)
+
+    def _rotate(self, t):  # t: (B, heads, T, head)
+        angles = torch.arange(t.shape[2], dtype=t.dtype, device=t.device)[:, None] * self.inv_freq.to(t.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        even, odd = t[..., 0::2], t[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(self._rotate(q), self._rotate(k), v, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_embd)))
+
+
+class NanoNoDropout(nn.Module):
+    """nanoGPT's attention without its dropout modules: nanoGPT's forward (proven the same) runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.n_head, self.n_embd = HEADS, WIDTH
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, attention: type[nn.Module] = NanoAttention) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(WIDTH), attention(), nn.LayerNorm(WIDTH), NanoMLP()
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -123,11 +178,11 @@ class NanoBlock(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, attention: type[nn.Module] = NanoAttention) -> None:
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(VOCAB, WIDTH), wpe=nn.Embedding(SEQ * 2, WIDTH), drop=nn.Dropout(0.0),
-            h=nn.ModuleList([NanoBlock() for _ in range(LAYERS)]), ln_f=nn.LayerNorm(WIDTH)))
+            h=nn.ModuleList([NanoBlock(attention) for _ in range(LAYERS)]), ln_f=nn.LayerNorm(WIDTH)))
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
 
@@ -145,6 +200,18 @@ class NanoGPT(nn.Module):
 
 def nanogpt():
     return NanoGPT()
+
+
+def nanogpt_scaled_q():
+    return NanoGPT(NanoScaledQ)
+
+
+def nanogpt_rotary():
+    return NanoGPT(NanoRotary)
+
+
+def nanogpt_no_dropout():
+    return NanoGPT(NanoNoDropout)
 
 
 class HeadFirst(nn.Module):
@@ -175,11 +242,14 @@ def head_first():
 
 MODELS = {f.__name__: f for f in (llama, llama_tied, llama_gqa, qwen2, mistral, phi3, gpt2, opt, gpt_neox, gptj,
                                   nanogpt, head_first)}
+# nanoGPT as users change it (tensor parallel only): trained equal to one process, or refused naming the module.
+VARIANTS = {f.__name__: f for f in (nanogpt_scaled_q, nanogpt_rotary, nanogpt_no_dropout)}
+REFUSED_UNDER_TP = {"nanogpt_scaled_q": "transformer.h.0.attn"}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return MODELS[name]()
+    return {**MODELS, **VARIANTS}[name]()
 
 
 def batches(steps: int, batch: int = 4, seed: int = 1, shorter_last: bool = False) -> list[torch.Tensor]:
