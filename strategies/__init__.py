@@ -42,6 +42,7 @@ _EXPORTS = {
     "PipelineSchedule": "strategies.plan",
     "ShardedCheckpointIO": "strategies.checkpoint",
     "resumable": "strategies.lightning.resume",
+    "FirstBatchMismatch": "strategies.lightning.first_batch",
     "StrategyMonitor": "strategies.measure.monitor",
     "Colwise": "strategies.tensor_parallel",
     "Rowwise": "strategies.tensor_parallel",

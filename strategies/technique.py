@@ -146,6 +146,12 @@ class Technique:
         return []
 
     @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Inside, the process runs as without this technique: a whole copy of the model computes one process's
+        loss (the first-batch check). Only a technique that changes the process, not just the model, acts here."""
+        yield
+
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate locally: nothing is communicated until a backward outside."""
         yield

@@ -119,4 +119,9 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{strategy} on {devices} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text()), torch.load(params)
+    result = json.loads(out.read_text())
+    check = result.get("first_batch_check")  # on by default for a plan (off with --heap): it ran, and passed
+    if check is not None and "--no-check-first-batch" not in extra:
+        assert check["skipped"] is None and abs(check["plan"] - check["reference"]) <= \
+            check["tolerance"] * abs(check["reference"]), check
+    return result, torch.load(params)

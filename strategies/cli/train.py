@@ -56,6 +56,7 @@ class RunConfig:
     workload: str = "gpt"  # what to train (`workload.find_workload`)
     compile: str | None = None  # torch.compile each block with this backend (inductor, aot_eager); None: eager
     heap: bool = False  # sample the C heap through the run (CPU): memory_bytes["heap_peak"] (slows the run)
+    check_first_batch: bool = True  # a plan's first loss against the whole model's (`lightning.first_batch`)
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -107,8 +108,15 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     from torch._dynamo.utils import counters  # (imported by Lightning already)
 
     result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # by torch.compile on this rank
+    result["first_batch_check"] = _first_batch(trainer)
     result.update(_final_parameters(trainer, params_out))
     return result
+
+
+def _first_batch(trainer: Any) -> dict[str, Any] | None:
+    """What the first-batch check found (both losses and the tolerance, or why it was skipped); None without it."""
+    outcome = getattr(trainer.strategy, "first_batch", None)
+    return asdict(outcome) if outcome is not None else None
 
 
 def _world(config: RunConfig) -> int:
@@ -123,12 +131,21 @@ def _is_plan(strategy: str) -> bool:
 
 
 def _strategy(config: RunConfig) -> Any:
-    """The Trainer's strategy: the name, or a plan's strategy with its compile option."""
-    if not (config.compile and _is_plan(config.strategy)):
+    """The Trainer's strategy: a plan's (the class its name registers) with the run's options, the first-batch check
+    and compile; Lightning's own strategies by name."""
+    if not _is_plan(config.strategy):
         return config.strategy
-    from strategies import PlanStrategy
+    import dataclasses
 
-    return PlanStrategy(config.strategy, compile={"backend": config.compile})
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = StrategyRegistry.get(config.strategy)
+    # --heap measures memory: the check's copy of the model would sit in its set-up figure.
+    options = {"check_first_batch": config.check_first_batch and not config.heap}
+    if config.compile:
+        options["compile"] = {"backend": config.compile}
+    strategy.options = dataclasses.replace(strategy.options, **options)
+    return strategy
 
 
 def _model_config(module: Any) -> dict[str, Any]:
@@ -317,6 +334,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heap", action="store_true",
                    help="sample the C heap through the run (CPU, glibc): each rank's peak in the steps after the "
                         "first, as states + activations + temporaries, in memory_bytes['heap_peak'] (slows the run)")
+    p.add_argument("--no-check-first-batch", dest="check_first_batch", action="store_false",
+                   help="skip the first-batch check (a plan's first loss against the whole model's, which stops a "
+                        "run that computes something else)")
     p.add_argument("--workload", default=defaults.workload,
                    help="what to train: a registered workload (default: gpt, the demo) or module:object")
 

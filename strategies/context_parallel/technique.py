@@ -17,7 +17,8 @@ microbatch's rows of the split tensor (a view of it): its rows of the shift, and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -117,6 +118,14 @@ class ContextParallel(Technique):
             return None
         local, shifted = whole[0][rows], whole[1][rows]
         return local, (shifted != IGNORE).sum() / self.axis.size
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        self.route.remove()  # F.scaled_dot_product_attention is torch's again, for the whole process
+        try:
+            yield
+        finally:
+            self.route.install()
 
     def teardown(self, healthy: bool) -> None:
         self.route.remove()

@@ -81,6 +81,11 @@ class PlanOptions:
     """``torch.compile`` each block's forward (`strategies.compile`): True, or torch.compile's keyword arguments
     (``{"mode": "max-autotune"}``). A model the user compiled (``torch.compile(net)`` inside the module, or
     ``net.compile()``) is compiled per block in the same way without it."""
+    check_first_batch: bool = False
+    """Before the first optimizer step, compare the plan's loss on its first batch with the whole model's on the
+    same batch in one process's arithmetic, and stop with both losses if they differ (`first_batch`: fp32 1e-5
+    relative). Costs a copy of the whole model until the first batch and two forwards of it; on by default in
+    ``stratpack train`` and ``compare``."""
     stop_on_nonfinite_loss: bool = True
     """A NaN or infinite loss ends the job with ``FloatingPointError`` naming the rank and step, instead of
     training on with parameters it would poison."""
@@ -107,6 +112,7 @@ _RULES = {
     "process_group_backend": _rule(lambda v: v is None or isinstance(v, str) and v != "",
                                    "None or a backend name such as 'gloo' or 'nccl'"),
     "stop_on_nonfinite_loss": _BOOL,
+    "check_first_batch": _BOOL,
     "deterministic": _BOOL,
     "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),
                      "True, False or a dict of torch.compile keyword arguments"),

@@ -37,6 +37,7 @@ from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.files import pack_version
 from strategies.lightning import assemble
+from strategies.lightning.first_batch import FirstBatchCheck, Outcome
 from strategies.lightning.launcher import ExitingMultiProcessingLauncher
 from strategies.lightning.options import PlanOptions
 from strategies.lightning.resume import resumable
@@ -81,6 +82,8 @@ class PlanStrategy(ParallelStrategy):
         self.activation_bytes = self.peak_activation_bytes = 0
         self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
+        self._first_batch: FirstBatchCheck | None = None  # the whole model kept for the first-batch check
+        self.first_batch: Outcome | None = None  # what the check found (both losses, or why it was skipped)
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -170,6 +173,12 @@ class PlanStrategy(ParallelStrategy):
         assemble.check_optimization(self.lightning_module, self.resolved_plan)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        check = fitting and self.options.check_first_batch and self.first_batch is None
+        if check:  # the whole model, before any technique splits it
+            self._first_batch = FirstBatchCheck.prepare(self.lightning_module, str(trainer.precision),
+                                                        self.precision_plugin.train_step_context)
+            with self.mesh.stats.uncounted():
+                self._first_batch.equalise(self.mesh.data)
         self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options)
         self._steps = self._make_steps(fitting)
         if fitting:
@@ -254,6 +263,22 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        check, self._first_batch = self._first_batch, None
+        if check is None:
+            return self._training_step(*args, **kwargs)
+        with contextlib.ExitStack() as stack:  # the whole model's loss on this batch first, as one process
+            for technique in self.techniques:
+                stack.enter_context(technique.outside())
+            check.reference(*args)
+        try:
+            output = self._training_step(*args, **kwargs)
+        except Exception as error:
+            raise check.failed(error, str(self.resolved_plan)) from error
+        with self.mesh.stats.uncounted():
+            self.first_batch = check.compare(output, str(self.resolved_plan), self.mesh.world)
+        return output
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Measure what autograd keeps for backward (the activations) on every step: cheap, one hook per save.
         # Under pipeline parallel the backwards run inside too, so this is the peak held across the schedule.
         buffers = lambda: [b for technique in self.techniques for b in technique.parameter_buffers()]  # noqa: E731
@@ -506,6 +531,7 @@ class PlanStrategy(ParallelStrategy):
         for technique in reversed(self.techniques):
             technique.teardown(healthy)
         comm.set_ordered_sums(False)
+        self._first_batch = None
         self.techniques = []
         self._steps = DirectSteps(self._lightning_hook)
         super().teardown()

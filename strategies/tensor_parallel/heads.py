@@ -109,13 +109,11 @@ def prove_forwards(module: nn.Module, found: dict[str, Any], tp: int) -> set[str
     """Before the split: prove for each module holding split layers that its forward computes on every rank's slice
     what it computes whole (`proof.check`), and return the names of the nanoGPT-style attentions whose forward cannot
     run on a slice but that `nanogpt_attention_forward` is proven to compute. A module that neither is refused with
-    what to change. Hugging Face's own classes (head counts made local, each family tested) and forwards that need
-    more than one tensor (nothing to probe them with) are not probed: the first-batch check covers them."""
+    what to change. Forwards that need more than one tensor, or fail whole on the probe (Llama's attention needs its
+    position embeddings), are not probed: the first-batch check covers them."""
     replaced: set[str] = set()
     decided: dict[Any, str] = {}  # one proof per class and layout: the same code computes the same way
     for name, m, layers in split_parents(module, found):
-        if type(m).__module__.startswith("transformers."):
-            continue
         key = (type(m), tuple(sorted(layers.items(), key=lambda item: item[0])))
         if key not in decided:
             decided[key] = _decide(name or type(m).__name__, m, layers, tp)
@@ -129,16 +127,17 @@ def _decide(name: str, m: nn.Module, layers: dict[str, Any], tp: int) -> str:
     ``"unprobed"``: nothing to probe it with. Raises when neither is proven."""
     nano = _is_nanogpt_attention(m)
     x = proof.probe_input(m, layers)
-    if x is None:
+    own = proof.check(m, layers, tp, lambda c, x: c(x), x, _localise_copy) if x is not None else None
+    if own is None or not own.probed:
         if nano:
             raise ValueError(
                 f"tensor parallel: {name} ({type(m).__name__}) is laid out as nanoGPT's attention, whose forward "
                 "reads the width from its input and so cannot run on a rank's slice as written; the pack would run "
-                "nanoGPT's forward instead, but yours takes more than one tensor "
-                f"{tuple(inspect.signature(m.forward).parameters)}, so it cannot prove that it computes the same. "
+                "nanoGPT's forward instead, but yours cannot be run on a probe of one tensor "
+                f"{tuple(inspect.signature(m.forward).parameters)}"
+                f"{f' ({own.why})' if own is not None else ''}, so it cannot prove that it computes the same. "
                 + _ADVICE)
         return "unprobed"
-    own = proof.check(m, layers, tp, lambda c, x: c(x), x, _localise_copy)
     if own.same:
         return "own"
     if nano:

@@ -40,6 +40,7 @@ class Verdict:
 
     same: bool
     why: str = ""
+    probed: bool = True  # False: the forward did not run whole on the probe (it needs what a probe cannot make)
 
 
 def probe_input(module: nn.Module, layers: dict[str, Any]) -> torch.Tensor | None:
@@ -73,7 +74,7 @@ def check(module: nn.Module, layers: dict[str, Any], tp: int, forward: Forward, 
         try:
             expected = _first_tensor(whole(x))
         except Exception as error:  # the probe cannot run it whole: nothing to compare against
-            return Verdict(False, f"does not run whole on a probe input {tuple(x.shape)} ({_short(error)})")
+            return Verdict(False, f"does not run whole on a probe input {tuple(x.shape)} ({_short(error)})", False)
         rows: dict[tuple[str, int], list[torch.Tensor]] = {}
         try:
             for rank in range(tp):  # pass 1: every row-parallel layer's partial output, per call

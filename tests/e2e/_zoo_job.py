@@ -3,13 +3,14 @@
 1-7; the later Trainers find the process group there. Rank 0 writes each run's final parameters (the module is whole
 again after fit) to OUT."""
 
+import dataclasses
 import sys
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import strategies  # noqa: F401  (registers the plan strings)
+import strategies  # (registers the plan strings)
 from tests.models import zoo
 
 # (model, plan, optimizer, gradient clipping). CI's cases: every model of the issue once, under one of the two 8-rank
@@ -52,11 +53,13 @@ def data() -> TensorDataset:
 
 def fit(name: str, plan: str, optimizer: str, clip: float | None) -> dict[str, torch.Tensor]:
     module = Zoo(name, optimizer)
-    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=plan, max_steps=STEPS, logger=False,
+    strategy = strategies.PlanStrategy(plan, check_first_batch=True)  # what the first-batch check found: "check"
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=clip, num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data(), batch_size=BATCH // DP, drop_last=True))
-    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    return {**{k: v.detach().clone() for k, v in module.net.state_dict().items()},
+            "check": dataclasses.asdict(trainer.strategy.first_batch)}
 
 
 if __name__ == "__main__":

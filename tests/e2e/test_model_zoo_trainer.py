@@ -4,6 +4,7 @@ share it, with clipping), with plain SGD or AdamW (`_zoo_job.CASES`); every mode
 optimizers with ``-m matrix`` (`_zoo_job.FULL`). Context parallel with rotary and learned positions: Llama under
 `dp_cp4` (AdamW), `cp2_pp2_mb2` (its labels shifted per microbatch: counting the whole batch's items instead gives
 a wrong gradient scale, caught here), Llama GQA under `zero3_tp2_cp2`, GPT-2 under `zero3_cp4` (AdamW).
+Each fit runs the first-batch check, which must pass.
 The one-process reference runs here, on the batches
 Lightning's DistributedSampler gives (shuffled with seed 0: the dp ranks' k-th batches together are the k-th
 slice of that permutation)."""
@@ -54,6 +55,8 @@ def full_results(tmp_path_factory):
 
 
 def _check(state: dict, name: str, optimizer: str, clip) -> None:
+    check = state.pop("check")  # the first-batch check ran and passed (a difference would have stopped the fit)
+    assert check["skipped"] is None and check["plan"] == pytest.approx(check["reference"], rel=check["tolerance"])
     reference = _reference(name, optimizer, clip)
     assert state.keys() == reference.keys()
     for key, value in reference.items():

@@ -1,0 +1,86 @@
+"""The first-batch check's own logic, in one process (`strategies.lightning.first_batch`): what it compares, its
+tolerances, and each reason it is skipped for. Through the Trainer at 2 ranks: tests/e2e/test_first_batch.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from strategies.comm import Axis
+from strategies.lightning.first_batch import FP32_RTOL, LOW_PRECISION_FLOOR, FirstBatchCheck, FirstBatchMismatch
+
+BATCH = (torch.randn(4, 8), torch.randn(4, 1))
+
+
+class Net(L.LightningModule):
+    def __init__(self, dropout: float = 0.0, manual: bool = False) -> None:
+        super().__init__()
+        self.body, self.drop = nn.Linear(8, 1), nn.Dropout(dropout)
+        self.automatic_optimization = not manual
+        self.data = torch.randn(1000, 8)  # a tensor the module holds: shared with the copy, not copied
+
+    def training_step(self, batch, index):
+        x, y = batch
+        self.log("loss", 1.0)  # collected, not sent to a Trainer the copy does not have
+        return {"loss": nn.functional.mse_loss(self.drop(self.body(x)), y)}
+
+
+def _check(module, precision: str = "32-true", context=contextlib.nullcontext) -> FirstBatchCheck:
+    check = FirstBatchCheck.prepare(module, precision, context)
+    check.reference(BATCH, 0)
+    return check
+
+
+def test_equal_losses_pass_and_the_copy_is_dropped():
+    module = Net()
+    check = FirstBatchCheck.prepare(module, "32-true", contextlib.nullcontext)
+    assert check.copy.data is module.data and check.copy.body.weight is not module.body.weight
+    check.reference(BATCH, 0)
+    assert check.copy is None and check.mine.tolerance == FP32_RTOL
+    outcome = check.compare(module.training_step(BATCH, 0), "dp", Axis.solo("world"))
+    assert outcome.skipped is None and outcome.relative == 0.0
+
+
+def test_a_difference_above_the_tolerance_stops_with_both_losses():
+    module = Net()
+    check = _check(module)
+    wrong = module.training_step(BATCH, 0)["loss"] * (1 + 3 * FP32_RTOL)
+    with pytest.raises(FirstBatchMismatch, match=r"plan 'tp2' gives loss [\d.]+ on rank 0's first batch, where the "
+                                                 r"whole model in one process's arithmetic gives [\d.]+"):
+        check.compare(wrong, "tp2", Axis.solo("world"))
+    check = _check(module)  # within the tolerance: passes
+    assert check.compare(module.training_step(BATCH, 0)["loss"] * (1 + FP32_RTOL / 3), "tp2", Axis.solo("world"))
+
+
+def test_bf16_takes_its_tolerance_from_the_measured_spread():
+    check = _check(Net(), "bf16-mixed", lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert check.mine.tolerance >= LOW_PRECISION_FLOOR and check.mine.skipped is None
+
+
+@pytest.mark.parametrize("module,reason", [
+    (Net(dropout=0.5), "draws random numbers"),
+    (Net(manual=True), "manual optimization"),
+])
+def test_skipped_with_the_reason(module, reason: str):
+    check = _check(module)
+    with pytest.warns(UserWarning, match=f"first-batch check of 'dp' skipped: .*{reason}"):
+        outcome = check.compare(torch.tensor(1.0), "dp", Axis.solo("world"))
+    assert reason in outcome.skipped
+
+
+def test_a_model_on_the_meta_device_is_skipped():
+    with torch.device("meta"):
+        module = Net()
+    assert "meta device" in FirstBatchCheck.prepare(module, "32-true", contextlib.nullcontext).mine.skipped
+
+
+def test_a_step_that_fails_under_the_plan_names_the_plan():
+    check = _check(Net())
+    error = check.failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "tp2")
+    assert isinstance(error, FirstBatchMismatch) and "plan 'tp2' failed on its first batch (RuntimeError" in str(error)
+    oom = torch.OutOfMemoryError("out of memory")
+    assert check.failed(oom, "tp2") is oom
