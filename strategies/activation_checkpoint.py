@@ -27,8 +27,11 @@ def apply_activation_checkpointing(blocks: nn.Module) -> list[nn.Module]:
     """Wrap the forward of every element of ``blocks`` (a ModuleList/Sequential); returns them for `remove`."""
     wrapped = []
     for block in blocks:
-        if "forward" in vars(block):
-            raise RuntimeError(f"{type(block).__name__} already has an instance-level forward; cannot checkpoint it")
+        if "forward" in vars(block):  # compiled one by one (block.forward = torch.compile(...)) or patched
+            raise ValueError(
+                f"activation checkpointing ('ac') wraps each block's forward, but this {type(block).__name__} has "
+                "a forward set on the instance (compiled block by block, or replaced), which the wrapper would "
+                "hide; compile the whole model (or pass compile=True) instead, or drop 'ac'")
         block.forward = functools.partial(_checkpointed, block.forward)
         wrapped.append(block)
     return wrapped

@@ -26,6 +26,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -338,7 +339,8 @@ class StageRunner:
         since (the container holds the blocks themselves)."""
         held = self._containers.get(stage)
         if held is None or len(held) != len(blocks) or any(a is not b for a, b in zip(held, blocks)):
-            held = type(self.blocks)(*blocks) if isinstance(self.blocks, nn.Sequential) else nn.ModuleList(blocks)
+            held = type(self.blocks)(*blocks) if isinstance(self.blocks, nn.Sequential) else \
+                _StageBlocks(blocks, self.layout.blocks_name, self.layout.ranges[stage])
             self._containers[stage] = held
         return held
 
@@ -349,6 +351,24 @@ class StageRunner:
             params[name].data = full[name].to(params[name].device).reshape(shape)
             params[name].requires_grad_(requires_grad)
         self.shapes.clear()
+
+
+class _StageBlocks(nn.ModuleList):
+    """One stage's blocks where the user's list was: a forward that indexes the list past them (``self.h[i]`` for
+    ``i in range(n_layer)``) gets an error that says why, not a bare IndexError."""
+
+    def __init__(self, blocks: list[nn.Module], name: str, held: range) -> None:
+        super().__init__(blocks)
+        self._where = (name, held)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int) and not -len(self) <= index < len(self):
+            name, held = self._where
+            raise IndexError(
+                f"pipeline parallel: this stage holds {name}[{held.start}:{held.stop}] only, and the forward asked "
+                f"for {name}[{index}]: run the blocks through the list ('for block in self.{name.rpartition('.')[2]}'"
+                ", or len() of it), not by a count of your own, so that each stage runs its blocks")
+        return super().__getitem__(index)
 
 
 def _outside(module: nn.Module, blocks: nn.Module) -> Iterator[nn.Module]:

@@ -1,5 +1,5 @@
 """The first-batch check's own logic, in one process (`strategies.lightning.first_batch`): what it compares, its
-tolerances, and each reason it is skipped for. Through the Trainer at 2 ranks: tests/e2e/test_first_batch.py."""
+tolerances, and each reason it is skipped for. Through the Trainer at 2 ranks: tests/e2e/test_first_batch_trainer.py."""
 
 from __future__ import annotations
 
