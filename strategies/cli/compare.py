@@ -30,8 +30,9 @@ def run_in_subprocess(config: Any, out_dir: str, index: int) -> dict[str, Any]:
     for field in fields(config):
         value = getattr(config, field.name)
         flag = f"--{field.name.replace('_', '-')}"
-        if isinstance(value, bool):  # a switch: given or not
-            cmd += [flag] if value else []
+        if isinstance(value, bool):  # a switch: given or not (one on by default is turned off by --no-<name>)
+            if value != field.default:
+                cmd += [flag if value else f"--no-{flag[2:]}"]
         elif field.name != "strategy" and value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -22,20 +22,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from strategies import comm
 from strategies.comm import Axis
-from strategies.data_parallel import broadcast_module
 from strategies.lightning.steps import deferred_logs
+from strategies.pipeline.stages import split_microbatches
 
 FP32_RTOL = 1e-5
+ATOL = 1e-6  # the pack's equivalence tests' absolute bound on a loss (tests/helpers.py)
 LOW_PRECISION_FLOOR = 2.0**-8  # bf16 keeps 8 significant bits
 SPREAD_FACTOR = 4.0
 
@@ -59,6 +62,14 @@ class Outcome:
             return 0.0
         return abs(self.plan - self.reference) / max(abs(self.reference), 1e-12)
 
+    @property
+    def excess(self) -> float:
+        """How far the difference is past the tolerance (> 0: a mismatch); an absolute floor of `ATOL` keeps a loss
+        near zero (a fitted model) from failing on its rounding alone."""
+        if self.reference is None or self.plan is None or self.tolerance is None:
+            return 0.0
+        return abs(self.plan - self.reference) - (self.tolerance * abs(self.reference) + ATOL)
+
 
 class FirstBatchCheck:
     """One rank's side of the check: the whole model kept at set-up, its loss at the first batch, the comparison."""
@@ -68,43 +79,47 @@ class FirstBatchCheck:
         self.mine = Outcome()  # until the first batch: skipped, with why, when no copy could be kept
 
     @classmethod
-    def prepare(cls, module: Any, precision: str, context: Callable[[], Any]) -> FirstBatchCheck:
+    def prepare(cls, module: Any, precision: str, context: Callable[[], Any], world: Axis) -> FirstBatchCheck:
         """Keep a copy of ``module`` (the whole model, before any split); ``context()``: the Trainer's precision
-        context for a training step."""
+        context for a training step. Every rank: the ranks agree to check, or all skip (the first batch's
+        collectives, to gather the plan's weights, are then called by all of them or by none)."""
         check = cls(None, precision, context)
         reason = _cannot_copy(module)
         if reason is None:
             try:
                 check.copy = _copy(module)
-            except Exception as error:  # a module deepcopy cannot copy (a compiled one, an open file...)
+            except Exception as error:  # a module deepcopy cannot copy (an open file, a lock...)
                 reason = f"the LightningModule could not be copied ({type(error).__name__}: {error})"
-        if reason is not None:
-            check.mine = Outcome(skipped=reason)
+        reasons = [r for r in comm.all_gather_object(reason, world) if r is not None]
+        if reasons:
+            check.copy, check.mine = None, Outcome(skipped=reasons[0])
         return check
 
-    def equalise(self, axis: Axis) -> None:
-        """Make the copy start where the plan's replicas do: the data-parallel ranks take index 0's weights."""
-        if not all(comm.all_gather_object(self.copy is not None, axis)):  # a rank has no copy to send or receive in
-            self.copy = None
-            self.mine = self.mine if self.mine.skipped else Outcome(skipped="a rank could not keep a copy of the model")
-            return
-        broadcast_module(self.copy, axis)
+    @property
+    def active(self) -> bool:
+        return self.copy is not None
 
-    def reference(self, batch: Any, batch_idx: int, *args: Any) -> None:
-        """The whole model's loss on this rank's first batch (then the copy is dropped)."""
+    def reference(self, state: dict[str, Tensor], args: tuple, microbatches: int) -> None:
+        """The whole model's loss on this rank's first batch (``args``: the step's), with the weights the plan holds
+        now (``state``, in the single-process layout: what set-up, callbacks or a resumed checkpoint made them); as a
+        pipeline computes it, the mean over ``microbatches``. Then the copy is dropped."""
         ref, self.copy = self.copy, None
         if ref is None:
             return
+        if args and isinstance(args[0], Iterator):
+            self.mine = Outcome(skipped="training_step takes the dataloader iterator: no batch to run twice")
+            return
         try:
-            self.mine = _reference(ref, self.precision, self.context, batch, batch_idx, *args)
+            ref.load_state_dict(state, strict=True)
+            self.mine = _reference(ref, self.precision, self.context, args, microbatches)
         except Exception as error:
             self.mine = Outcome(skipped=f"training_step did not run on a copy of the model ({type(error).__name__}: "
                                         f"{error})")
 
     def failed(self, error: Exception, plan: str) -> Exception:
-        """The plan's first step raised: where the whole model ran, say so with the error (a split that does not
-        fit the model: a layer declared Colwise that is Rowwise fails in a matrix product deep in torch)."""
-        if self.mine.reference is None or isinstance(error, (torch.OutOfMemoryError, FloatingPointError)):
+        """The plan's first step raised where the whole model ran: a RuntimeError (a split that does not fit the
+        model fails in a matrix product deep in torch) is said again with the plan; others are left as they are."""
+        if self.mine.reference is None or type(error) is not RuntimeError:
             return error
         return FirstBatchMismatch(
             f"first-batch check: plan '{plan}' failed on its first batch ({type(error).__name__}: {error}), where the "
@@ -125,9 +140,9 @@ class FirstBatchCheck:
         if skipped is not None:
             rank_zero_warn(f"first-batch check of '{plan}' skipped: {skipped}")
             return Outcome(mine.reference, mine.plan, mine.tolerance, skipped)
-        worst = max(range(len(outcomes)), key=lambda r: outcomes[r].relative / outcomes[r].tolerance)
+        worst = max(range(len(outcomes)), key=lambda r: outcomes[r].excess)
         bad = outcomes[worst]
-        if bad.relative > bad.tolerance:
+        if bad.excess > 0:
             raise FirstBatchMismatch(
                 f"first-batch check: plan '{plan}' gives loss {bad.plan:.8g} on rank {worst}'s first batch, where the "
                 f"whole model in one process's arithmetic gives {bad.reference:.8g} (relative difference "
@@ -142,54 +157,61 @@ class FirstBatchCheck:
 def _cannot_copy(module: Any) -> str | None:
     if not getattr(module, "automatic_optimization", True):
         return "manual optimization: training_step steps the optimizer itself, so it cannot run on a copy"
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
+        return ("SyncBatchNorm: the plan's batch statistics are over every data-parallel rank's batch, one process's "
+                "over its own")
     params = list(module.parameters())
     if any(p.device.type == "meta" for p in params):
         return "the model has parameters on the meta device: too large to hold whole on one rank"
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        need = 2 * sum(p.numel() * p.element_size() for p in params)  # the copy, and room to run it
+        need = 3 * sum(p.numel() * p.element_size() for p in params)  # the copy, the gathered state, its step
         if need > free:
-            return f"a whole copy of the model ({need / 2**30:.1f} GiB with its step) does not fit in the GPU's free " \
-                   f"{free / 2**30:.1f} GiB"
+            return f"a whole copy of the model ({need / 2**30:.1f} GiB with its state and step) does not fit in the " \
+                   f"GPU's free {free / 2**30:.1f} GiB"
     return None
 
 
 def _copy(module: Any) -> Any:
-    """A deep copy of the module's parameters and buffers; data and other plain tensors it holds are shared (the
-    copy only reads them), the Trainer too (``self.trainer`` works inside its training_step)."""
+    """A deep copy of the module, without its Trainer (what training_step would do through it, stepping a scheduler,
+    must not happen twice); data it holds (datasets, loaders, numpy arrays and memory maps) is shared, not copied."""
     memo: dict[int, Any] = {}
     for m in module.modules():
-        owned = {id(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
         for value in vars(m).values():
-            if isinstance(value, (Tensor, torch.utils.data.Dataset, torch.utils.data.DataLoader)) \
-                    and id(value) not in owned:
+            if isinstance(value, (torch.utils.data.Dataset, torch.utils.data.DataLoader, np.ndarray)):
                 memo[id(value)] = value
-    out = copy.deepcopy(module, memo)
-    out._trainer = getattr(module, "_trainer", None)
+    out = copy.deepcopy(module, memo)  # LightningModule.__getstate__ leaves the Trainer out
+    out._trainer = None
     return out
 
 
-def _reference(ref: Any, precision: str, context: Callable[[], Any], batch: Any, batch_idx: int,
-               *args: Any) -> Outcome:
+def _reference(ref: Any, precision: str, context: Callable[[], Any], args: tuple, microbatches: int) -> Outcome:
     def loss(seed: int | None, low_precision: bool = True) -> float | None:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), deferred_logs(ref):
+        # Eager: a model the user compiled runs uncompiled here (no second compile, no graph counted for the copy).
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), deferred_logs(ref), \
+                torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (Lightning's "not attached to a Trainer" warnings: the copy is not)
             if seed is not None:
                 torch.manual_seed(seed)
             with context() if low_precision else contextlib.nullcontext():
-                return _loss(ref.training_step(batch, batch_idx, *args))
+                losses = [_loss(ref.training_step(micro, *args[1:])) for micro in parts]
+        return None if any(x is None for x in losses) else sum(losses) / len(losses)
 
-    first = loss(None)
-    if first is None:
+    parts = split_microbatches(args[0], microbatches) if microbatches > 1 else [args[0]]
+    first, again = loss(None), loss(12345)  # as many runs on every rank
+    if first is None or again is None:
         return Outcome(skipped="training_step returned no loss on the first batch")
-    again = loss(12345)
-    if again is None or abs(again - first) > 1e-7 * max(abs(first), 1e-12):
+    if abs(again - first) > 1e-7 * max(abs(first), 1e-12):
         return Outcome(skipped="the model's training forward draws random numbers (dropout?): its loss on a batch "
                                "is not one number. Set dropout to 0 for the run you want checked")
     if _fp32(precision):
         return Outcome(first, None, FP32_RTOL)
-    exact = loss(None, low_precision=False) if "mixed" in precision else _in_fp32(ref, lambda: loss(None, False))
+    try:
+        exact = loss(None, low_precision=False) if "mixed" in precision else _in_fp32(ref, lambda: loss(None, False))
+    except Exception:  # (inputs already in low precision against fp32 weights): no spread, the floor
+        exact = None
     spread = abs(first - exact) / max(abs(exact), 1e-12) if exact is not None and math.isfinite(exact) else 0.0
     return Outcome(first, None, max(SPREAD_FACTOR * spread, LOW_PRECISION_FLOOR))
 

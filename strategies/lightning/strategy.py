@@ -174,11 +174,10 @@ class PlanStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check = fitting and self.options.check_first_batch and self.first_batch is None
-        if check:  # the whole model, before any technique splits it
-            self._first_batch = FirstBatchCheck.prepare(self.lightning_module, str(trainer.precision),
-                                                        self.precision_plugin.train_step_context)
+        if check:  # the whole model's structure, before any technique splits it (its weights: at the first batch)
             with self.mesh.stats.uncounted():
-                self._first_batch.equalise(self.mesh.data)
+                self._first_batch = FirstBatchCheck.prepare(self.lightning_module, str(trainer.precision),
+                                                            self.precision_plugin.train_step_context, self.mesh.world)
         self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options)
         self._steps = self._make_steps(fitting)
         if fitting:
@@ -266,10 +265,15 @@ class PlanStrategy(ParallelStrategy):
         check, self._first_batch = self._first_batch, None
         if check is None:
             return self._training_step(*args, **kwargs)
-        with contextlib.ExitStack() as stack:  # the whole model's loss on this batch first, as one process
-            for technique in self.techniques:
-                stack.enter_context(technique.outside())
-            check.reference(*args)
+        if check.active:  # the whole model's loss on this batch first, as one process, with the plan's weights now
+            with self.mesh.stats.uncounted():
+                state = self.lightning_module_state_dict()  # every rank (the ranks agreed at set-up)
+            with contextlib.ExitStack() as stack:
+                for technique in self.techniques:
+                    stack.enter_context(technique.outside())
+                plan = self.resolved_plan
+                check.reference(state, args, plan.microbatches if plan.pp > 1 else 1)
+            del state
         try:
             output = self._training_step(*args, **kwargs)
         except Exception as error:

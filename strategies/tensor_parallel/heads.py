@@ -17,6 +17,7 @@ the user's forward does; anything else is refused, saying what to change.
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import types
 from typing import Any
@@ -112,14 +113,22 @@ def prove_forwards(module: nn.Module, found: dict[str, Any], tp: int) -> set[str
     what to change. Forwards that need more than one tensor, or fail whole on the probe (Llama's attention needs its
     position embeddings), are not probed: the first-batch check covers them."""
     replaced: set[str] = set()
-    decided: dict[Any, str] = {}  # one proof per class and layout: the same code computes the same way
+    decided: dict[Any, str] = {}  # one proof per class, layout and settings: the same code computes the same way
     for name, m, layers in split_parents(module, found):
-        key = (type(m), tuple(sorted(layers.items(), key=lambda item: item[0])))
+        key = (type(m), tuple(sorted(layers.items(), key=lambda item: item[0])), _settings(m))
         if key not in decided:
             decided[key] = _decide(name or type(m).__name__, m, layers, tp)
         if decided[key] == "ours":
             replaced.add(name)
+    gc.collect()  # the probe's copies hold cycles: freed now, not inside a later step's memory figures
     return replaced
+
+
+def _settings(m: nn.Module) -> tuple:
+    """The plain values a module holds (a scale, a flag, a head count): instances that differ in them are proven
+    apart, as their forwards may compute differently."""
+    return tuple(sorted((k, v) for k, v in vars(m).items()
+                        if isinstance(v, (bool, int, float, str)) and not k.startswith("_")))
 
 
 def _decide(name: str, m: nn.Module, layers: dict[str, Any], tp: int) -> str:

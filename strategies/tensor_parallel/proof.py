@@ -11,8 +11,10 @@ else, with no error. The simulation is exact: a first pass records the input of 
 simulated rank, a second pass runs each rank again with those layers returning the all-reduced sum, as the real
 layers do; so a rank's output is what it will compute in the run.
 
-The probe is small (2 x 4 tokens of the layer's width), on a copy of the module in float64 with its parameters
-drawn afresh (a zero-initialised output projection would make any two forwards agree), in eval mode (dropout off).
+The probe is small (2 x 4 tokens of the layer's width), on a copy of the module on the CPU in float64 with its
+parameters drawn afresh (a zero-initialised output projection would make any two forwards agree), in eval mode
+(dropout off). A module on the meta device, or larger than `MAX_ELEMENTS`, is not probed (the first-batch check
+covers it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelL
 
 RTOL = 1e-6  # of the largest output element; float64 gives ~1e-15, a forward cast to float32 inside ~1e-7
 BATCH, TOKENS = 2, 4
+MAX_ELEMENTS = 64 * 2**20  # a module's parameters and buffers the proof copies (512 MiB in float64, on the CPU)
 Forward = Callable[[nn.Module, torch.Tensor], Any]
 
 
@@ -68,11 +71,15 @@ def check(module: nn.Module, layers: dict[str, Any], tp: int, forward: Forward, 
           localise: Callable[[nn.Module, int], None]) -> Verdict:
     """Whether ``forward(copy, x)`` on each of ``tp`` simulated ranks' slices of ``module`` (``layers``: its split
     layers by relative name, and their styles; ``localise(copy, tp)`` makes its counts local) equals the user's own
-    forward of the whole ``module``."""
+    forward of the whole ``module``, on every output tensor of the same shape (a rank's attention weights are
+    its heads' only: another shape, not compared)."""
+    too_big = _unprobeable(module)
+    if too_big:
+        return Verdict(False, too_big, False)
     whole = _fresh_copy(module)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
-            expected = _first_tensor(whole(x))
+            expected = _tensors(whole(x))
         except Exception as error:  # the probe cannot run it whole: nothing to compare against
             return Verdict(False, f"does not run whole on a probe input {tuple(x.shape)} ({_short(error)})", False)
         rows: dict[tuple[str, int], list[torch.Tensor]] = {}
@@ -80,31 +87,47 @@ def check(module: nn.Module, layers: dict[str, Any], tp: int, forward: Forward, 
             for rank in range(tp):  # pass 1: every row-parallel layer's partial output, per call
                 forward(_slice(whole, layers, tp, rank, rows, None, localise), x)
             sums = {key: torch.stack(parts).sum(0) for key, parts in rows.items()}
-            outputs = [_first_tensor(forward(_slice(whole, layers, tp, rank, {}, sums, localise), x))
+            outputs = [_tensors(forward(_slice(whole, layers, tp, rank, {}, sums, localise), x))
                        for rank in range(tp)]
         except Exception as error:
             return Verdict(False, f"fails on a rank's slice: {_short(error)}")
     for rank, out in enumerate(outputs):
-        if out is None or expected is None or out.shape != expected.shape:
-            return Verdict(False, f"returns shape {None if out is None else tuple(out.shape)} on rank {rank}'s "
-                                  f"slice, {None if expected is None else tuple(expected.shape)} whole")
-        scale = expected.abs().max().clamp_min(1e-30)
-        error = float((out - expected).abs().max() / scale)
-        if error > RTOL:
-            return Verdict(False, f"differs on rank {rank}'s slice from the user's forward on the whole layer by "
-                                  f"{error:.1e} of its largest output (tolerance {RTOL:.0e})")
+        if not out or not expected or out[0].shape != expected[0].shape:
+            return Verdict(False, f"returns shape {tuple(out[0].shape) if out else None} on rank {rank}'s "
+                                  f"slice, {tuple(expected[0].shape) if expected else None} whole")
+        for mine, whole_out in zip(out, expected):
+            if mine.shape != whole_out.shape:
+                continue
+            scale = whole_out.abs().max().clamp_min(1e-30)
+            error = float((mine - whole_out).abs().max() / scale)
+            if error > RTOL:
+                return Verdict(False, f"differs on rank {rank}'s slice from the user's forward on the whole layer "
+                                      f"by {error:.1e} of its largest output (tolerance {RTOL:.0e})")
     return Verdict(True)
 
 
+def _unprobeable(module: nn.Module) -> str | None:
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device.type == "meta" for t in tensors):
+        return "is on the meta device (nothing to run a probe with)"
+    count = sum(t.numel() for t in tensors)
+    if count > MAX_ELEMENTS:  # the probe's float64 copies would cost more than the proof is worth at set-up
+        return f"holds {count:,} elements, more than the probe copies ({MAX_ELEMENTS:,} at most)"
+    return None
+
+
 def _fresh_copy(module: nn.Module) -> nn.Module:
-    """A float64 copy in eval mode, its parameters drawn again (seeded): the probe's arithmetic, not the user's."""
-    out = copy.deepcopy(module).to(torch.float64).eval()
+    """A float64 copy on the CPU in eval mode, its parameters drawn again (seeded): the probe's arithmetic, not the
+    user's. Built without copying the user's tensors (they may be on a GPU)."""
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in out.parameters():
-            fan_in = p.shape[-1] if p.dim() > 1 else 1
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) / fan_in**0.5)
-    return out
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        fan_in = p.shape[-1] if p.dim() > 1 else 1
+        memo[id(p)] = nn.Parameter(torch.randn(p.shape, generator=g, dtype=torch.float64) / fan_in**0.5,
+                                   requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b.detach().to("cpu", torch.float64 if b.is_floating_point() else b.dtype, copy=True)
+    return copy.deepcopy(module, memo).eval()
 
 
 def _slice(whole: nn.Module, layers: dict[str, Any], tp: int, rank: int,
@@ -144,13 +167,15 @@ class _RowSum(nn.Module):
         return total + self.layer.bias if self.layer.bias is not None else total
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
-    """The hidden states a module returns: itself, or the first tensor of a tuple (attention weights follow)."""
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors a module returns, in order: itself, or those of a tuple, list or dict (the hidden states first)."""
     if isinstance(output, torch.Tensor):
-        return output
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
     if isinstance(output, (tuple, list)):
-        return next((o for o in output if isinstance(o, torch.Tensor)), None)
-    return None
+        return [o for o in output if isinstance(o, torch.Tensor)]
+    return []
 
 
 def _short(error: BaseException) -> str:

@@ -84,3 +84,23 @@ def test_the_proof_sees_through_a_zero_initialised_output_projection():
         nn.init.zeros_(block.attn.c_proj.bias)
     with pytest.raises(ValueError, match="cannot be split"):
         _prove(model, detect_plan(model))
+
+
+def test_instances_that_differ_in_a_setting_are_proven_apart():
+    # The first layer unscaled (nanoGPT's forward computes it), the second scaled: one proof for both would have given
+    # the second nanoGPT's forward too, dropping its scaling.
+    model = zoo.build("nanogpt_scaled_q")
+    model.transformer.h[0].attn.q_scale = 1.0
+    with pytest.raises(ValueError, match=r"transformer\.h\.1\.attn \(NanoScaledQ\) cannot be split"):
+        _prove(model, detect_plan(model))
+
+
+class DictMlp(Mlp):
+    def forward(self, x):  # a dict out, and a second tensor computed from this rank's slice only
+        h = F.gelu(self.fc(x))
+        return {"out": self.proj(h), "aux": h.square().mean(-1)}
+
+
+def test_every_output_of_the_whole_shape_is_compared_dicts_included():
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp \(DictMlp\) computes something else"):
+        _prove(Net(DictMlp()), MLP_PLAN)
