@@ -49,7 +49,10 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
         rules = options.tp_plan if options.tp_plan is not None else detect_plan(model)
         if plan.vp and not any(isinstance(style, VocabHead) for style in rules.values()):
             rules = {**vocab_plan(model, plan.tp), **rules}
-        techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
+        with contextlib.ExitStack() as outside:  # its set-up proof runs the modules as one process (no ring SDPA)
+            for technique in techniques:
+                outside.enter_context(technique.outside())
+            techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper

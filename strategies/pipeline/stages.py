@@ -357,9 +357,9 @@ class _StageBlocks(nn.ModuleList):
     """One stage's blocks where the user's list was: a forward that indexes the list past them (``self.h[i]`` for
     ``i in range(n_layer)``) gets an error that says why, not a bare IndexError."""
 
-    def __init__(self, blocks: list[nn.Module], name: str, held: range) -> None:
-        super().__init__(blocks)
-        self._where = (name, held)
+    def __init__(self, blocks: Any = None, name: str = "blocks", held: range | None = None) -> None:
+        super().__init__(blocks)  # (a slice of it is one too: ModuleList builds it from the blocks alone)
+        self._where = (name, held if held is not None else range(len(self)))
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, int) and not -len(self) <= index < len(self):

@@ -13,8 +13,8 @@ layers do; so a rank's output is what it will compute in the run.
 
 The probe is small (2 x 4 tokens of the layer's width), on a copy of the module on the CPU in float64 with its
 parameters drawn afresh (a zero-initialised output projection would make any two forwards agree), in eval mode
-(dropout off). A module on the meta device, or larger than `MAX_ELEMENTS`, is not probed (the first-batch check
-covers it).
+(dropout off), without the module's hooks. A module on the meta device, or larger than `MAX_ELEMENTS`, is not
+probed (the first-batch check covers it).
 """
 
 from __future__ import annotations
@@ -127,6 +127,10 @@ def _fresh_copy(module: nn.Module) -> nn.Module:
                                    requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = b.detach().to("cpu", torch.float64 if b.is_floating_point() else b.dtype, copy=True)
+    for m in module.modules():  # hooks stay out: another technique's (context parallel's) hold process groups
+        for name, value in vars(m).items():
+            if "hooks" in name and isinstance(value, dict):
+                memo[id(value)] = type(value)()
     return copy.deepcopy(module, memo).eval()
 
 
