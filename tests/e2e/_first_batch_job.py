@@ -1,5 +1,7 @@
-"""The first-batch check against planted errors, through the Trainer at 2 ranks: ``python _first_batch_job.py OUT CASE``
-writes what the fit ended with (the check's outcome, or the error's text) to OUT from rank 0.
+"""The first-batch check against planted errors, through the Trainer at 2 ranks: ``python _first_batch_job.py OUT``
+fits every case in one set of processes (a fit stopped by the check stops on every rank alike, so the next one finds
+the process group as it was) and writes what each ended with (the check's outcome, or the error's text) to OUT from
+rank 0.
 
 Cases: ``chunks`` a user's tp_plan that forgets ``chunks=3`` on a fused q|k|v (each rank gets q and half of k, or
 half of k and v: it trains, silently wrong), on an attention the set-up proof cannot probe (it takes a mask);
@@ -18,14 +20,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import strategies
 from strategies import Colwise, Rowwise
+from strategies.pipeline import stages
 from tests.models import zoo
 
-CASE = sys.argv[2]
-if CASE == "stage_order":  # planted: the stages' block ranges handed out last to first
-    from strategies.pipeline import stages
+_PARTITION = stages.partition
 
-    _partition = stages.partition
-    stages.partition = lambda *args, **kwargs: _partition(*args, **kwargs)[::-1]
+
+def planted(case: str) -> None:
+    """``stage_order``: the stages' block ranges handed out last to first; every other case: the pack as it is."""
+    stages.partition = (lambda *a, **k: _PARTITION(*a, **k)[::-1]) if case == "stage_order" else _PARTITION
 
 
 class MaskedAttention(nn.Module):
@@ -84,8 +87,9 @@ CASES = {"chunks": (Masked, "tp2", FORGOT_CHUNKS), "ok_tp": (Masked, "tp2", {**F
                                                                                Colwise(chunks=3)}),
          "row_as_col": (lambda: zoo.build("llama"), "tp2", LLAMA_WRONG), "stage_order": (zoo.nanogpt, "pp2", None)}
 
-if __name__ == "__main__":
-    build, plan, tp_plan = CASES[CASE]
+def fit(case: str):
+    build, plan, tp_plan = CASES[case]
+    planted(case)
     torch.manual_seed(0)
     module = Module(build())
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
@@ -93,8 +97,12 @@ if __name__ == "__main__":
                         strategy=strategies.PlanStrategy(plan, check_first_batch=True, tp_plan=tp_plan))
     try:
         trainer.fit(module, DataLoader(TensorDataset(torch.cat(zoo.batches(2, batch=4))), batch_size=4))
-        result = dataclasses.asdict(trainer.strategy.first_batch)
+        return dataclasses.asdict(trainer.strategy.first_batch)
     except strategies.FirstBatchMismatch as error:
-        result = f"FirstBatchMismatch: {error}"
-    if trainer.global_rank == 0:
-        torch.save(result, sys.argv[1])
+        return f"FirstBatchMismatch: {error}"
+
+
+if __name__ == "__main__":
+    results = {case: fit(case) for case in CASES}
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, sys.argv[1])

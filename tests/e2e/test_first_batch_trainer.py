@@ -17,9 +17,9 @@ pytest.importorskip("transformers")
 JOB = os.path.join(os.path.dirname(__file__), "_first_batch_job.py")
 
 
-def _run(tmp_path, case: str):
-    result, _ = run_job(JOB, tmp_path, case, timeout_s=300, collective_timeout="60")
-    return result
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return run_job(JOB, tmp_path_factory.mktemp("first_batch"), timeout_s=300, collective_timeout="60")[0]
 
 
 @pytest.mark.parametrize("case,expected", [
@@ -27,13 +27,13 @@ def _run(tmp_path, case: str):
     ("row_as_col", r"plan 'dp1_tp2' failed on its first batch \(RuntimeError: .*\), where the whole model"),
     ("stage_order", r"plan 'dp1_pp2\S*' gives loss [\d.]+ on rank \d's first batch, where the whole model"),
 ])
-def test_a_planted_error_stops_the_run_with_both_losses(tmp_path, case: str, expected: str):
-    result = _run(tmp_path, case)
+def test_a_planted_error_stops_the_run_with_both_losses(results, case: str, expected: str):
+    result = results[case]
     assert isinstance(result, str) and result.startswith("FirstBatchMismatch: first-batch check: "), result
     assert re.search(expected, result), result
 
 
-def test_the_same_model_with_the_right_plan_passes(tmp_path):
-    outcome = _run(tmp_path, "ok_tp")
+def test_the_same_model_with_the_right_plan_passes(results):
+    outcome = results["ok_tp"]
     assert outcome["skipped"] is None and outcome["tolerance"] == 1e-5, outcome
     assert outcome["plan"] == pytest.approx(outcome["reference"], rel=1e-5) and math.isfinite(outcome["plan"])
