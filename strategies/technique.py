@@ -89,6 +89,15 @@ def optimizer_names(module: nn.Module, optimizer: Any) -> list[str]:
     return [n if n not in names[:i] else f"{n} (index {i})" for i, n in enumerate(names)]
 
 
+@contextlib.contextmanager
+def outside_all(techniques: list[Technique]) -> Iterator[None]:
+    """Inside, the process runs as without any of ``techniques`` (`Technique.outside`)."""
+    with contextlib.ExitStack() as stack:
+        for technique in techniques:
+            stack.enter_context(technique.outside())
+        yield
+
+
 class Technique:
     """One technique of a plan, applied to the model when the strategy is set up. The defaults change nothing."""
 

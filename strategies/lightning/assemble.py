@@ -30,7 +30,7 @@ from strategies.pipeline.engine import crowded_host
 from strategies.pipeline.stages import find_blocks, measure_times
 from strategies.pipeline.trace import trace_forward
 from strategies.plan import DataMode, ParallelPlan
-from strategies.technique import Technique
+from strategies.technique import Technique, outside_all
 from strategies.tensor_parallel import TensorParallel, VocabHead, detect_plan
 from strategies.tensor_parallel.families import vocab_plan
 from strategies.zero import shard_model
@@ -49,9 +49,7 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
         rules = options.tp_plan if options.tp_plan is not None else detect_plan(model)
         if plan.vp and not any(isinstance(style, VocabHead) for style in rules.values()):
             rules = {**vocab_plan(model, plan.tp), **rules}
-        with contextlib.ExitStack() as outside:  # its set-up proof runs the modules as one process (no ring SDPA)
-            for technique in techniques:
-                outside.enter_context(technique.outside())
+        with outside_all(techniques):  # its set-up proof runs the modules as one process (no ring SDPA)
             techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))

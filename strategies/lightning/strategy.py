@@ -47,7 +47,7 @@ from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import split_microbatches
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
-from strategies.technique import HeldGrad, OptimizerState, Technique, optimizer_names
+from strategies.technique import HeldGrad, OptimizerState, Technique, optimizer_names, outside_all
 
 
 class PlanStrategy(ParallelStrategy):
@@ -268,9 +268,7 @@ class PlanStrategy(ParallelStrategy):
         if check.active:  # the whole model's loss on this batch first, as one process, with the plan's weights now
             with self.mesh.stats.uncounted():
                 state = self.lightning_module_state_dict()  # every rank (the ranks agreed at set-up)
-            with contextlib.ExitStack() as stack:
-                for technique in self.techniques:
-                    stack.enter_context(technique.outside())
+            with outside_all(self.techniques):
                 plan = self.resolved_plan
                 check.reference(state, args, plan.microbatches if plan.pp > 1 else 1)
             del state
