@@ -22,10 +22,12 @@ from strategies.technique import HeldGrad, Technique
 
 
 def broadcast_module(module: nn.Module, axis: Axis) -> None:
-    """Make every replica start from axis index 0's parameters and buffers (what torch DDP does)."""
+    """Make every replica start from axis index 0's parameters and buffers (what torch DDP does). Parameters still
+    on the meta device are left out: `deferred.Deferred` makes them alike on every rank."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(tensor.data, axis, src=0)
+            if tensor.device.type != "meta":
+                comm.broadcast(tensor.data, axis, src=0)
 
 
 class GradSync(Technique):

@@ -23,6 +23,7 @@ from strategies.activation_checkpoint import ActivationCheckpointing
 from strategies.compile import compile_blocks
 from strategies.context_parallel import ContextParallel
 from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
+from strategies.deferred import Deferred
 from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
@@ -38,10 +39,11 @@ from strategies.zero.flat import check_optimizer
 
 UNSPLIT = ("1f1b", "interleaved", "gpipe")  # the schedules without W actions
 
-def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
-                     options: PlanOptions) -> list[Technique]:
+def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
+                     deferred: Deferred | None = None) -> list[Technique]:
     """Context parallel, tensor parallel and activation checkpointing, applied to ``model``; then every replica of
-    the data-parallel ranks (dp x cp) starts from the same weights."""
+    the data-parallel ranks (dp x cp) starts from the same weights. ``deferred``: the model was built on meta, and
+    tensor parallel makes each layer it splits (the rest is made later, `gradient_sync`)."""
     techniques: list[Technique] = []
     if plan.cp > 1:  # first: it finds the attention by its projections, which tensor parallel replaces
         techniques.append(ContextParallel(model, mesh.cp))
@@ -50,12 +52,14 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh,
         if plan.vp and not any(isinstance(style, VocabHead) for style in rules.values()):
             rules = {**vocab_plan(model, plan.tp), **rules}
         with outside_all(techniques):  # its set-up proof runs the modules as one process (no ring SDPA)
-            techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp))
+            techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)
+    if plan.pp > 1 and deferred is not None:
+        deferred.rest()  # the pipeline cuts after a forward of the whole model: made whole until then
     broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     return techniques
 
@@ -160,9 +164,10 @@ def _unchanged(model: nn.Module) -> Iterator[None]:
 
 
 def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
-                  fp16_scaler: bool) -> GradSync:
+                  fp16_scaler: bool, deferred: Deferred | None = None) -> GradSync:
     """The data-parallel technique of ``plan``'s data mode over the mesh's dp x cp ranks (`ParallelMesh.data`), for
-    the optimizers built."""
+    the optimizers built. ``deferred``: what is still on meta is made here, by ZeRO-3 one unit at a time (its
+    shard kept), else whole."""
     axis, find_unused = mesh.data, options.find_unused_parameters
     if plan.data.is_zero:
         if len(optimizers) != 1:
@@ -172,6 +177,8 @@ def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: 
             )
         check_optimizer(optimizers[0])  # refused at one rank too, so that the plan scales as it is written
         if axis.size == 1 and not plan.offload:
+            if deferred is not None:
+                deferred.rest()
             # One replica: nothing to shard or reduce, so the flat copies and their hooks would be pure cost (the
             # same single-process layout in checkpoints; offload still needs its host-side optimizer).
             rank_zero_info(f"{plan}: the data-parallel axis has one rank, so ZeRO has nothing to shard; the "
@@ -179,9 +186,11 @@ def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: 
             return BucketedDataParallel(model, axis, find_unused_parameters=find_unused)
         sync = shard_model(model, optimizers[0], axis, stage=plan.data.stage, offload=plan.offload,
                            bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,
-                           units=options.zero3_units)
+                           units=options.zero3_units, materialise=deferred)
         sync.sync_nonfinite = fp16_scaler  # fp16: one rank's overflow skips the step everywhere
         return sync
+    if deferred is not None:
+        deferred.rest()
     if plan.data is DataMode.NAIVE:
         return NaiveDataParallel(model, axis, server=options.server_rank, find_unused_parameters=find_unused)
     return BucketedDataParallel(model, axis, bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,

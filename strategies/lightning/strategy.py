@@ -31,10 +31,11 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from strategies import comm
+from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
+from strategies.deferred import Deferred, has_meta_parameters
 from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.first_batch import FirstBatchCheck, Outcome
@@ -84,6 +85,7 @@ class PlanStrategy(ParallelStrategy):
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
         self._first_batch: FirstBatchCheck | None = None  # the whole model kept for the first-batch check
         self.first_batch: Outcome | None = None  # what the check found (both losses, or why it was skipped)
+        self._deferred: Deferred | None = None  # a model built on meta, until every technique made its part
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -172,13 +174,18 @@ class PlanStrategy(ParallelStrategy):
         assemble.check_precision(self.precision_plugin, self.resolved_plan)
         assemble.check_optimization(self.lightning_module, self.resolved_plan)
         self.precision_plugin.convert_module(self.model)
+        # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
+        self._deferred = Deferred(self.lightning_module, self.root_device) if has_meta_parameters(self.model) else None
         self.model_to_device()
         check = fitting and self.options.check_first_batch and self.first_batch is None
         if check:  # the whole model's structure, before any technique splits it (its weights: at the first batch)
             with self.mesh.stats.uncounted():
                 self._first_batch = FirstBatchCheck.prepare(self.lightning_module, str(trainer.precision),
                                                             self.precision_plugin.train_step_context, self.mesh.world)
-        self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options)
+        self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options,
+                                                    self._deferred)
+        if self._deferred is not None and not fitting:
+            self._deferred.rest()  # evaluating only: no optimizer for ZeRO to shard, so made whole
         self._steps = self._make_steps(fitting)
         if fitting:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
@@ -222,7 +229,8 @@ class PlanStrategy(ParallelStrategy):
     def _add_grad_sync(self) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None) is not None
         self._adopt(assemble.gradient_sync(self.model, self.optimizers, self.resolved_plan, self.mesh, self.options,
-                                           fp16_scaler=scaler))
+                                           fp16_scaler=scaler, deferred=self._deferred))
+        self._deferred = None  # everything is made
         # Lightning clips by norm in the precision plugin, over the optimizer's params (here shards, slices or
         # one stage's): this instance's clip-by-norm takes the whole model's norm across the mesh instead.
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(float(clip_val))
@@ -243,7 +251,25 @@ class PlanStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        deferred.to_device(self.model, self.root_device)  # what is on meta stays there, to be made by slice
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # trainer.init_module(empty_init=True): parameters on meta, made by slice at set-up (`strategies.deferred`)
+        with deferred.meta_parameters(), self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Around configure_model(): its parameters are built on meta and made by slice at set-up.
+        with deferred.meta_parameters():
+            yield
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients, optimizer states (and offloaded host state) this rank holds."""
@@ -411,6 +437,9 @@ class PlanStrategy(ParallelStrategy):
         # setup, where tensor-parallel layers hold slices, ZeRO's parameters live in flats, and other stages'
         # parameters are placeholders. A technique that loads its own entries has checked them.
         state = checkpoint["state_dict"]
+        if not self.techniques and has_meta_parameters(self.lightning_module):
+            # Lightning restores a checkpoint before set-up: a model built on meta is made whole to take it
+            Deferred(self.lightning_module, self.root_device).rest()
         for technique in self.techniques:
             state = technique.local_model_state(state, strict)
         lenient = any(technique.loads_own_entries for technique in self.techniques)

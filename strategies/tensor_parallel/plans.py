@@ -10,6 +10,7 @@ identical gradients for them. Shipped plans cover the usual decoder layouts and 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -82,10 +83,12 @@ class SplitLayers(dict):
     tied: list
 
 
-def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLayers:
+def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis,
+               materialise: Callable[[nn.Module], None] | None = None) -> SplitLayers:
     """Replace the planned submodules with their tensor-parallel versions over ``axis``, in place, and make the
     attention above them count this rank's heads. Each parallel layer keeps the user's layer (its parameters
-    emptied) to put back at the end (`state.restore_full_layers`)."""
+    emptied) to put back at the end (`state.restore_full_layers`). ``materialise``: for a model built on meta
+    (`deferred.Deferred`), each layer is made whole just before its slice is cut, and freed after."""
     found = SplitLayers(matches(plan, module))
     if not found:
         raise ValueError(f"the tensor-parallel plan names no module of this model: patterns {list(plan)}")
@@ -95,6 +98,8 @@ def apply_plan(module: nn.Module, plan: dict[str, Style], axis: Axis) -> SplitLa
     found.tied = tied_groups(module, found)
     for name, style in found.items():
         child = module.get_submodule(name)
+        if materialise is not None:
+            materialise(child)
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         layer = _parallel(child, style, axis, name)

@@ -13,8 +13,8 @@ layers do; so a rank's output is what it will compute in the run.
 
 The probe is small (2 x 4 tokens of the layer's width), on a copy of the module on the CPU in float64 with its
 parameters drawn afresh (a zero-initialised output projection would make any two forwards agree), in eval mode
-(dropout off), without the module's hooks. A module on the meta device, or larger than `MAX_ELEMENTS`, is not
-probed (the first-batch check covers it).
+(dropout off), without the module's hooks; so a module built on meta is probed too. A module with buffers on the
+meta device, or larger than `MAX_ELEMENTS`, is not probed (the first-batch check covers it).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def check(module: nn.Module, layers: dict[str, Any], tp: int, forward: Forward, 
 
 def _unprobeable(module: nn.Module) -> str | None:
     tensors = [*module.parameters(), *module.buffers()]
-    if any(t.device.type == "meta" for t in tensors):
-        return "is on the meta device (nothing to run a probe with)"
+    if any(b.device.type == "meta" for b in module.buffers()):  # parameters are drawn afresh: theirs may be on meta
+        return "has buffers on the meta device (nothing to run a probe with)"
     count = sum(t.numel() for t in tensors)
     if count > MAX_ELEMENTS:  # the probe's float64 copies would cost more than the proof is worth at set-up
         return f"holds {count:,} elements, more than the probe copies ({MAX_ELEMENTS:,} at most)"

@@ -19,9 +19,10 @@ class TensorParallel(Technique):
     """The layers ``plan`` names (`plans.apply_plan`) split over ``axis``; with ``sequence_parallel``, the blocks
     between them see 1/tp of the sequence (`SequenceParallel`)."""
 
-    def __init__(self, module: nn.Module, plan: dict[str, Style], axis: Axis, sequence_parallel: bool = False):
+    def __init__(self, module: nn.Module, plan: dict[str, Style], axis: Axis, sequence_parallel: bool = False,
+                 materialise: Callable[[nn.Module], None] | None = None):
         self.module, self.axis = module, axis
-        self.layers = apply_plan(module, plan, axis)  # split the full, initialised layers: name -> style
+        self.layers = apply_plan(module, plan, axis, materialise)  # split the full layers: name -> style
         self.splits = param_splits(module, self.layers)  # split parameter name (every name of a tied one) -> cut
         # The vocabulary layers sit outside the blocks, where the sequence is whole again: not sequence parallel.
         in_blocks = {n: s for n, s in self.layers.items() if isinstance(s, (Colwise, Rowwise))}

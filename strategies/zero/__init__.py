@@ -34,11 +34,13 @@ __all__ = ["IN_FLIGHT", "FlatParam", "Zero3GradSync", "ZeroGradSync", "shard_mod
 
 def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, stage: int, *,
                 offload: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                find_unused_parameters: bool = False, units=None) -> ZeroGradSync:
+                find_unused_parameters: bool = False, units=None, materialise=None) -> ZeroGradSync:
     """Apply ZeRO-``stage`` to ``module`` over ``axis`` and point ``optimizer`` at the shards.
 
     ``units`` (ZeRO-3): the wrapping policy, a function from the module to the ``(name, submodule)`` pairs
-    gathered as one; by default `stage3.default_units` (the blocks, then every other parameter owner)."""
+    gathered as one; by default `stage3.default_units` (the blocks, then every other parameter owner).
+    ``materialise`` (a model built on meta, `deferred.Deferred`): ZeRO-3 makes one unit at a time and keeps its
+    shard; the other stages make the whole model first."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     name_of = {id(p): n for n, p in module.named_parameters()}
@@ -46,9 +48,11 @@ def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
                        for group in optimizer.param_groups]
     if stage == 3:
         chosen = units(module) if units is not None else None
-        flats, built = build_units(module, optimizer, axis, offload, chosen)
+        flats, built = build_units(module, optimizer, axis, offload, chosen, materialise)
         sync: ZeroGradSync = Zero3GradSync(module, axis, flats, built, find_unused_parameters=find_unused_parameters)
     else:
+        if materialise is not None:
+            materialise(module)
         groups = bucket_names(module, bucket_cap_mb)
         built = build_flats(module, optimizer, axis, groups, own_shard=False, offload=offload)
         flats = [flat for per_group in built for flat in per_group]

@@ -219,9 +219,12 @@ class Zero3GradSync(ZeroGradSync):
 
 
 def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, offload: bool,
-                units: list[tuple[str, nn.Module]] | None = None) -> tuple[list[FlatParam], list[Unit]]:
+                units: list[tuple[str, nn.Module]] | None = None,
+                materialise: Callable[[nn.Module], None] | None = None) -> tuple[list[FlatParam], list[Unit]]:
     """Flats and units for ZeRO-3. Flats are returned in reverse registration order, about the order in
-    which backward finishes them, since they are reduce-scattered strictly in that order."""
+    which backward finishes them, since they are reduce-scattered strictly in that order. ``materialise``: for a
+    model built on meta (`deferred.Deferred`), each unit is made, flattened, sharded and freed before the next,
+    so that set-up holds one whole unit at a time."""
     units = units if units is not None else default_units(module)
     owner: dict[int, int] = {}
     shared: set[int] = set()
@@ -233,10 +236,20 @@ def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     groups = [[names[id(p)] for p in m.parameters() if owner[id(p)] == u and id(p) not in shared]
               for u, (_, m) in enumerate(units)]
     root = [n for n, p in module.named_parameters() if id(p) not in owner or id(p) in shared]
-    per_group = build_flats(module, optimizer, axis, groups + [root], own_shard=True, offload=offload)
-    built = [Unit(name, m, flats) for (name, m), flats in zip(units, per_group[:-1]) if flats]
-    if per_group[-1]:
-        built.append(Unit("<root>", None, per_group[-1], pinned=True))
+    built = []
+    for (name, m), group in zip(units, groups):
+        if materialise is not None:
+            materialise(m)
+        flats = build_flats(module, optimizer, axis, [group], own_shard=True, offload=offload)[0]
+        if flats:
+            built.append(Unit(name, m, flats))
+            if materialise is not None:
+                built[-1].release()
+    if materialise is not None:
+        materialise(module)  # what is left on meta: the root's own parameters and those units share
+    pinned = build_flats(module, optimizer, axis, [root], own_shard=True, offload=offload)[0]
+    if pinned:
+        built.append(Unit("<root>", None, pinned, pinned=True))
     flats = [flat for unit in reversed(built[:-1] if built and built[-1].pinned else built) for flat in unit.flats]
     flats += [flat for unit in built if unit.pinned for flat in unit.flats]
     return flats, built

@@ -1,0 +1,171 @@
+"""Models built on the meta device and materialised by slice: each rank makes only the parameters it keeps.
+
+Under a PlanStrategy, ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model's parameters
+on the meta device: shapes and no memory (`meta_parameters`). Buffers stay real, since modules compute them in
+``__init__`` (rotary frequencies, masks) and no init method makes them again. At set-up each technique materialises
+only what its rank keeps (`Deferred`): tensor parallel one layer at a time before it slices it, ZeRO-3 one unit at a
+time before it shards it; the strategy materialises whatever is left whole (the pipeline, until it cuts from a meta
+model).
+
+The same weights under every plan: a module is initialised whole and on its own, with torch's generator seeded by
+the run's seed (``PL_GLOBAL_SEED``, set by ``L.seed_everything``) and the module's name under the LightningModule:
+first its ``reset_parameters()`` if it has one (what its constructor ran), then the ``_init_weights(module)`` of the
+nearest enclosing module that defines one (what ``self.apply(self._init_weights)`` ran: the demo GPT, nanoGPT, every
+Hugging Face model). So whichever rank makes a module, and whatever slice it keeps, the values are those one process
+under the pack makes. A parameter neither initialised is refused by name: each is filled with NaN before its init.
+A weight tied under several names is made once, by its first owner in the model's order. What this rule does not
+replay is code that changes weights after construction outside those two methods (nanoGPT's scaled ``c_proj``
+init in ``GPT.__init__``): docs/larger-models.md says how to move it into ``_init_weights``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Every parameter a module's constructor registers inside goes to the meta device (a tied one registered again
+    keeps its identity); buffers and other tensors are made as usual. Parameters registered outside a constructor
+    stay as they are: weights loaded into the model (``from_pretrained``) are values, not shapes to make again."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta" and _in_constructor():
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _in_constructor() -> bool:
+    """Whether a module's ``__init__`` registers the parameter: ``self.w = Parameter(...)`` reaches here through
+    ``__setattr__`` (two frames up), ``self.register_parameter(...)`` directly (one frame up)."""
+    frame = sys._getframe(2)
+    for _ in range(2):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
+def to_device(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for what is real; parameters still on meta stay there (materialised later)."""
+    module._apply(lambda t: t if t.device.type == "meta" else t.to(device))
+
+
+def seed_of(seed: int, name: str) -> int:
+    """A stable 63-bit seed for module ``name`` (Python's ``hash`` of a string changes with each process)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+class Deferred:
+    """Materialises the meta parameters of a model built by `meta_parameters`, module by module (see the module's
+    docstring for the rule). ``root``: the LightningModule, whose names seed each module; ``device``: where the
+    parameters are made."""
+
+    def __init__(self, root: nn.Module, device: torch.device, seed: int | None = None) -> None:
+        if any(b.device.type == "meta" for b in root.buffers()):
+            names = [n for n, b in root.named_buffers() if b.device.type == "meta"]
+            raise ValueError(
+                f"the model has buffers on the meta device ({', '.join(names[:4])}): nothing can make their values "
+                "again. Build it in configure_model() or under trainer.init_module(empty_init=True), where the pack "
+                "puts only the parameters on meta and the buffers are computed as usual")
+        self.root, self.device = root, device
+        self.seed = int(os.environ.get("PL_GLOBAL_SEED", "0")) if seed is None else seed
+        self.names = {id(m): name for name, m in root.named_modules()}
+        self._init_of = {id(m): _nearest_init(root, name) for name, m in root.named_modules()}
+
+    def __call__(self, module: nn.Module) -> None:
+        """Make every meta parameter under ``module`` (a layer, a block, a unit): each module whole, initialised."""
+        owners = _owners(self.root)
+        for sub in list(module.modules()):
+            if any(p.device.type == "meta" for p in sub.parameters(recurse=False)):
+                self._make(sub, owners)
+
+    def rest(self) -> None:
+        """Make whatever is still on meta: the parameters of this rank's part that no technique sliced."""
+        self(self.root)
+
+    def _make(self, module: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]]) -> None:
+        mine: list[tuple[str, nn.Parameter]] = []  # the parameters this module initialises: those it owns first
+        for attr, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            first = owners[id(p)][0][0]
+            if first is not module and p.device.type == "meta":
+                self._make(first, owners)  # a tied weight: its first owner makes it, for every name of it
+            if p.device.type == "meta":
+                # In place (the same Parameter object): the optimizer Lightning built and every tied name keep it.
+                fill = float("nan") if p.is_floating_point() else 0
+                made = nn.Parameter(torch.full(p.shape, fill, dtype=p.dtype, device=self.device), p.requires_grad)
+                torch.utils.swap_tensors(p, made)
+            if first is module:
+                mine.append((attr, p))
+        self._initialise(module, mine)
+
+    def _initialise(self, module: nn.Module, mine: list[tuple[str, nn.Parameter]]) -> None:
+        """Run ``module``'s init on its own parameters, seeded by its name; parameters another module owns first (a
+        tied weight) are swapped for scratch copies meanwhile, so that only their owner's init counts."""
+        name = self.names.get(id(module), type(module).__name__)
+        kept = {attr for attr, _ in mine}
+        swapped = {attr: p for attr, p in module._parameters.items() if p is not None and attr not in kept}
+        for attr, p in swapped.items():
+            module._parameters[attr] = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.manual_seed(seed_of(self.seed, name))
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                init = self._init_of.get(id(module))
+                if init is not None:
+                    init(module)
+        finally:
+            module._parameters.update(swapped)
+        missed = [attr for attr, p in mine if p.is_floating_point() and bool(torch.isnan(p).any())]
+        if missed:
+            raise ValueError(
+                f"{name} ({type(module).__name__}): parameter(s) {', '.join(missed)} were built on the meta device and "
+                "neither its reset_parameters() nor an enclosing module's _init_weights(module) gives them values. "
+                "Give the module a reset_parameters() that initialises them (torch's layers have one), or handle "
+                "its type in your model's _init_weights; or build the model outside configure_model")
+
+
+def _nearest_init(root: nn.Module, name: str):
+    """The ``_init_weights`` of the nearest module enclosing ``name`` (itself included) that defines one, bound."""
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):
+        owner = root.get_submodule(".".join(parts[:depth]))
+        init = getattr(owner, "_init_weights", None)
+        if callable(init):
+            return init
+    return None
+
+
+def _owners(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) that holds each parameter, the first in the model's order first."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, module in root.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and not any(m is module and a == attr for m, a in owners.setdefault(id(p), [])):
+                owners[id(p)].append((module, attr))
+    return owners
