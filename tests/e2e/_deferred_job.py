@@ -1,0 +1,69 @@
+"""Models built in ``configure_model`` (on the meta device, made by slice) under several plans, through the Trainer in
+one set of 8 processes: ``python _deferred_job.py OUT``. Rank 0 writes, for each case, the whole model's weights as
+training starts (`PlanStrategy.lightning_module_state_dict`) and after `STEPS` steps of plain SGD to OUT. The global
+batch is `BATCH` under every plan (each rank takes BATCH / dp), so every case sees one process's batches."""
+
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies
+from demos.gpt import GPT, GPTConfig
+from tests.models import zoo
+
+# The demo under every kind of slicing (ZeRO-3 units, tp layers, pp stages, all three); Hugging Face Llama untied and
+# tied (its head and embedding one parameter) under the plans that make them by slice.
+CASES = [("demo", "zero3"), ("demo", "tp2"), ("demo", "pp2_1f1b_mb2"), ("demo", "zero3_tp2_pp2_1f1b_mb2"),
+         ("llama", "zero3_tp2_pp2_1f1b_mb2"), ("llama", "tp2"), ("llama_tied", "zero3"), ("llama_tied", "pp2_1f1b_mb2")]
+DEVICES, STEPS, BATCH, LR = 8, 2, 8, 0.5
+DEMO = GPTConfig(n_layer=2, n_head=4, n_embd=zoo.WIDTH, seq_len=zoo.SEQ, vocab_size=zoo.VOCAB, dropout=0.0)
+
+
+class Built(L.LightningModule):
+    """Builds its network in configure_model, as users of large models do; ``loss(ids)`` as the zoo's."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.net = name, None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = GPT(DEMO) if self.name == "demo" else zoo.MODELS[self.name]()
+
+    def training_step(self, batch, index):
+        ids = batch[0]
+        if self.name != "demo":
+            return self.net.loss(ids)
+        logits = self.net(ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class First(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+def data() -> TensorDataset:
+    return TensorDataset(torch.cat(zoo.batches(STEPS, batch=BATCH)))
+
+
+def fit(name: str, plan: str) -> dict[str, dict[str, torch.Tensor]]:
+    L.seed_everything(0)  # the seed the weights are made from (PL_GLOBAL_SEED)
+    module, first = Built(name), First()
+    dp = strategies.ParallelPlan.parse(plan).resolve(DEVICES).dp
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=STEPS,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[first])
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH // dp, drop_last=True))
+    return {"first": first.state, "last": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+if __name__ == "__main__":
+    results = {case: fit(*case) for case in CASES}
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, sys.argv[1])

@@ -1,0 +1,54 @@
+"""Models built on the meta device in ``configure_model`` and made by slice (`strategies.deferred`): under ZeRO-3,
+tp, pp and all three at 8 ranks, the weights as training starts equal, bit for bit, those one process makes under the
+pack's rule (each module initialised whole, seeded by the run's seed and its name), and two steps of plain SGD end
+where one process ends. The demo GPT and Hugging Face Llama, untied and tied (`_deferred_job.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from strategies.deferred import Deferred, meta_parameters
+from tests.e2e._deferred_job import BATCH, CASES, LR, STEPS, Built, data
+from tests.helpers import run_job
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+JOB = os.path.join(os.path.dirname(__file__), "_deferred_job.py")
+ATOL = 1e-5  # 2 steps of SGD in fp32: sums in another order
+
+
+def one_process(name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model made as one process under the pack makes it, and trained by a plain loop on the same batches."""
+    module = Built(name)
+    with meta_parameters():
+        module.configure_model()
+    assert all(p.device.type == "meta" for p in module.parameters())
+    Deferred(module, torch.device("cpu"), seed=0).rest()
+    first = {k: v.clone() for k, v in module.state_dict().items()}
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    ids = data().tensors[0]
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))  # DistributedSampler, epoch 0
+    for step in range(STEPS):
+        module.training_step((ids[order[step * BATCH : (step + 1) * BATCH]],), step).backward()
+        opt.step()
+        opt.zero_grad()
+    return first, module.state_dict()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_job(JOB, tmp_path_factory.mktemp("deferred"))[0]
+
+
+@pytest.mark.parametrize("name,plan", CASES)
+def test_made_by_slice_starts_and_trains_as_one_process(results, name: str, plan: str):
+    first, last = one_process(name)
+    got = results[name, plan]
+    assert got["first"].keys() == first.keys() and got["last"].keys() == last.keys()
+    for key, value in first.items():
+        assert torch.equal(got["first"][key], value), f"{key}: initial weights differ under {plan}"
+    for key, value in last.items():
+        torch.testing.assert_close(got["last"][key], value, rtol=0, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
