@@ -153,7 +153,7 @@ class GPTModule(L.LightningModule):
 
     def __init__(
         self, config: GPTConfig | dict | None = None, lr: float = 3e-3, weight_decay: float = 0.0,
-        optimizer: str = "adamw",
+        optimizer: str = "adamw", configure_model: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(config, dict):  # as saved in a checkpoint's hyperparameters
@@ -163,15 +163,22 @@ class GPTModule(L.LightningModule):
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
         self.save_hyperparameters(
-            {"config": asdict(config), "lr": lr, "weight_decay": weight_decay, "optimizer": optimizer}
+            {"config": asdict(config), "lr": lr, "weight_decay": weight_decay, "optimizer": optimizer,
+             "configure_model": configure_model}
         )
         self.optimizer_name = optimizer
         self.config = config
         self.lr = lr
         self.weight_decay = weight_decay
-        self.model = GPT(config)
+        # configure_model=True: built in configure_model, where a strategy decides where the weights go (the pack's
+        # plans: on the meta device, each rank making only its slice; docs/larger-models.md).
+        self.model = None if configure_model else GPT(config)
         # Used by throughput callbacks to turn samples/s into tokens/s.
         self.tokens_per_sample = config.seq_len
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = GPT(self.config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -228,13 +235,15 @@ def make_demo(
     max_chars: int | None = 200_000,
     lr: float = 3e-3,
     optimizer: str = "adamw",
+    configure_model: bool = False,
 ) -> tuple[GPTModule, CharDataset]:
     """Build a ready-to-train ``(module, dataset)`` pair.
 
     ``text`` is the training text itself (use :func:`load_corpus` to read a
     file); ``None`` uses the built-in offline corpus. Both are truncated to
     ``max_chars``. The vocabulary size comes from the tokenizer, which is
-    also attached as ``module.tokenizer`` for decoding samples.
+    also attached as ``module.tokenizer`` for decoding samples. ``configure_model``: the module builds its
+    GPT in ``configure_model`` (see `GPTModule`).
     """
     if text is None:
         text = load_corpus(max_chars=max_chars)
@@ -249,7 +258,7 @@ def make_demo(
         n_embd=n_embd,
         seq_len=seq_len,
     )
-    module = GPTModule(config, lr=lr, optimizer=optimizer)
+    module = GPTModule(config, lr=lr, optimizer=optimizer, configure_model=configure_model)
     module.tokenizer = tokenizer
     return module, dataset
 

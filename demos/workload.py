@@ -47,7 +47,8 @@ class GPTWorkload:
     def lightning(self, config: Any) -> tuple[Any, Any]:
         text = load_corpus(config.data, max_chars=config.max_chars) if config.data else None
         return make_demo(text, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
-                         seq_len=config.seq_len, max_chars=config.max_chars, lr=config.lr, optimizer=config.optimizer)
+                         seq_len=config.seq_len, max_chars=config.max_chars, lr=config.lr, optimizer=config.optimizer,
+                         configure_model=getattr(config, "configure_model", False))
 
     def model_config(self, config: Any) -> dict[str, Any]:
         return {"vocab_size": _bench_text()[0].vocab_size, "n_layer": config.n_layer, "n_head": config.n_head,

@@ -121,7 +121,9 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
         raise AssertionError(f"{strategy} on {devices} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
     check = result.get("first_batch_check")  # on by default for a plan (off with --heap): it ran, and passed
-    if check is not None and "--no-check-first-batch" not in extra:
+    if check is not None and not {"--no-check-first-batch", "--configure-model"} & set(extra):
         assert check["skipped"] is None and abs(check["plan"] - check["reference"]) <= \
             check["tolerance"] * abs(check["reference"]), check
+    # Set-up memory is measured on every rank (peak from before the model was built to the end of the first step).
+    assert all(m["setup_peak"] > 0 for m in result["memory_bytes_per_rank"]), result["memory_bytes_per_rank"]
     return result, torch.load(params)

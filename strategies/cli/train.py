@@ -57,6 +57,7 @@ class RunConfig:
     compile: str | None = None  # torch.compile each block with this backend (inductor, aot_eager); None: eager
     heap: bool = False  # sample the C heap through the run (CPU): memory_bytes["heap_peak"] (slows the run)
     check_first_batch: bool = True  # a plan's first loss against the whole model's (`lightning.first_batch`)
+    configure_model: bool = False  # the model built in configure_model: on meta, each rank making its slice
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -331,6 +332,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="auto: offline unless logged in (off when wandb is not installed)")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="torch.compile each block with this backend (inductor; aot_eager compiles fast, for tests)")
+    p.add_argument("--configure-model", action="store_true",
+                   help="build the model in configure_model: under the pack's plans on the meta device, each rank "
+                        "making only the slice it keeps (docs/larger-models.md)")
     p.add_argument("--heap", action="store_true",
                    help="sample the C heap through the run (CPU, glibc): each rank's peak in the steps after the "
                         "first, as states + activations + temporaries, in memory_bytes['heap_peak'] (slows the run)")

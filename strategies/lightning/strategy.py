@@ -86,6 +86,7 @@ class PlanStrategy(ParallelStrategy):
         self._first_batch: FirstBatchCheck | None = None  # the whole model kept for the first-batch check
         self.first_batch: Outcome | None = None  # what the check found (both losses, or why it was skipped)
         self._deferred: Deferred | None = None  # a model built on meta, until every technique made its part
+        self.built_num_params = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -176,6 +177,7 @@ class PlanStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
         self._deferred = Deferred(self.lightning_module, self.root_device) if has_meta_parameters(self.model) else None
+        self.built_num_params = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before any split
         self.model_to_device()
         check = fitting and self.options.check_first_batch and self.first_batch is None
         if check:  # the whole model's structure, before any technique splits it (its weights: at the first batch)

@@ -86,6 +86,7 @@ class StrategyMonitor(L.Callback):
         self.heap = heap
         self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
         self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
+        self._rss_base = self._setup_peak = 0  # resident memory before the model was built; the set-up's peak
         self._act_meter, self._act = None, (0, 0)
         self._split = StepSplit(lambda: (0.0, 0.0))
 
@@ -94,14 +95,23 @@ class StrategyMonitor(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before the strategy splits the model (tp slices, pipeline placeholders): the model's own size.
+        # (A model built in configure_model has none yet: the strategy counts it before its split, `on_train_start`.)
         self._num_params = sum(p.numel() for p in pl_module.parameters())
         found = vocab_layers(pl_module)  # by name: a tensor-parallel split replaces the layer, under the same name
         self._head_name = found[0] if found is not None else None
         if self.heap and self._heap is None:
             self._heap_base, self._heap = start_heap_sampler(pl_module)
+        # Set-up memory, from here (before configure_model builds a model) to the end of the first step: resident
+        # memory above what the process held, less a model already built (CPU tensors, as the heap's base).
+        self._rss_base = readings.current_rss_bytes() - readings.count_cpu_bytes(pl_module)
+        self._setup_peak = 0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._num_params:  # built in configure_model: counted by the strategy before its split
+            self._num_params = getattr(trainer.strategy, "built_num_params", 0)
+            found = vocab_layers(pl_module)
+            self._head_name = found[0] if found is not None else None
         stats = getattr(trainer.strategy, "comm_stats", None)
         if stats is not None:
             stats.reset()  # leave out the set-up broadcast: count training steps only
@@ -163,6 +173,8 @@ class StrategyMonitor(L.Callback):
         now = time.perf_counter()
         step_time, self._t_last = now - self._t_last, now
         self.steps += 1
+        if self.steps == 1:
+            self._setup_peak = self._first_step_peak(trainer)
         if self._heap is not None:
             self._heap_steady(trainer, pl_module)
         if self.steps == self.warmup_steps:
@@ -172,6 +184,16 @@ class StrategyMonitor(L.Callback):
         self._unrecorded = (step_loss, bubble, step_time, batch)
         if keep_record(self.steps, self.full_steps):
             self._write_record(trainer, pl_module)
+
+    def _first_step_peak(self, trainer: L.Trainer) -> int:
+        """The most this rank held from set-up to the end of the first step: the allocator's peak on a GPU, else the
+        heap's (with ``heap``) or the resident memory's growth."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(device))
+        if self._heap is not None:
+            return int(self._heap.peak - self._heap_base)
+        return max(0, readings.peak_rss_bytes() - self._rss_base)
 
     def _heap_steady(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the first optimizer step: its peak holds set-up work (a pipeline is cut inside it, after forwards of
@@ -259,6 +281,7 @@ class StrategyMonitor(L.Callback):
         tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         per_step = {key: {k: v / steps for k, v in rec.items()} for key, rec in snapshot.items()} if steps else {}
         memory = readings.rank_memory(trainer, pl_module, logits=self._logits, own=self._act)
+        memory["setup_peak"] = self._setup_peak if self.steps else self._first_step_peak(trainer)
         if self._heap is not None:
             memory.update(self._heap_figures(memory))
         if self._logits is not None:

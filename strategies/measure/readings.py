@@ -100,6 +100,24 @@ def to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:
         logger.log_metrics(flat, step=record["step"])
 
 
+def current_rss_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm; elsewhere 0, so growth reads as the peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def count_cpu_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the CPU storage ``module``'s parameters and buffers hold, each storage once."""
+    seen: dict[int, int] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type == "cpu":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (what the OS saw: Python, torch, buffers and all)."""
     import resource

@@ -12,7 +12,7 @@ import torch
 
 from strategies.deferred import Deferred, meta_parameters
 from tests.e2e._deferred_job import BATCH, CASES, LR, STEPS, Built, data
-from tests.helpers import run_job
+from tests.helpers import run_job, train_demo
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -52,3 +52,11 @@ def test_made_by_slice_starts_and_trains_as_one_process(results, name: str, plan
         assert torch.equal(got["first"][key], value), f"{key}: initial weights differ under {plan}"
     for key, value in last.items():
         torch.testing.assert_close(got["last"][key], value, rtol=0, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_stratpack_train_builds_the_demo_in_configure_model(tmp_path):
+    """`stratpack train --configure-model`: the demo is built on meta and made by slice; set-up memory is measured
+    (`train_demo` checks it on every rank) and the first-batch check says why it could not run the whole model."""
+    result, params = train_demo(tmp_path, "zero3", 2, "--configure-model", "--steps", "2")
+    assert "meta device" in result["first_batch_check"]["skipped"]
+    assert all(torch.isfinite(v).all() for v in params.values()) and len(result["losses"]) == 2
