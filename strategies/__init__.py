@@ -43,6 +43,7 @@ _EXPORTS = {
     "ShardedCheckpointIO": "strategies.checkpoint",
     "resumable": "strategies.lightning.resume",
     "FirstBatchMismatch": "strategies.lightning.first_batch",
+    "load_pretrained": "strategies.lightning.pretrained",
     "StrategyMonitor": "strategies.measure.monitor",
     "Colwise": "strategies.tensor_parallel",
     "Rowwise": "strategies.tensor_parallel",

@@ -444,6 +444,8 @@ class PlanStrategy(ParallelStrategy):
             Deferred(self.lightning_module, self.root_device).rest()
         for technique in self.techniques:
             state = technique.local_model_state(state, strict)
+        # Weights read lazily (`load_pretrained`) that no technique cut: read whole now
+        state = {k: v.read_all() if hasattr(v, "read_all") else v for k, v in state.items()}
         lenient = any(technique.loads_own_entries for technique in self.techniques)
         return self.lightning_module.load_state_dict(state, strict=strict and not lenient)
 

@@ -66,22 +66,36 @@ def load_optimizer_state(flats: list[FlatParam], optimizer: torch.optim.Optimize
         optimizer.state[flat.master] = state
 
 
-def load_params(flats: list[FlatParam], state_dict: dict[str, torch.Tensor]) -> None:
-    """Load full parameters into the flats: every rank takes its shard (and its offloaded master)."""
+def load_params(flats: list[FlatParam], state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Load full parameters into the flats: every rank takes its shard (and its offloaded master), reading only the
+    part of each value its shard holds (a lazily read value, `checkpoint.pretrained.LazyWeight`, reads no more); a
+    gathered flat (ZeRO-1/2, ZeRO-3's pinned unit) takes the whole values. ``strict=False``: names the state does
+    not hold keep their values."""
     missing = [name for flat in flats for name in flat.names if name not in state_dict]
-    if missing:
+    if missing and strict:
         raise KeyError(f"the checkpoint has no values for {', '.join(missing[:8])}")
     with torch.no_grad():
         for flat in flats:
-            full = torch.zeros(flat.padded, dtype=flat.shard.dtype, device=flat.shard.device)
+            start, gathered = flat.axis.index * flat.shard_size, flat.full.untyped_storage().nbytes() > 0
             for name, param, offset, n in zip(flat.names, flat.params, flat.offsets, flat.numels):
+                if name not in state_dict:
+                    continue
                 value = state_dict[name]
-                if value.shape != param.shape:
+                if tuple(value.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
-                full[offset : offset + n] = value.reshape(-1).to(full.device)
-            start = flat.axis.index * flat.shard_size
-            flat.shard.copy_(full[start : start + flat.shard_size])
-            if flat.full.untyped_storage().nbytes():
-                flat.full.copy_(full)
+                if gathered:
+                    whole = value.read_all() if hasattr(value, "read_all") else value
+                    flat.full[offset : offset + n] = whole.reshape(-1).to(flat.full.device)
+                lo, hi = max(offset, start), min(offset + n, start + flat.shard_size)
+                if lo < hi:
+                    if gathered and flat.shard.data_ptr() == flat.full[start:].data_ptr():
+                        continue  # the shard is a view of the full flat, just written
+                    piece = flat_range(value, lo - offset, hi - offset)
+                    flat.shard[lo - start : hi - start] = piece.to(flat.shard.device)
             if flat.offload:
                 flat.master.data.copy_(flat.shard.to(flat.master.device))
+
+
+def flat_range(value: Any, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``lo:hi`` of ``value`` flattened, read alone when ``value`` is read lazily."""
+    return value.read_flat(lo, hi) if hasattr(value, "read_flat") else value.reshape(-1)[lo:hi]

@@ -181,7 +181,7 @@ class ZeroGradSync(GradSync):
     loads_own_entries = True  # the parameters go into the flats' shards
 
     def local_model_state(self, state: dict[str, Tensor], strict: bool) -> dict[str, Tensor]:
-        zero_state.load_params(self.flats, state)
+        zero_state.load_params(self.flats, state, strict)
         return {k: v for k, v in state.items() if k not in self._module_params}  # buffers load as they are
 
     def optimizer_names(self, names: list[str]) -> list[str]:

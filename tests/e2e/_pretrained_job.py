@@ -1,0 +1,68 @@
+"""Hugging Face checkpoints (``save_pretrained`` in several files) loaded by slice into plans at 8 ranks:
+``python _pretrained_job.py OUT DIR`` (DIR holds one ``save_pretrained`` folder per model of `CASES`). Each fit builds
+the model in configure_model (on meta), loads it with `strategies.load_pretrained` at ``on_fit_start``, and takes one
+step at learning rate 0. Rank 0 writes, per case, the whole model's weights as training starts, the first step's loss
+(the mean over the ranks' batches: the global batch's) and every rank's bytes read beside the bytes of parameters
+it keeps."""
+
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies
+from tests.models import zoo
+
+CASES = [("llama", "tp2"), ("llama", "zero3"), ("llama", "pp2_1f1b_mb2"), ("gpt2", "zero3_tp2_pp2_1f1b_mb2"),
+         ("gpt2", "tp2"), ("gpt2", "zero3")]
+DEVICES, BATCH = 8, 8
+
+
+class Pretrained(L.LightningModule):
+    def __init__(self, name: str, folder: str) -> None:
+        super().__init__()
+        self.name, self.folder, self.net, self.read, self.loss = name, folder, None, None, None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = zoo.MODELS[self.name]()
+
+    def on_fit_start(self) -> None:
+        self.read = strategies.load_pretrained(self, self.folder)
+
+    def training_step(self, batch, index):
+        return self.net.loss(batch[0])
+
+    def on_train_batch_end(self, outputs, batch, index) -> None:
+        self.loss = float(outputs["loss"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class First(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.kept = trainer.strategy.model_state_bytes()["params"]
+
+
+def fit(name: str, plan: str, folder: str) -> dict:
+    L.seed_everything(0)
+    module, first = Pretrained(name, os.path.join(folder, name)), First()
+    dp = strategies.ParallelPlan.parse(plan).resolve(DEVICES).dp
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[first])
+    trainer.fit(module, DataLoader(TensorDataset(torch.cat(zoo.batches(1, batch=BATCH))), batch_size=BATCH // dp))
+    ranks = [None] * DEVICES
+    dist.all_gather_object(ranks, (module.read["bytes_read"], first.kept, module.loss))
+    return {"first": first.state, "ranks": ranks}
+
+
+if __name__ == "__main__":
+    results = {(name, plan): fit(name, plan, sys.argv[2]) for name, plan in CASES}
+    if dist.get_rank() == 0:
+        torch.save(results, sys.argv[1])

@@ -1,0 +1,54 @@
+"""Hugging Face checkpoints loaded by slice (`strategies.load_pretrained`): a tiny Llama and GPT-2 saved with
+``save_pretrained(max_shard_size=...)`` (several files and their index) load under tp2, zero3, pp2 and
+zero3_tp2_pp2 at 8 ranks, into a model built on meta in configure_model (`_pretrained_job.py`). The whole model's
+weights then equal ``from_pretrained`` in one process bit for bit, the first step's loss equals that model's on the
+same batch, and under tp2 and zero3 each rank reads within 10% of the bytes of parameters it keeps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.e2e._pretrained_job import BATCH, CASES
+from tests.helpers import run_job
+from tests.models import zoo
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+JOB = os.path.join(os.path.dirname(__file__), "_pretrained_job.py")
+SLICED = {"tp2", "zero3"}  # a pipeline rank reads the whole model: it loads before the first batch cuts the stages
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    for name in {name for name, _ in CASES}:
+        model = zoo.build(name, seed=3).model
+        model.save_pretrained(folder / name, max_shard_size="40KB")
+        assert len(list((folder / name).glob("*.safetensors"))) > 1  # sharded, with an index
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(saved, tmp_path_factory):
+    return run_job(JOB, tmp_path_factory.mktemp("pretrained"), str(saved))[0]
+
+
+@pytest.mark.parametrize("name,plan", CASES)
+def test_loaded_by_slice_equals_from_pretrained(saved, results, name: str, plan: str):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(saved / name)
+    got = results[name, plan]
+    expected = {f"net.model.{k}": v for k, v in reference.state_dict().items()}
+    assert got["first"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got["first"][key], value), key
+    ids = torch.cat(zoo.batches(1, batch=BATCH))
+    with torch.no_grad():
+        loss = float(reference(input_ids=ids, labels=ids).loss)
+    losses = [rank[2] for rank in got["ranks"]]
+    assert sum(losses) / len(losses) == pytest.approx(loss, rel=1e-5)
+    if plan in SLICED:
+        for read, kept, _ in got["ranks"]:
+            assert abs(read - kept) <= 0.1 * kept, (read, kept)
