@@ -63,3 +63,77 @@ def _aliases(module: nn.Module, stored: set[str]) -> set[str]:
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return {n for group in names.values() if any(n in stored for n in group) for n in group}
+
+
+def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module | None = None) -> list[str]:
+    """Write ``module`` (by default the one Hugging Face model inside ``pl_module``) as a ``save_pretrained``
+    directory that ``from_pretrained`` loads: safetensors files, their index, and the model's config.
+
+    Every rank must call it (``on_train_end``, or after fit under Lightning's own strategies). Under a pack plan
+    the model goes one block at a time: each block's full tensors are put together from the ranks that hold them
+    (tensor parallel's slices, ZeRO-3's shards, the stage that owns it), and one rank, in turn, writes that block's
+    file; no rank holds more than one block whole. A weight tied to another is written once, under its first name.
+    Returns the files this rank wrote."""
+    from safetensors.torch import save_file
+
+    module = module if module is not None else _pretrained_inside(pl_module)
+    prefix = _name_in(pl_module, module)
+    strategy = getattr(getattr(pl_module, "_trainer", None), "strategy", None)
+    rank, world = (strategy.global_rank, strategy.world_size) if strategy is not None else (0, 1)
+    names = _first_names(module)
+    groups = _blocks(list(module.state_dict()), names)
+    os.makedirs(path, exist_ok=True)
+    weight_map, written = {}, []
+    for g, keys in enumerate(groups):
+        file = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+        full = _full_part(pl_module, strategy, {prefix + k for k in keys})
+        weight_map.update({k: file for k in keys})
+        if g % world == rank:
+            save_file({k: full[prefix + k].detach().cpu().contiguous() for k in keys}, os.path.join(path, file),
+                      metadata={"format": "pt"})
+            written.append(file)
+        del full
+    if strategy is not None:
+        strategy.barrier("save_pretrained")
+    if rank == 0:
+        _write_index(path, weight_map, module)
+    return written
+
+
+def _first_names(module: nn.Module) -> set[str]:
+    """The state's names without a tied weight's later names (HF saves a tied head once, under the embedding)."""
+    first = {id(p): n for n, p in module.named_parameters()}
+    tied = {n for n, p in module.named_parameters(remove_duplicate=False) if first[id(p)] != n}
+    return set(module.state_dict()) - tied
+
+
+def _blocks(keys: list[str], keep: set[str]) -> list[list[str]]:
+    """The state's names grouped by block: up to the first number in the name (``model.layers.3.``), else alone
+    in groups of what comes between blocks, in the state's order."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        if key not in keep:
+            continue
+        parts = key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else "", []).append(key)
+    return [group for group in groups.values() if group]
+
+
+def _full_part(pl_module: Any, strategy: Any, names: set[str]) -> dict[str, Any]:
+    """The full tensors of ``names`` (LightningModule names): each technique undoes its split of just that part."""
+    state = {k: v.detach() for k, v in pl_module.state_dict().items() if k in names}
+    for technique in reversed(getattr(strategy, "techniques", [])):
+        state = technique.full_model_state(state)
+    return state
+
+
+def _write_index(path: str | os.PathLike, weight_map: dict[str, str], module: nn.Module) -> None:
+    import json
+
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(path)

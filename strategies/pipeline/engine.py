@@ -165,9 +165,10 @@ class PipelineParallel(Technique):
     def full_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Every parameter and buffer from the rank whose copy is in use (every rank must call this).
         ``state``: this rank's view to take the owned values from (default: the module's own; tensor
-        parallel passes its gathered, full-shaped one: placeholders then have the full shape too)."""
+        parallel passes its gathered, full-shaped one: placeholders then have the full shape too); a part of it
+        (`save_pretrained`'s one block at a time) gives that part."""
         state = dict(state) if state is not None else {k: v.detach() for k, v in self.module.state_dict().items()}
-        owners = {name: self.layout.stage_of(name) for name, _ in self.module.named_parameters()}
+        owners = {name: self.layout.stage_of(name) for name, _ in self.module.named_parameters() if name in state}
         owners |= {name: self.layout.buffer_stage(name) for name, _ in self.module.named_buffers() if name in state}
         for name, stage in owners.items():
             src = self.where[stage]

@@ -205,12 +205,19 @@ class Zero3GradSync(ZeroGradSync):
         self._module_hooks.clear()
 
     def full_model_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # ``state`` holds views of the flats' storage: gathered, copied out, and freed again.
-        self.gather_all()
+        # ``state`` holds views of the flats' storage: gathered, copied out, and freed again. Only the units that
+        # hold its entries: a part of the state (`save_pretrained`, one block at a time) gathers that part.
+        names = {id(p): n for n, p in self.named_params}
+        wanted = [u for u in self.units if any(names.get(pid) in state for pid in u.params)]
+        for unit in wanted:
+            unit.gather(self.axis)
         try:
             return {k: v.clone() for k, v in state.items()}
         finally:
-            self.release_all()
+            for unit in wanted:
+                if not unit.pinned:
+                    unit.reduced.clear()
+                    unit.release()
 
     def teardown(self, healthy: bool) -> None:
         if healthy:

@@ -18,13 +18,16 @@ from tests.models import zoo
 
 CASES = [("llama", "tp2"), ("llama", "zero3"), ("llama", "pp2_1f1b_mb2"), ("gpt2", "zero3_tp2_pp2_1f1b_mb2"),
          ("gpt2", "tp2"), ("gpt2", "zero3")]
-DEVICES, BATCH = 8, 8
+# Trained 2 steps after loading, then written back with `strategies.save_pretrained` (at on_train_end) to DIR/export-*
+EXPORTS = [("gpt2", "zero3_tp2_pp2_1f1b_mb2"), ("llama_tied", "zero3_tp2_pp2_1f1b_mb2")]
+DEVICES, BATCH, STEPS, LR = 8, 8, 2, 0.5
 
 
 class Pretrained(L.LightningModule):
-    def __init__(self, name: str, folder: str) -> None:
+    def __init__(self, name: str, folder: str, lr: float = 0.0, export: str | None = None) -> None:
         super().__init__()
         self.name, self.folder, self.net, self.read, self.loss = name, folder, None, None, None
+        self.lr, self.export = lr, export
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -37,10 +40,14 @@ class Pretrained(L.LightningModule):
         return self.net.loss(batch[0])
 
     def on_train_batch_end(self, outputs, batch, index) -> None:
-        self.loss = float(outputs["loss"])
+        self.loss = float(outputs["loss"]) if self.loss is None else self.loss  # the first step's
+
+    def on_train_end(self) -> None:
+        if self.export:
+            strategies.save_pretrained(self, self.export)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class First(L.Callback):
@@ -49,14 +56,18 @@ class First(L.Callback):
         self.kept = trainer.strategy.model_state_bytes()["params"]
 
 
-def fit(name: str, plan: str, folder: str) -> dict:
+def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
     L.seed_everything(0)
-    module, first = Pretrained(name, os.path.join(folder, name)), First()
+    steps, lr = (STEPS, LR) if export else (1, 0.0)
+    out = os.path.join(folder, f"export-{name}") if export else None
+    module = Pretrained(name, os.path.join(folder, name), lr, out)
+    first = First()
     dp = strategies.ParallelPlan.parse(plan).resolve(DEVICES).dp
-    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=1,
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[first])
-    trainer.fit(module, DataLoader(TensorDataset(torch.cat(zoo.batches(1, batch=BATCH))), batch_size=BATCH // dp))
+    data = TensorDataset(torch.cat(zoo.batches(steps, batch=BATCH)))
+    trainer.fit(module, DataLoader(data, batch_size=BATCH // dp))
     ranks = [None] * DEVICES
     dist.all_gather_object(ranks, (module.read["bytes_read"], first.kept, module.loss))
     return {"first": first.state, "ranks": ranks}
@@ -64,5 +75,6 @@ def fit(name: str, plan: str, folder: str) -> dict:
 
 if __name__ == "__main__":
     results = {(name, plan): fit(name, plan, sys.argv[2]) for name, plan in CASES}
+    results |= {("export", name, plan): fit(name, plan, sys.argv[2], export=True) for name, plan in EXPORTS}
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])

@@ -2,7 +2,9 @@
 ``save_pretrained(max_shard_size=...)`` (several files and their index) load under tp2, zero3, pp2 and
 zero3_tp2_pp2 at 8 ranks, into a model built on meta in configure_model (`_pretrained_job.py`). The whole model's
 weights then equal ``from_pretrained`` in one process bit for bit, the first step's loss equals that model's on the
-same batch, and under tp2 and zero3 each rank reads within 10% of the bytes of parameters it keeps."""
+same batch, and under tp2 and zero3 each rank reads within 10% of the bytes of parameters it keeps. Trained two steps
+under zero3_tp2_pp2 and written back by the ranks (`strategies.save_pretrained`, one block at a time), GPT-2 and a
+tied Llama load with ``from_pretrained`` as one process trained the same way."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.e2e._pretrained_job import BATCH, CASES
+from tests.e2e._pretrained_job import BATCH, CASES, EXPORTS, LR, STEPS
 from tests.helpers import run_job
 from tests.models import zoo
 
@@ -24,7 +26,7 @@ SLICED = {"tp2", "zero3"}  # a pipeline rank reads the whole model: it loads bef
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")
-    for name in {name for name, _ in CASES}:
+    for name in {name for name, _ in CASES + EXPORTS}:
         model = zoo.build(name, seed=3).model
         model.save_pretrained(folder / name, max_shard_size="40KB")
         assert len(list((folder / name).glob("*.safetensors"))) > 1  # sharded, with an index
@@ -52,3 +54,24 @@ def test_loaded_by_slice_equals_from_pretrained(saved, results, name: str, plan:
     if plan in SLICED:
         for read, kept, _ in got["ranks"]:
             assert abs(read - kept) <= 0.1 * kept, (read, kept)
+
+
+@pytest.mark.parametrize("name,plan", EXPORTS)
+def test_written_back_loads_as_one_process_trained_alike(saved, results, name: str, plan: str):
+    assert results["export", name, plan]["ranks"]  # the fit ran
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved / name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ids = torch.cat(zoo.batches(STEPS, batch=BATCH))
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))  # DistributedSampler, epoch 0
+    for step in range(STEPS):
+        batch = ids[order[step * BATCH : (step + 1) * BATCH]]
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(saved / f"export-{name}")
+    assert len(list((saved / f"export-{name}").glob("*.safetensors"))) > 1
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-4)
