@@ -4,8 +4,8 @@ Under a PlanStrategy, ``configure_model()`` and ``trainer.init_module(empty_init
 on the meta device: shapes and no memory (`meta_parameters`). Buffers stay real, since modules compute them in
 ``__init__`` (rotary frequencies, masks) and no init method makes them again. At set-up each technique materialises
 only what its rank keeps (`Deferred`): tensor parallel one layer at a time before it slices it, ZeRO-3 one unit at a
-time before it shards it; the strategy materialises whatever is left whole (the pipeline, until it cuts from a meta
-model).
+time before it shards it; the pipeline cuts the meta model (its trace runs on meta tensors), so a stage makes its
+own layers only; the strategy materialises whatever is left whole.
 
 The same weights under every plan: a module is initialised whole and on its own, with torch's generator seeded by
 the run's seed (``PL_GLOBAL_SEED``, set by ``L.seed_everything``) and the module's name under the LightningModule:
@@ -62,6 +62,30 @@ def _in_constructor() -> bool:
     return False
 
 
+@contextlib.contextmanager
+def shapes_only(module: nn.Module) -> Iterator[None]:
+    """Inside, every parameter and buffer of ``module`` is a meta tensor of its shape (the same names, tied ones still
+    one): a forward runs on shapes alone, as the pipeline's trace of a meta-built model does once tensor parallel
+    made its slices real."""
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    twins: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, t in list(store.items()):
+                if t is None or t.device.type == "meta":
+                    continue
+                if id(t) not in twins:
+                    meta = t.detach().to("meta")
+                    twins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                saved.append((store, name, t))
+                store[name] = twins[id(t)]
+    try:
+        yield
+    finally:
+        for store, name, t in saved:
+            store[name] = t
+
+
 def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
@@ -104,6 +128,14 @@ class Deferred:
         """Make whatever is still on meta: the parameters of this rank's part that no technique sliced."""
         self(self.root)
 
+    def tied(self) -> None:
+        """Make the weights tied under several names (before the pipeline cut, which sends the first stage's copy
+        of such a weight to the last stage)."""
+        owners = _owners(self.root)
+        for group in list(owners.values()):
+            if len(group) > 1 and any(m._parameters[a].device.type == "meta" for m, a in group):
+                self._make(group[0][0], owners)
+
     def _make(self, module: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]]) -> None:
         mine: list[tuple[str, nn.Parameter]] = []  # the parameters this module initialises: those it owns first
         for attr, p in list(module._parameters.items()):
@@ -112,6 +144,10 @@ class Deferred:
             first = owners[id(p)][0][0]
             if first is not module and p.device.type == "meta":
                 self._make(first, owners)  # a tied weight: its first owner makes it, for every name of it
+            if _placeholder(p):  # another pipeline stage's: its one-element stand-in, made here, no init
+                torch.utils.swap_tensors(p, nn.Parameter(
+                    torch.zeros((), dtype=p.dtype, device=self.device).expand(p.shape), requires_grad=False))
+                continue
             if p.device.type == "meta":
                 # In place (the same Parameter object): the optimizer Lightning built and every tied name keep it.
                 fill = float("nan") if p.is_floating_point() else 0
@@ -119,7 +155,8 @@ class Deferred:
                 torch.utils.swap_tensors(p, made)
             if first is module:
                 mine.append((attr, p))
-        self._initialise(module, mine)
+        if mine:
+            self._initialise(module, mine)
 
     def _initialise(self, module: nn.Module, mine: list[tuple[str, nn.Parameter]]) -> None:
         """Run ``module``'s init on its own parameters, seeded by its name; parameters another module owns first (a
@@ -148,6 +185,11 @@ class Deferred:
                 "neither its reset_parameters() nor an enclosing module's _init_weights(module) gives them values. "
                 "Give the module a reset_parameters() that initialises them (torch's layers have one), or handle "
                 "its type in your model's _init_weights; or build the model outside configure_model")
+
+
+def _placeholder(p: nn.Parameter) -> bool:
+    """A pipeline placeholder made on meta (`pipeline.stages`): one element expanded to the parameter's shape."""
+    return p.device.type == "meta" and p.numel() > 1 and all(stride == 0 for stride in p.stride())
 
 
 def _nearest_init(root: nn.Module, name: str):

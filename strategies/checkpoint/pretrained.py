@@ -52,32 +52,44 @@ class SafetensorsFiles:
         return LazyWeight(self, key, tuple(self._handle(self.file_of[key]).get_slice(key).get_shape()))
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        out = self._handle(self.file_of[key]).get_slice(key)[index]
+        """``key``'s values at ``index`` (one slice per dim; ``()``: a scalar's one value)."""
+        handle = self._handle(self.file_of[key])
+        out = handle.get_tensor(key) if not index else handle.get_slice(key)[index]
         self.bytes_read += out.numel() * out.element_size()
         return out
 
 
 class LazyWeight:
-    """One tensor of a `SafetensorsFiles`, read only where asked (see the module's docstring)."""
+    """One tensor of a `SafetensorsFiles`, or a selection of its rows or columns, read only where asked (see the
+    module's docstring). ``index_select`` gives another LazyWeight: a tensor-parallel slice stays unread until the
+    techniques after it (the pipeline keeping its stage, ZeRO its shard) have taken what they keep."""
 
     device = torch.device("cpu")  # where what it reads lands
 
-    def __init__(self, files: SafetensorsFiles, key: str, shape: tuple[int, ...]) -> None:
-        self.files, self.key, self.shape = files, key, torch.Size(shape)
+    def __init__(self, files: SafetensorsFiles, key: str, shape: tuple[int, ...],
+                 picked: tuple[list[int] | None, ...] | None = None) -> None:
+        self.files, self.key, self.base = files, key, torch.Size(shape)
+        self.picked = picked if picked is not None else tuple(None for _ in shape)  # per dim: base indices, or all
+        self.shape = torch.Size(len(p) if p is not None else n for p, n in zip(self.picked, self.base))
+
+    def _indices(self, dim: int) -> list[int]:
+        picked = self.picked[dim]
+        return picked if picked is not None else list(range(self.base[dim]))
+
+    def index_select(self, dim: int, index: torch.Tensor) -> LazyWeight:
+        """What ``full.index_select(dim, index)`` would give, still unread."""
+        indices = self._indices(dim)
+        picked = list(self.picked)
+        picked[dim] = [indices[i] for i in index.tolist()]
+        return LazyWeight(self.files, self.key, tuple(self.base), tuple(picked))
+
+    def clone(self) -> LazyWeight:
+        return self
 
     def read_all(self) -> torch.Tensor:
-        return self.files.read(self.key, tuple(slice(None) for _ in self.shape) or (slice(None),))
-
-    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
-        """What ``full.index_select(dim, index)`` gives, reading each run of consecutive indices once."""
-        rows = index.tolist()
-        runs, start = [], 0
-        for i in range(1, len(rows) + 1):
-            if i == len(rows) or rows[i] != rows[i - 1] + 1:
-                runs.append((rows[start], rows[i - 1] + 1))
-                start = i
-        before = tuple(slice(None) for _ in range(dim))
-        return torch.cat([self.files.read(self.key, (*before, slice(a, b))) for a, b in runs], dim=dim)
+        if not self.shape:
+            return self.files.read(self.key, ())
+        return self._read([self._indices(d) for d in range(len(self.shape))])
 
     def read_flat(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``lo:hi`` of the flattened tensor: the rows that hold them are read, then cut."""
@@ -85,4 +97,27 @@ class LazyWeight:
             return self.read_all().reshape(-1)[lo:hi]
         row = math.prod(self.shape[1:])
         first, last = lo // row, (hi - 1) // row + 1
-        return self.files.read(self.key, (slice(first, last),)).reshape(-1)[lo - first * row : hi - first * row]
+        box = [self._indices(0)[first:last], *(self._indices(d) for d in range(1, len(self.shape)))]
+        return self._read(box).reshape(-1)[lo - first * row : hi - first * row]
+
+    def _read(self, box: list[list[int]]) -> torch.Tensor:
+        """The base tensor at the index lists ``box`` (one per dim), read run by run of consecutive indices."""
+        runs = [_runs(indices) for indices in box]
+
+        def part(dim: int, chosen: tuple[slice, ...]) -> torch.Tensor:
+            if dim == len(runs):
+                return self.files.read(self.key, chosen)
+            return torch.cat([part(dim + 1, (*chosen, slice(a, b))) for a, b in runs[dim]], dim=dim)
+
+        return part(0, ())
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Consecutive stretches of ``indices`` as (start, stop) pairs, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs

@@ -76,8 +76,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
 @torch.compiler.disable  # under torch.compile: a clean graph break here, every call counted and logged eagerly
 def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, async_op: bool,
          tensors: tuple[torch.Tensor, ...] = (), peer: int | None = None) -> Handle | None:
-    """Issue ``call``, count it, log it, and time it now (sync) or at ``wait()`` (async)."""
+    """Issue ``call``, count it, log it, and time it now (sync) or at ``wait()`` (async). On meta tensors (a pipeline
+    traced on a model built on meta, every rank alike) nothing is sent: the outputs' shapes are all there is."""
     axis.stats.record(op, axis.name, sent=sent, recv=recv)
+    if any(t.device.type == "meta" for t in tensors):
+        return Handle(None, axis, op) if async_op else None
     record = RECORDER.start(op, axis, tensors, peer)
     if op not in (Op.SEND, Op.RECV) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         _check_same(record, axis)

@@ -23,7 +23,7 @@ from strategies.activation_checkpoint import ActivationCheckpointing
 from strategies.compile import compile_blocks
 from strategies.context_parallel import ContextParallel
 from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
-from strategies.deferred import Deferred
+from strategies.deferred import Deferred, shapes_only
 from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
@@ -58,8 +58,6 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)
-    if plan.pp > 1 and deferred is not None:
-        deferred.rest()  # the pipeline cuts after a forward of the whole model: made whole until then
     broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     return techniques
 
@@ -86,18 +84,24 @@ def check_optimization(module: Any, plan: ParallelPlan) -> None:
 
 
 def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
-                    run_forward: Callable[[], None]) -> PipelineParallel:
+                    run_forward: Callable[[], None], deferred: Deferred | None = None) -> PipelineParallel:
     """The pipeline cut after watching one forward: the whole model is still on every rank, so ``run_forward()``
     (the user's step on the first microbatch) shows which list of blocks runs and which parameters each side of it
     uses (`trace.trace_forward`); rank 0's trace decides for every rank. Balanced by time: the blocks are timed in
-    two more runs, and the slowest rank's figures taken, so that every rank cuts the same way."""
+    two more runs, and the slowest rank's figures taken, so that every rank cuts the same way. ``deferred``: the
+    model is on meta, and ``run_forward`` runs on meta tensors: the cut is made without a value, and balanced by
+    parameters."""
     # Set-up work inside the first step: not a training step's traffic, and the extra forwards leave no trace in the
     # random state or the buffers (a BatchNorm's statistics), so that the steps run as without pp.
     # Eager while tracing: the trace's torch-function mode and hooks are not for dynamo to compile (`compile`).
     with mesh.stats.uncounted(), _unchanged(model), torch.compiler.set_stance("force_eager"):
-        trace = comm.broadcast_object(trace_forward(model, run_forward, options.pipeline_blocks), mesh.world, src=0)
+        with shapes_only(model) if deferred is not None else contextlib.nullcontext():
+            traced = trace_forward(model, run_forward, options.pipeline_blocks)
+        trace = comm.broadcast_object(traced, mesh.world, src=0)
         weights = None
-        if options.pipeline_balance == "time":
+        if deferred is not None:  # traced on meta (no values, no times): balanced by parameters; tied weights made
+            deferred.tied()       # now, as the first stage sends its copy to the last
+        elif options.pipeline_balance == "time":
             run_forward()
             times, first, last = measure_times(model, trace.blocks, run_forward)
             agreed = torch.tensor([*times, first, last], dtype=torch.float64, device=next(model.parameters()).device)

@@ -4,6 +4,7 @@ the bytes of what it keeps (`checkpoint.pretrained`)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -11,16 +12,31 @@ from torch import nn
 from strategies.checkpoint.pretrained import SafetensorsFiles
 
 
-def load_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module | None = None) -> dict[str, Any]:
+@dataclass
+class Loaded:
+    """What `load_pretrained` read: ``tensors`` loaded, ``unexpected`` names of the files the module lacks, and
+    ``bytes_read`` so far (a pipeline stage reads at the first batch, once the stages are cut)."""
+
+    files: SafetensorsFiles
+    tensors: int
+    unexpected: list[str]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.files.bytes_read
+
+
+def load_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module | None = None) -> Loaded:
     """Load the safetensors of ``path`` (``model.safetensors``, or shards and their index) into ``module`` (by
     default the one Hugging Face ``PreTrainedModel`` inside ``pl_module``, else ``pl_module`` itself).
 
     Call it once the strategy has set the model up (``on_fit_start``, or after ``trainer.fit`` began): under a pack
     plan each rank reads only its slices: tensor parallel's rows or columns, ZeRO's shard of each flattened
-    parameter, its own pipeline stage's weights once the stages are cut (before the first batch a pipeline rank holds
-    the whole model, and reads it whole). Under any other strategy the values are read whole. Every parameter of
-    ``module`` must be in the files (a weight tied to one that is counts as there); tensors of the files that the
-    module lacks are returned as ``unexpected``. Returns what was read: ``{"bytes_read", "tensors", "unexpected"}``.
+    parameter, its own pipeline stage's weights (a model built on meta is cut at the first batch, and each stage
+    takes its weights then; built whole, every rank reads the whole model before the cut). Under any other strategy
+    the values are read whole. Every parameter of ``module`` must be in the files (a weight tied to one that is
+    counts as there); tensors of the files that the module lacks are returned as ``unexpected``. Returns what was
+    read (`Loaded`).
     """
     files = SafetensorsFiles(path)
     module = module if module is not None else _pretrained_inside(pl_module)
@@ -37,7 +53,7 @@ def load_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
         strategy.load_model_state_dict({"state_dict": state}, strict=False)
     else:
         pl_module.load_state_dict({k: v.read_all() for k, v in state.items()}, strict=False)
-    return {"bytes_read": files.bytes_read, "tensors": len(state), "unexpected": sorted(stored - names)}
+    return Loaded(files, len(state), sorted(stored - names))
 
 
 def _pretrained_inside(pl_module: nn.Module) -> nn.Module:

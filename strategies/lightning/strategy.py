@@ -25,7 +25,8 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -80,6 +81,7 @@ class PlanStrategy(ParallelStrategy):
         self._accumulating = False  # inside an accumulation window's micro-step: gradients stay local
         self._open_no_sync: contextlib.ExitStack | None = None  # the no_sync in force, which new techniques join
         self._pending_optimizer: dict[str, Any] | None = None  # a resumed optimizer state, until the pipeline is cut
+        self._pending_model: tuple[dict[str, Any], bool] | None = None  # weights for a meta model, until the cut
         self.activation_bytes = self.peak_activation_bytes = 0
         self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
@@ -213,15 +215,22 @@ class PlanStrategy(ParallelStrategy):
         assemble.check_split(self.resolved_plan, self.techniques)
         micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
 
+        if self._deferred is not None:  # the model is on meta: traced with shapes only
+            micro = apply_to_collection(micro, Tensor, lambda t: t.to("meta"))
+
         def run_forward() -> None:  # set-up, not a step: what it logs is dropped, what it draws is given back
             # (a resumed run traces at its first step too: a draw here would shift its dropout masks)
             devices = [self.root_device] if self.root_device.type == "cuda" else []
             with torch.no_grad(), deferred_logs(self.lightning_module), torch.random.fork_rng(devices=devices):
                 self._lightning_hook("training_step", micro, batch_idx, *args)
 
-        pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward)
+        pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward,
+                                            self._deferred)
         self._adopt(pipeline)
         self._add_grad_sync()
+        if self._pending_model is not None:  # weights given before the cut (`load_pretrained`): each stage its own
+            self.load_model_state_dict(*self._pending_model)
+            self._pending_model = None
         if self._pending_optimizer is not None:  # each stage (and ZeRO shard) now takes its part of it
             self._steps.pipeline = pipeline
             self.load_optimizer_state_dict(self._pending_optimizer)
@@ -323,6 +332,15 @@ class PlanStrategy(ParallelStrategy):
             output = technique.step_output(output)
         return output
 
+    def _whole_before_cut(self) -> None:
+        """A meta-built model evaluated before the first training batch cuts the pipeline (the sanity check): made
+        whole, since every rank runs the whole model until the cut."""
+        if self._deferred is not None and self.resolved_plan.pp > 1 and self.pipeline is None:
+            rank_zero_info("the model built on meta is made whole to be evaluated before the pipeline is cut "
+                           "(num_sanity_val_steps=0 keeps each stage to its own layers)")
+            self._deferred.rest()
+            self._deferred = None
+
     def _local(self, args: tuple) -> tuple:
         """A step's arguments with this rank's part of the batch (the first)."""
         if not args:
@@ -334,14 +352,17 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._whole_before_cut()
         return self._steps.eval_step("validation_step", *self._local(args), **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._whole_before_cut()
         return self._steps.eval_step("test_step", *self._local(args), **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._whole_before_cut()
         return self._steps.eval_step("predict_step", *self._local(args), **kwargs)
 
     @override
@@ -438,6 +459,9 @@ class PlanStrategy(ParallelStrategy):
         # Lightning restores weights before setup (a full module, split afterwards); this path is for loads after
         # setup, where tensor-parallel layers hold slices, ZeRO's parameters live in flats, and other stages'
         # parameters are placeholders. A technique that loads its own entries has checked them.
+        if self._deferred is not None and self.resolved_plan.pp > 1 and self.pipeline is None:
+            self._pending_model = (checkpoint, strict)  # loaded once the first batch cut the stages and made them
+            return None
         state = checkpoint["state_dict"]
         if not self.techniques and has_meta_parameters(self.lightning_module):
             # Lightning restores a checkpoint before set-up: a model built on meta is made whole to take it

@@ -44,7 +44,10 @@ class Built(L.LightningModule):
 
 
 class First(L.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Before the first step: under pp a meta-built model is cut and made in the first batch
+        if hasattr(self, "state"):
+            return
         self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
 
 

@@ -51,7 +51,10 @@ class Pretrained(L.LightningModule):
 
 
 class First(L.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Before the first step: under pp a meta-built model is cut and made in the first batch
+        if hasattr(self, "state"):
+            return
         self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
         self.kept = trainer.strategy.model_state_bytes()["params"]
 
@@ -69,7 +72,7 @@ def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
     data = TensorDataset(torch.cat(zoo.batches(steps, batch=BATCH)))
     trainer.fit(module, DataLoader(data, batch_size=BATCH // dp))
     ranks = [None] * DEVICES
-    dist.all_gather_object(ranks, (module.read["bytes_read"], first.kept, module.loss))
+    dist.all_gather_object(ranks, (module.read.bytes_read, first.kept, module.loss))
     return {"first": first.state, "ranks": ranks}
 
 
