@@ -109,7 +109,7 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
     reference = (ok_of.get("single") or [None])[0]
     header = (f"{'strategy':<18}{'ranks':>6}{'final loss':>11}{'loss match':>11}{'tokens/s':>10}"
               f"{'vs ' + (baseline or '-'):>10}{'state KiB meas/pred':>22}{'comm KiB/step meas/pred':>26}"
-              f"{'act KiB':>9}")
+              f"{'act KiB':>9}{'setup KiB':>11}")
     lines = [header, "-" * len(header)]
     for label, runs in rows.items():
         ok = ok_of[label]
@@ -127,15 +127,16 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
                 f"{_fmt(guess['state'] / 1024 if guess else None, ',.0f')}"
         comm = f"{_fmt(sent / 1024 if sent is not None else None, ',.1f')} / " \
                f"{_fmt(guess['comm'] / 1024 if guess else None, ',.1f')}"
-        act = memory.get("activations_peak")
+        act, setup = memory.get("activations_peak"), memory.get("setup_peak")
         lines.append(
             f"{label:<18}{first['world_size']:>6}{_fmt(_mean([r['losses'][-1] for r in ok]), '.4f'):>11}"
             f"{_fmt(match, '.1e'):>11}{_fmt(tps, ',.0f'):>10}{_fmt(ratio, '.3f'):>10}{state:>22}{comm:>26}"
-            f"{_fmt(act / 1024 if act else None, ',.0f'):>9}"
+            f"{_fmt(act / 1024 if act else None, ',.0f'):>9}{_fmt(setup / 1024 if setup else None, ',.0f'):>11}"
         )
     lines.append("loss match: largest relative difference of a step's loss from single's; meas/pred: rank 0 "
                  "measured / the estimator (strategies.measure.estimate); '-': not counted (the communication of "
-                 "Lightning's own strategies) or no plan; act: what autograd saved for backward, every strategy alike")
+                 "Lightning's own strategies) or no plan; act: what autograd saved for backward, every strategy alike; "
+                 "setup: rank 0's peak from before the model was built to the end of the first step (not predicted)")
     return "\n".join(lines)
 
 
