@@ -87,6 +87,7 @@ class StrategyMonitor(L.Callback):
         self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
         self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
         self._rss_base = self._setup_peak = 0  # resident memory before the model was built; the set-up's peak
+        self._heap_built = 0  # the heap's peak before training started (the build and the techniques' set-up)
         self._act_meter, self._act = None, (0, 0)
         self._split = StepSplit(lambda: (0.0, 0.0))
 
@@ -123,7 +124,8 @@ class StrategyMonitor(L.Callback):
         self._split = StepSplit(_blocked_seconds(stats))
         if self._heap is not None:
             held = readings.rank_memory(trainer, pl_module)["total"]
-            self._heap_setup = self._heap.restart()[1] - self._heap_base - held
+            self._heap_built, now = self._heap.restart()  # the peak of the set-up so far: the build, the splits
+            self._heap_setup = now - self._heap_base - held
         if self.store:
             label = self.label or _strategy_label(trainer)
             run_id = self._given_run_id or (runs.new_run_id(label) if trainer.global_rank == 0 else None)
@@ -192,7 +194,7 @@ class StrategyMonitor(L.Callback):
         if device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(device))
         if self._heap is not None:
-            return int(self._heap.peak - self._heap_base)
+            return int(max(self._heap_built, self._heap.peak) - self._heap_base)
         return max(0, readings.peak_rss_bytes() - self._rss_base)
 
     def _heap_steady(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -233,6 +233,11 @@ def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     model built on meta (`deferred.Deferred`), each unit is made, flattened, sharded and freed before the next,
     so that set-up holds one whole unit at a time."""
     units = units if units is not None else default_units(module)
+    # In the order of the model's parameters, so that reversed (the launch order of the reduce-scatters, strictly
+    # kept) it is about backward's: the policy lists the blocks first, and a unit that backward finishes last (the
+    # embedding) placed early in the launch order held back every later one, all their full gradients with it.
+    position = {id(p): i for i, p in enumerate(module.parameters())}
+    units = sorted(units, key=lambda unit: min((position[id(p)] for p in unit[1].parameters()), default=len(position)))
     owner: dict[int, int] = {}
     shared: set[int] = set()
     for u, (_, m) in enumerate(units):
