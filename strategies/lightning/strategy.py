@@ -340,6 +340,9 @@ class PlanStrategy(ParallelStrategy):
                            "(num_sanity_val_steps=0 keeps each stage to its own layers)")
             self._deferred.rest()
             self._deferred = None
+            if self._pending_model is not None:  # weights given for the cut (`load_pretrained`): taken whole now
+                pending, self._pending_model = self._pending_model, None
+                self.load_model_state_dict(*pending)
 
     def _local(self, args: tuple) -> tuple:
         """A step's arguments with this rank's part of the batch (the first)."""
