@@ -27,7 +27,7 @@ class Pretrained(L.LightningModule):
     def __init__(self, name: str, folder: str, lr: float = 0.0, export: str | None = None) -> None:
         super().__init__()
         self.name, self.folder, self.net, self.read, self.loss = name, folder, None, None, None
-        self.lr, self.export = lr, export
+        self.lr, self.export, self.val_loss = lr, export, None
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -38,6 +38,11 @@ class Pretrained(L.LightningModule):
 
     def training_step(self, batch, index):
         return self.net.loss(batch[0])
+
+    def validation_step(self, batch, index):
+        loss = self.net.loss(batch[0])
+        self.val_loss = float(loss) if self.val_loss is None else self.val_loss  # the sanity check's, before the cut
+        return loss
 
     def on_train_batch_end(self, outputs, batch, index) -> None:
         self.loss = float(outputs["loss"]) if self.loss is None else self.loss  # the first step's
@@ -68,11 +73,14 @@ def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
     dp = strategies.ParallelPlan.parse(plan).resolve(DEVICES).dp
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[first])
+                        enable_model_summary=False, num_sanity_val_steps=1, limit_val_batches=1,
+                        check_val_every_n_epoch=100, callbacks=[first])
     data = TensorDataset(torch.cat(zoo.batches(steps, batch=BATCH)))
-    trainer.fit(module, DataLoader(data, batch_size=BATCH // dp))
+    loader = DataLoader(data, batch_size=BATCH // dp)
+    # Under pp, a sanity check before the first batch: the meta-built model is made whole, and takes the weights then
+    trainer.fit(module, loader, loader if plan.startswith("pp") and not export else None)
     ranks = [None] * DEVICES
-    dist.all_gather_object(ranks, (module.read.bytes_read, first.kept, module.loss))
+    dist.all_gather_object(ranks, (module.read.bytes_read, first.kept, module.loss, module.val_loss))
     return {"first": first.state, "ranks": ranks}
 
 
