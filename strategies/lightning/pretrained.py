@@ -73,12 +73,18 @@ def _name_in(root: nn.Module, module: nn.Module) -> str:
     raise ValueError(f"{type(module).__name__} is not a submodule of the LightningModule")
 
 
-def _aliases(module: nn.Module, stored: set[str]) -> set[str]:
-    """Names of parameters tied to one whose value the files hold (a head tied to the embedding: saved once)."""
+def _names_of_each(module: nn.Module) -> list[list[str]]:
+    """Every name of each parameter (a weight tied under several names has several), the first in the model's order
+    first."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return {n for group in names.values() if any(n in stored for n in group) for n in group}
+    return list(names.values())
+
+
+def _aliases(module: nn.Module, stored: set[str]) -> set[str]:
+    """Names of parameters tied to one whose value the files hold (a head tied to the embedding: saved once)."""
+    return {n for group in _names_of_each(module) if any(n in stored for n in group) for n in group}
 
 
 def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module | None = None) -> list[str]:
@@ -118,9 +124,7 @@ def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
 
 def _first_names(module: nn.Module) -> set[str]:
     """The state's names without a tied weight's later names (HF saves a tied head once, under the embedding)."""
-    first = {id(p): n for n, p in module.named_parameters()}
-    tied = {n for n, p in module.named_parameters(remove_duplicate=False) if first[id(p)] != n}
-    return set(module.state_dict()) - tied
+    return set(module.state_dict()) - {n for group in _names_of_each(module) for n in group[1:]}
 
 
 def _blocks(keys: list[str], keep: set[str]) -> list[list[str]]:
@@ -133,15 +137,14 @@ def _blocks(keys: list[str], keep: set[str]) -> list[list[str]]:
         parts = key.split(".")
         cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
         groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else "", []).append(key)
-    return [group for group in groups.values() if group]
+    return list(groups.values())
 
 
 def _full_part(pl_module: Any, strategy: Any, names: set[str]) -> dict[str, Any]:
-    """The full tensors of ``names`` (LightningModule names): each technique undoes its split of just that part."""
-    state = {k: v.detach() for k, v in pl_module.state_dict().items() if k in names}
-    for technique in reversed(getattr(strategy, "techniques", [])):
-        state = technique.full_model_state(state)
-    return state
+    """The full tensors of ``names`` (LightningModule names): a pack plan's `PlanStrategy.full_state` of them."""
+    if hasattr(strategy, "full_state"):
+        return strategy.full_state(names)
+    return {k: v.detach() for k, v in pl_module.state_dict().items() if k in names}
 
 
 def _write_index(path: str | os.PathLike, weight_map: dict[str, str], module: nn.Module) -> None:

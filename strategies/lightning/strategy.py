@@ -452,7 +452,12 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = {k: v.detach() for k, v in self.lightning_module.state_dict().items()}
+        return self.full_state()
+
+    def full_state(self, names: set[str] | None = None) -> dict[str, Any]:
+        """The single-process state (every rank must call this), or its entries ``names`` only: each technique
+        undoes its split of just that part (`save_pretrained` takes one block at a time)."""
+        state = {k: v.detach() for k, v in self.lightning_module.state_dict().items() if names is None or k in names}
         for technique in reversed(self.techniques):
             state = technique.full_model_state(state)
         return state

@@ -186,9 +186,9 @@ class Zero3GradSync(ZeroGradSync):
                 unit.gathered = False
                 unit.gather(self.axis)
 
-    def release_all(self) -> None:
-        """Every unit freed but the pinned (after a step, or once the state has been read)."""
-        for unit in self.units:
+    def release_all(self, units: list[Unit] | None = None) -> None:
+        """Every unit (of ``units``) freed but the pinned (after a step, or once the state has been read)."""
+        for unit in self.units if units is None else units:
             unit.reduced.clear()
             if unit.gathered and not unit.pinned:
                 unit.release()
@@ -207,17 +207,14 @@ class Zero3GradSync(ZeroGradSync):
     def full_model_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # ``state`` holds views of the flats' storage: gathered, copied out, and freed again. Only the units that
         # hold its entries: a part of the state (`save_pretrained`, one block at a time) gathers that part.
-        names = {id(p): n for n, p in self.named_params}
-        wanted = [u for u in self.units if any(names.get(pid) in state for pid in u.params)]
+        held = {self._unit_of[id(p)] for n, p in self.named_params if n in state and id(p) in self._unit_of}
+        wanted = [unit for unit in self.units if unit in held]
         for unit in wanted:
             unit.gather(self.axis)
         try:
             return {k: v.clone() for k, v in state.items()}
         finally:
-            for unit in wanted:
-                if not unit.pinned:
-                    unit.reduced.clear()
-                    unit.release()
+            self.release_all(wanted)
 
     def teardown(self, healthy: bool) -> None:
         if healthy:
