@@ -183,6 +183,13 @@ def page_memory(runs: list[dict], rows: list[dict]) -> None:
     memory = data.memory_rows(runs)
     _chart(charts.memory_figure(memory), "memory")
     _chart(charts.heatmap_figure(memory), "memory-heatmap")
+    peaks = data.peak_rows(runs)
+    if peaks:
+        st.subheader("Set-up and steady peaks per rank")
+        st.caption("Set-up: from before the model is built to the end of the first step. A model built in "
+                   "configure_model under a plan is made slice by slice (docs/larger-models.md); one built whole "
+                   "needs it whole on every rank first.")
+        st.dataframe(peaks, width="stretch")
     names = list(dict.fromkeys(r["run"] for r in memory))
     if len(names) > 1:
         first = next((k for k, n in enumerate(names) if n.startswith("single ")), 0)

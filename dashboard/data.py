@@ -167,6 +167,31 @@ def memory_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def peak_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (run, rank): the peak from before the model was built to the end of the first step (set-up) and
+    the steady peak, measured beside the estimator's. Measured steady: the heap's where it was sampled, CUDA's
+    allocator's, else the states and saved activations; set-up on CPU without the heap: resident memory's growth."""
+    rows = []
+    for run in runs:
+        predicted = run["meta"].get("predicted") if isinstance(run["meta"].get("predicted"), dict) else {}
+        steady = [sum(_num(m.get(k)) or 0 for k in CATEGORIES if k != "host") if isinstance(m, dict) else None
+                  for m in predicted.get("memory") or []]
+        setup = predicted.get("setup") if isinstance(predicted.get("setup"), list) else []
+        per_rank = (run["summary"] or {}).get("memory_bytes_per_rank") if isinstance(run["summary"], dict) else None
+        for rank, memory in enumerate(per_rank if isinstance(per_rank, list) else []):
+            if isinstance(memory, dict):
+                rows.append({"run": label(run), "rank": rank,
+                             "set-up MiB (measured)": _in_mib(memory.get("setup_peak")),
+                             "set-up MiB (predicted)": _in_mib(setup[rank] if rank < len(setup) else None),
+                             "steady MiB (measured)": _in_mib(_num(memory.get("heap_peak")) or _peak(memory)),
+                             "steady MiB (predicted)": _in_mib(steady[rank] if rank < len(steady) else None)})
+    return rows
+
+
+def _in_mib(value: Any) -> float | None:
+    return _num(value) / 2**20 if _num(value) else None
+
+
 def comm_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Bytes rank 0 sent per step and seconds it waited, per collective kind and axis."""
     rows = []

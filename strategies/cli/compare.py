@@ -71,7 +71,7 @@ def predicted(result: dict[str, Any]) -> dict[str, float] | None:
     if not guess:
         return None
     return {"state": guess["model_states"][0], "comm": sum(guess["comm"].values()),
-            "activations": guess["memory"][0]["activations"]}
+            "activations": guess["memory"][0]["activations"], "setup": (guess.get("setup") or [None])[0]}
 
 
 def loss_match(result: dict[str, Any], reference: dict[str, Any] | None) -> float | None:
@@ -109,7 +109,7 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
     reference = (ok_of.get("single") or [None])[0]
     header = (f"{'strategy':<18}{'ranks':>6}{'final loss':>11}{'loss match':>11}{'tokens/s':>10}"
               f"{'vs ' + (baseline or '-'):>10}{'state KiB meas/pred':>22}{'comm KiB/step meas/pred':>26}"
-              f"{'act KiB':>9}{'setup KiB':>11}")
+              f"{'act KiB':>9}{'setup KiB meas/pred':>22}")
     lines = [header, "-" * len(header)]
     for label, runs in rows.items():
         ok = ok_of[label]
@@ -128,15 +128,19 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
         comm = f"{_fmt(sent / 1024 if sent is not None else None, ',.1f')} / " \
                f"{_fmt(guess['comm'] / 1024 if guess else None, ',.1f')}"
         act, setup = memory.get("activations_peak"), memory.get("setup_peak")
+        setup = f"{_fmt(setup / 1024 if setup else None, ',.0f')} / " \
+                f"{_fmt(guess['setup'] / 1024 if guess.get('setup') else None, ',.0f')}"
         lines.append(
             f"{label:<18}{first['world_size']:>6}{_fmt(_mean([r['losses'][-1] for r in ok]), '.4f'):>11}"
             f"{_fmt(match, '.1e'):>11}{_fmt(tps, ',.0f'):>10}{_fmt(ratio, '.3f'):>10}{state:>22}{comm:>26}"
-            f"{_fmt(act / 1024 if act else None, ',.0f'):>9}{_fmt(setup / 1024 if setup else None, ',.0f'):>11}"
+            f"{_fmt(act / 1024 if act else None, ',.0f'):>9}{setup:>22}"
         )
     lines.append("loss match: largest relative difference of a step's loss from single's; meas/pred: rank 0 "
                  "measured / the estimator (strategies.measure.estimate); '-': not counted (the communication of "
                  "Lightning's own strategies) or no plan; act: what autograd saved for backward, every strategy alike; "
-                 "setup: rank 0's peak from before the model was built to the end of the first step (not predicted)")
+                 "setup: rank 0's peak from before the model was built to the end of the first step (on CPU the "
+                 "heap's with --heap, else resident memory's growth), and the estimator's (a meta build with "
+                 "--configure-model, else the model built whole)")
     return "\n".join(lines)
 
 

@@ -67,7 +67,8 @@ def _rank_plans(args: argparse.Namespace) -> int:
     fits = [r for r in ranked if r.fits]
     print(f"{args.params:.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, "
           f"sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs of {args.gpu_mem:g} GiB "
-          f"(plans may fill {hw.usable:.0%}); {args.precision} precision with Adam")
+          f"(plans may fill {hw.usable:.0%}, set-up included: the model built in configure_model, each rank making its "
+          f"slice); {args.precision} precision with Adam")
     cal = hw.calibration
     links = (f"this machine's links as calibrated (all_reduce over {cal.world}: {hw.tp_bandwidth / 1e9:.2f} GB/s, "
              f"{cal.link('all_reduce', cal.world)[0] * 1e3:.2f} ms a call)" if cal else

@@ -92,7 +92,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     world = _world(config)
     model = _model_config(module)
     predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate, config.precision,
-                            config.accelerator)
+                            config.accelerator, optimizer=config.optimizer,
+                            deferred=config.configure_model and _is_plan(config.strategy))
     trainer, monitor = _trainer(config, predicted)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")

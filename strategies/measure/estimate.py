@@ -48,6 +48,9 @@ PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (
 _ALIASES = {"fp32": "32-true", "32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}  # as Lightning reads them
 DEFAULT_PRECISION = "bf16-mixed"  # what `stratpack plan` assumes: what a GPU run usually asks for
 BUCKET = DEFAULT_BUCKET_CAP_MB * 2**20  # DDP's buckets, which ZeRO-1/2's flats follow
+# The optimizer -> its state per parameter, in Adam's two moments (the third figure of `PRECISIONS`): SGD with
+# momentum keeps one buffer, plain SGD none.
+OPTIMIZERS = {"adamw": 1.0, "adam": 1.0, "sgd": 0.5, "sgd-plain": 0.0}
 
 
 def layout(precision: str) -> tuple[int, int, int, int]:
@@ -133,10 +136,18 @@ class Estimate:
     params_per_stage: list[int] = field(default_factory=list)
     peak_at: list[str] = field(default_factory=list)  # per pipeline rank: the action its peak is in (`peak.walk`)
     states: list[dict[str, float]] = field(default_factory=list)  # per pipeline rank: model states between steps
+    # Per pipeline rank, the peak from before the model is built to the end of the first step (`setup_peaks`): built
+    # on meta in configure_model, each rank making its slice; and built whole on every rank (in __init__)
+    setup: list[float] = field(default_factory=list)
+    setup_whole: list[float] = field(default_factory=list)
 
     def peak(self) -> float:
         """The largest per-rank device total (host excluded)."""
         return max(sum(v for k, v in m.items() if k != "host") for m in self.memory)
+
+    def setup_peak(self, deferred: bool = True) -> float:
+        """The largest per-rank set-up peak, the model built on meta (``deferred``) or whole; at least `peak`."""
+        return max([self.peak(), *(self.setup if deferred else self.setup_whole)])
 
 
 def _vocab_split(plan: ParallelPlan) -> int:
@@ -165,9 +176,18 @@ def _stages(shape: ModelShape, plan: ParallelPlan) -> tuple[list[range], list[in
     return ranges, per_stage
 
 
-def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[str, float]:
-    """Bytes of weights, gradients and optimizer state for ``psi`` local parameters under ``plan``'s data mode."""
+def optimizer_share(optimizer: str) -> float:
+    """The state ``optimizer`` keeps per parameter, as a share of Adam's (`OPTIMIZERS`)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} (its state per parameter), got "
+                         f"{optimizer!r}")
+    return OPTIMIZERS[optimizer]
+
+
+def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32", optimizer: str = "adamw") -> dict[str, float]:
+    """Bytes of weights, gradients and ``optimizer`` state for ``psi`` local parameters under ``plan``'s data mode."""
     w, g, o, _ = layout(precision)
+    o = o * optimizer_share(optimizer)
     n = plan.data_ranks if plan.data.is_zero else 1
     stage = plan.data.stage if plan.data.is_zero else 0
     shard = math.ceil(psi / n)  # ZeRO pads each flat to a multiple of N: at most N-1 elements more
@@ -178,6 +198,30 @@ def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32") -> dict[
         out["optimizer"] = 0.0
         if stage >= 2:  # the reduced gradient shard goes straight to its host copy: on the device only in flight
             out["grads"] = 0.0
+    return out
+
+
+def setup_peaks(shape: ModelShape, plan: ParallelPlan, memory: list[dict[str, float]], precision: str,
+                deferred: bool) -> list[float]:
+    """Each pipeline rank's peak from before the build to the end of the first step: the first step's (``memory``,
+    the steady peak) or the build's, whichever is larger. Built on meta (``deferred``, `strategies.deferred`) a rank
+    holds its kept weights and the largest piece it makes whole at a time (a block, or on the first and last stages
+    the embeddings and the head: tp and vp cut them only once made), twice under ZeRO-3 (the piece and its flat
+    copy, then sharded); built whole, the whole model's weights beside the kept ones while they are cut."""
+    w = layout(precision)[0]
+    ranges, _ = _stages(shape, plan)
+    where, last = _placement(plan), len(ranges) - 1
+    out = []
+    for rank, held in enumerate(memory):
+        device = sum(v for k, v in held.items() if k != "host")
+        if deferred:
+            mine = [s for s, r in where.items() if r == rank]
+            pieces = [sum(shape.block()) if any(ranges[s] for s in mine) else 0, shape.embeddings() if 0 in mine
+                      else 0, shape.head() if last in mine else 0]
+            build = held["params"] + (2 if plan.data.stage == 3 else 1) * w * max(pieces)
+        else:
+            build = held["params"] + w * shape.total()
+        out.append(max(device, build))
     return out
 
 
@@ -330,10 +374,11 @@ def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
 
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
              act_bytes: int | None = None, backend: str = "nccl", workspace: float = 0.0,
-             crowded: bool = False) -> Estimate:
+             crowded: bool = False, optimizer: str = "adamw") -> Estimate:
     """Predict ``plan`` at ``world_size`` for ``shape`` under Lightning's ``precision``. ``act_bytes``: bytes per
     activation element (default: the precision's); ``backend``: the collectives' (``gloo`` holds copies ``nccl`` does
-    not); ``workspace``: one matmul's working memory (`peak`); ``crowded``: `messages.crowded` (the host's ranks)."""
+    not); ``workspace``: one matmul's working memory (`peak`); ``crowded``: `messages.crowded` (the host's ranks);
+    ``optimizer``: whose state is held (`OPTIMIZERS`)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
     _check_plan(shape, plan)
     weight_bytes, grad_bytes, _, default_act = layout(precision)
@@ -350,7 +395,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         mine = [s for s, r in _placement(plan).items() if r == rank]
         chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, stages, grad_bytes, backend, held) for s in mine}
         actions = step_actions(tables[rank] if tables else None, shape.accumulate, plan.microbatches or 1)
-        states = model_states(psi, plan, precision)
+        states = model_states(psi, plan, precision, optimizer)
         rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
                        crowded and backend == GLOO, backend == GLOO)
         peak = walk(pieces, chunks, actions, workspace, rules)
@@ -367,7 +412,9 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     comm = communication(shape, plan, per_rank[0], first_blocks, kept, act_bytes)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
-    return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where, states=between)
+    return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where, states=between,
+                    setup=setup_peaks(shape, plan, memory, precision, True),
+                    setup_whole=setup_peaks(shape, plan, memory, precision, False))
 
 
 def _placement(plan: ParallelPlan) -> dict[int, int]:

@@ -217,8 +217,10 @@ def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: st
         chosen = choose_schedule(local, plan, hw, precision)
         label = text if plan.pp == 1 else str(dataclasses.replace(  # canonical, with the schedule it chose
             ParallelPlan.parse(text), schedule=chosen.plan.schedule, virtual=chosen.plan.virtual))
+        # It fits when its set-up does too: the model built in configure_model, each rank making its slice
+        # (`estimate.setup_peaks`); a model built whole on every rank needs `Estimate.setup_whole`.
         ranked.append(Ranked(label, chosen.estimate, sum(chosen.parts.values()), chosen.parts,
-                             chosen.estimate.peak() <= hw.usable * hw.memory))
+                             chosen.estimate.setup_peak() <= hw.usable * hw.memory))
     return sorted(ranked, key=lambda r: (not r.fits, r.seconds))
 
 
@@ -236,7 +238,8 @@ class Choice:
 
 def choose_schedule(shape: ModelShape, plan: ParallelPlan, hw: Hardware, precision: str = DEFAULT_PRECISION,
                     backend: str = "nccl", workspace: float = 0.0,
-                    names: tuple[str, ...] = SCHEDULE_CANDIDATES, crowded: bool = False) -> Choice:
+                    names: tuple[str, ...] = SCHEDULE_CANDIDATES, crowded: bool = False,
+                    optimizer: str = "adamw") -> Choice:
     """``plan`` (resolved) with a schedule: its own, or for ``pp<N>`` without one (AUTO), the candidate of ``names``
     with the smallest predicted step time whose peak memory fits ``hw`` (the one holding least if none fits), and
     why. ``crowded``: `estimate`'s."""
@@ -246,7 +249,8 @@ def choose_schedule(shape: ModelShape, plan: ParallelPlan, hw: Hardware, precisi
         try:
             cand = dataclasses.replace(plan, schedule=PipelineSchedule(name), virtual=2 if name == "interleaved"
                                        else 1) if auto else plan
-            est = estimate(shape, cand, hw.gpus, precision, backend=backend, workspace=workspace, crowded=crowded)
+            est = estimate(shape, cand, hw.gpus, precision, backend=backend, workspace=workspace, crowded=crowded,
+                           optimizer=optimizer)
         except ValueError as err:  # a schedule the microbatches or the blocks do not allow
             refusals.append(f"{name or plan.schedule.value}: {err}")
             continue

@@ -15,13 +15,16 @@ from strategies.runs.schema import MODEL_STATE
 
 
 def predict_run(label: str, world_size: int, model: dict, global_batch: int, accumulate: int = 1,
-                precision: str = "32-true", accelerator: str = "gpu", memory: float | None = None) -> dict | None:
+                precision: str = "32-true", accelerator: str = "gpu", memory: float | None = None,
+                optimizer: str = "adamw", deferred: bool = False) -> dict | None:
     """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
     same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble, and for a
     pipeline plan without a schedule the one chosen and why. None when the label has no plan equivalent or the model
     config is not a transformer's. On ``accelerator="cpu"`` the ranks talk over gloo, and the matrix library's
     workspace is measured on this host (`calibrate.kernel_workspace`, with the threads Lightning gives each rank).
-    ``memory``: bytes per device the schedule must fit in (default: `device_memory`)."""
+    ``memory``: bytes per device the schedule must fit in (default: `device_memory`); ``optimizer``: whose state the
+    ranks hold (`estimate.OPTIMIZERS`); ``deferred``: the model is built in configure_model, on meta (the set-up
+    peak, `estimate.setup_peaks`)."""
     text = equivalent_plan(label) or label
     try:
         plan = ParallelPlan.parse(text).resolve(world_size)
@@ -31,13 +34,15 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
         workspace = _cpu_workspace(shape, plan, world_size) if cpu else 0.0
         hw = Hardware(gpus=world_size, memory=memory if memory is not None else device_memory(accelerator, world_size))
         choice = choose_schedule(shape, plan, hw, precision, backend=GLOO if cpu else "nccl", workspace=workspace,
-                                 crowded=cpu and messages.crowded(world_size))  # a CPU run's ranks: on this host
+                                 crowded=cpu and messages.crowded(world_size),  # a CPU run's ranks: on this host
+                                 optimizer=optimizer)
     except (KeyError, ValueError):
         return None
     est, plan = choice.estimate, choice.plan
     stage = [plan.coordinates(rank)["pp"] for rank in range(world_size)]
     out = {"plan": est.plan, "memory": [est.memory[s] for s in stage], "comm": est.comm, "bubble": est.bubble,
-           "peak_at": est.peak_at, "model_states": [sum(est.states[s][k] for k in MODEL_STATE) for s in stage]}
+           "peak_at": est.peak_at, "model_states": [sum(est.states[s][k] for k in MODEL_STATE) for s in stage],
+           "setup": [(est.setup if deferred else est.setup_whole)[s] for s in stage]}
     timed, basis = _hardware(shape, hw, cpu)
     if timed is not None:  # the chosen schedule's step time, on what is known of this hardware (and the basis)
         out.update(step_time=step_time(shape, est, plan, timed), step_basis=basis)

@@ -56,3 +56,7 @@ def test_the_memory_page_has_a_waterfall_from_single_to_another_strategy(real):
     waterfall = _figure(real, "Memory per rank, category by category")
     x = waterfall["data"][0]["x"]
     assert x[0].startswith("single ") and x[-1] != x[0] and {"params", "grads", "optimizer"} <= set(x[1:-1])
+    peaks = real.dataframe[0].value  # set-up beside steady, measured beside predicted, every rank
+    zero2 = peaks[peaks["run"].str.startswith("zero2")]
+    assert list(zero2["rank"]) == [0, 1] and (zero2["set-up MiB (measured)"] > 0).all()
+    assert (zero2["set-up MiB (predicted)"] >= zero2["steady MiB (predicted)"]).all()

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import strategies
 from demos.gpt import GPT, GPTConfig
+from tests.helpers import finish_job
 from tests.models import zoo
 
 # The demo under every kind of slicing (ZeRO-3 units, tp layers, pp stages, all three); Hugging Face Llama untied and
@@ -68,5 +69,4 @@ def fit(name: str, plan: str) -> dict[str, dict[str, torch.Tensor]]:
 
 if __name__ == "__main__":
     results = {case: fit(*case) for case in CASES}
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, sys.argv[1])
+    finish_job(results, sys.argv[1])

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import strategies
 from strategies import Colwise, Rowwise
 from strategies.pipeline import stages
+from tests.helpers import finish_job
 from tests.models import zoo
 
 _PARTITION = stages.partition
@@ -104,5 +105,4 @@ def fit(case: str):
 
 if __name__ == "__main__":
     results = {case: fit(case) for case in CASES}
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, sys.argv[1])
+    finish_job(results, sys.argv[1])

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 import strategies
 from demos.gpt import make_demo
+from tests.helpers import finish_job
 
 CASES = [  # (named class, its plan string); plain SGD, no clipping: a gradient's scale shows in the step
     (lambda: strategies.NaiveDataParallelStrategy(), "naive"),
@@ -44,5 +45,4 @@ def fit(strategy) -> tuple[list[float], dict[str, torch.Tensor]]:
 results = {}
 for make, plan in CASES:
     results[plan] = {"named": fit(make()), "string": fit(plan), "class": type(make()).__name__}
-if torch.distributed.get_rank() == 0:
-    torch.save(results, sys.argv[1])
+finish_job(results, sys.argv[1])

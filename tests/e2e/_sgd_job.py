@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers the plan strings)
 from demos.gpt import GPT, GPTConfig
+from tests.helpers import finish_job
 
 GLOBAL, STEPS, LR = 24, 2, 0.5  # samples per optimizer step: divides over dp (1, 2, 4) x accumulate (1, 3) x mb 4
 CONFIG = GPTConfig(vocab_size=32, n_layer=4, n_head=2, n_embd=16, seq_len=8)  # 4 blocks: pp2 x v2
@@ -150,5 +151,4 @@ if __name__ == "__main__":
     world = int(sys.argv[2])
     cases = (FULL if sys.argv[3:] == ["full"] else CASES)[world] + (BF16 if world == 2 else [])
     results = {case: fit(*case, world) for case in cases}
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, sys.argv[1])
+    finish_job(results, sys.argv[1])

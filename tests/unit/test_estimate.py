@@ -164,3 +164,25 @@ def test_a_crowded_gloo_host_holds_the_receives_its_rounds_post_ahead():
     assert crowded.memory[1]["temporaries"] > alone.memory[1]["temporaries"]  # rank 1 receives gradients ahead
     nccl = estimate(shape, "pp2_1f1b_mb4", 2, crowded=True), estimate(shape, "pp2_1f1b_mb4", 2)
     assert nccl[0].memory == nccl[1].memory  # NCCL's stream moves the messages: grouped per action all the same
+
+
+def test_the_optimizer_named_sets_its_state_sgd_one_buffer_plain_sgd_none():
+    assert model_states(1000, _plan("zero1", 4), optimizer="sgd")["optimizer"] == 4 * 1000 / 4  # momentum, fp32
+    assert model_states(1000, _plan("dp", 4), "bf16-true", optimizer="sgd-plain")["optimizer"] == 0
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        model_states(1000, _plan("dp", 4), optimizer="lion")
+
+
+def test_set_up_peak_is_the_kept_slice_and_one_whole_piece_on_meta_or_the_whole_model_built_in_init():
+    # Deep and narrow, SGD: the whole model's weights are larger than a ZeRO-3 rank's steady peak.
+    shape = ModelShape(layers=32, hidden=256, heads=4, seq=16, vocab=256, batch=2)
+    est = estimate(shape, "zero3", 4, "32-true", optimizer="sgd-plain")
+    params, block = est.states[0]["params"], 4 * sum(shape.block())
+    assert est.setup_whole[0] == pytest.approx(params + 4 * shape.total()) and est.setup_whole[0] > est.peak()
+    assert est.setup[0] == max(est.peak(), params + 2 * block)  # the unit made whole and its flat copy
+    assert est.setup_peak() == est.peak() < est.setup_peak(deferred=False)
+    # A pipeline's first stage makes the embeddings whole (tp cuts them only once made); the last, the head.
+    wide = dataclasses.replace(shape, layers=2, vocab=50000)
+    pp = estimate(wide, "tp2_pp2_1f1b", 4, "32-true")
+    assert pp.setup[0] >= pp.states[0]["params"] + 4 * wide.embeddings()
+    assert pp.setup[1] >= pp.states[1]["params"] + 4 * wide.head()
