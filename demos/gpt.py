@@ -16,6 +16,8 @@ from torch import nn
 
 from demos.data import CharDataset, CharTokenizer, load_corpus
 
+OPTIMIZERS = ("adamw", "sgd", "sgd-plain")  # sgd: with momentum; named as the estimator names them
+
 
 @dataclass
 class GPTConfig:
@@ -160,8 +162,8 @@ class GPTModule(L.LightningModule):
             config = GPTConfig(**config)
         config = config if config is not None else GPTConfig()
         # Plain data only: checkpoints load with torch.load(weights_only=True), which refuses custom classes.
-        if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         self.save_hyperparameters(
             {"config": asdict(config), "lr": lr, "weight_decay": weight_decay, "optimizer": optimizer,
              "configure_model": configure_model}
@@ -198,8 +200,9 @@ class GPTModule(L.LightningModule):
         self.log("val_loss", self.compute_loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "sgd":  # not scale-invariant like Adam: shows what gradient clipping does
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
+        if self.optimizer_name.startswith("sgd"):  # not scale-invariant like Adam: shows what clipping does
+            momentum = 0.9 if self.optimizer_name == "sgd" else 0.0  # sgd-plain: no state (the least memory)
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=momentum, weight_decay=self.weight_decay)
         # Fused on GPUs (one kernel for all tensors, as fast loops use); the for-loop version elsewhere, where the
         # equivalence tests compare against it.
         return torch.optim.AdamW(

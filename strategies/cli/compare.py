@@ -81,6 +81,11 @@ def loss_match(result: dict[str, Any], reference: dict[str, Any] | None) -> floa
     return max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
 
 
+def _pair(measured: float | None, guess: float | None, spec: str) -> str:
+    """Measured / predicted bytes, in KiB ('-' for none)."""
+    return f"{_fmt(measured / 1024 if measured else None, spec)} / {_fmt(guess / 1024 if guess else None, spec)}"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -123,13 +128,9 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
         memory = first.get("memory_bytes") or {}
         guess = predicted(first) or {}
         sent = comm_bytes_per_step(first)
-        state = f"{_fmt(memory.get('total', 0) / 1024 if memory.get('total') else None, ',.0f')} / " \
-                f"{_fmt(guess['state'] / 1024 if guess else None, ',.0f')}"
-        comm = f"{_fmt(sent / 1024 if sent is not None else None, ',.1f')} / " \
-               f"{_fmt(guess['comm'] / 1024 if guess else None, ',.1f')}"
-        act, setup = memory.get("activations_peak"), memory.get("setup_peak")
-        setup = f"{_fmt(setup / 1024 if setup else None, ',.0f')} / " \
-                f"{_fmt(guess['setup'] / 1024 if guess.get('setup') else None, ',.0f')}"
+        state = _pair(memory.get("total"), guess.get("state"), ",.0f")
+        comm = _pair(sent, guess.get("comm"), ",.1f")
+        act, setup = memory.get("activations_peak"), _pair(memory.get("setup_peak"), guess.get("setup"), ",.0f")
         lines.append(
             f"{label:<18}{first['world_size']:>6}{_fmt(_mean([r['losses'][-1] for r in ok]), '.4f'):>11}"
             f"{_fmt(match, '.1e'):>11}{_fmt(tps, ',.0f'):>10}{_fmt(ratio, '.3f'):>10}{state:>22}{comm:>26}"

@@ -89,10 +89,9 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
 
         compile_blocks(module, {"backend": config.compile})
     dataset = _check_batches(config, dataset)
-    world = _world(config)
     model = _model_config(module)
-    predicted = predict_run(config.strategy, world, model, config.batch_size, config.accumulate, config.precision,
-                            config.accelerator, optimizer=config.optimizer,
+    predicted = predict_run(config.strategy, _world(config), model, config.batch_size, config.accumulate,
+                            config.precision, config.accelerator, optimizer=config.optimizer,
                             deferred=config.configure_model and _is_plan(config.strategy))
     trainer, monitor = _trainer(config, predicted)
     with warnings.catch_warnings():
@@ -318,7 +317,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps left out of timing")
     p.add_argument("--gradient-clip-val", type=float, default=None, help="clip by the global gradient norm")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default=defaults.optimizer)
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-plain"), default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")

@@ -21,6 +21,9 @@ the embeddings and head leave.
   al. 2022 count the same tensors, with dropout masks the demo does not have), and the temporaries beside them: the
   backward's working set, recompute, ZeRO-3's gathered blocks, gradients ZeRO-2/3 keep whole across a step's
   backwards, messages in flight, and, by ``backend`` and ``workspace``, gloo's copies and the matrix library's buffers.
+- The set-up peak (`setup_peaks`), from before the model is built to the end of the first step: the first step's,
+  or the build's where larger; built on meta (configure_model) the kept slice and one piece made whole, built in
+  ``__init__`` the whole model on every rank. The optimizer's state is Adam's unless named (`OPTIMIZERS`).
 - Communication, bytes sent per rank per optimizer step, keyed like `comm.CommStats.snapshot`
   (``"all_reduce/dp"``): DDP 2(N-1)/N·Ψ, ZeRO-1/2 (N-1)/N·Ψ reduce-scatter + all-gather, ZeRO-3 (N-1)/N·Ψ
   all-gathers twice + reduce-scatter (an upper bound: the last unit stays gathered into backward), the
@@ -41,6 +44,7 @@ from strategies.measure.peak import GLOO, Chunk, Pieces, Rules, step_actions, wa
 from strategies.pipeline import messages, schedules
 from strategies.pipeline.stages import partition
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
+from strategies.zero.sync import IN_FLIGHT
 
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
@@ -261,7 +265,10 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     reduce = 0.0
     if n > 1 and plan.data.is_zero:
         flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
-        reduce = grads / n + ((1 + 1 / n) * flat if backend == GLOO else 0.0)
+        # ZeRO-3's flats are a block each: as backward ends, the IN_FLIGHT last launched are still reducing, each
+        # holding its full gradient (and on gloo its copies), beside the shards already reduced
+        behind = min(IN_FLIGHT, max(blocks - 1, 0)) if plan.data.stage == 3 else 0
+        reduce = grads / n + behind * flat + (max(behind, 1) * (1 + 1 / n) * flat if backend == GLOO else 0.0)
     elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
         reduce = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
@@ -404,17 +411,21 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
                        "temporaries": peak.temporaries})
         where.append(peak.at)
         between.append(states)
+    bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
+        else 0.0
+    return Estimate(str(plan), memory, _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes), bubble, per_rank,
+                    peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
+                    setup_whole=setup_peaks(shape, plan, memory, precision, False))
+
+
+def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int) -> dict:
+    """`communication` for rank 0, which holds ``psi`` parameters and the blocks of its stages in ``ranges``."""
     first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
-    comm = communication(shape, plan, per_rank[0], first_blocks, kept, act_bytes)
-    bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
-        else 0.0
-    return Estimate(str(plan), memory, comm, bubble, per_rank, peak_at=where, states=between,
-                    setup=setup_peaks(shape, plan, memory, precision, True),
-                    setup_whole=setup_peaks(shape, plan, memory, precision, False))
+    return communication(shape, plan, psi, first_blocks, kept, act_bytes)
 
 
 def _placement(plan: ParallelPlan) -> dict[int, int]:

@@ -204,9 +204,9 @@ class _Walk:
         kept = action.stage in self.seen
         if action == self.last_backward[action.stage]:
             # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
-            # what the reduction itself holds.
-            self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + (0.0 if kept else chunk.grads),
-                          action)
+            # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block.
+            self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.zero3 +
+                          (0.0 if kept else chunk.grads), action)
             self.held -= (chunk.grads if kept else 0.0) + (self.rules.flats if action == self.reducing[-1] else 0.0)
         elif not kept:
             self.held += chunk.grads
