@@ -44,6 +44,7 @@ _EXPORTS = {
     "resumable": "strategies.lightning.resume",
     "FirstBatchMismatch": "strategies.lightning.first_batch",
     "load_pretrained": "strategies.lightning.pretrained",
+    "ExportPretrained": "strategies.lightning.pretrained",
     "save_pretrained": "strategies.lightning.pretrained",
     "StrategyMonitor": "strategies.measure.monitor",
     "Colwise": "strategies.tensor_parallel",

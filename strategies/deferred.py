@@ -90,6 +90,34 @@ def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
 
+LEFT = "_stratpack_left_in_slices"  # on a LightningModule that fit left in slices: the plan it trained under
+
+
+def leave_in_slices(root: nn.Module, plan: str) -> None:
+    """The end of a fit of a model built on meta: its weights stay in the slices the ranks held (gathering them
+    would put the whole model on every rank, which need not fit), and the module keeps none: every parameter is
+    put on meta, so that using it fails loudly instead of computing with a slice, and the module is marked."""
+    made: dict[int, nn.Parameter] = {}
+    for module in root.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in made:  # tied: one new parameter for one old
+                    made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                module._parameters[name] = made[id(p)]
+    setattr(root, LEFT, plan)
+
+
+def refuse_left_in_slices(root: nn.Module) -> None:
+    """A clear error for a module whose fit left it in slices (`leave_in_slices`), whatever is asked of it next."""
+    plan = getattr(root, LEFT, None)
+    if plan is not None:
+        raise RuntimeError(
+            f"this {type(root).__name__} was trained under '{plan}' from a model built in configure_model: after "
+            "fit its weights stay in the slices each rank held (the whole model need not fit on one), and the module "
+            "holds none. Save them while fit runs (ModelCheckpoint, or strategies.ExportPretrained for a Hugging "
+            "Face directory); to go on, build a new module and pass ckpt_path=... or use strategies.load_pretrained")
+
+
 def to_device(module: nn.Module, device: torch.device) -> None:
     """``module.to(device)`` for what is real; parameters still on meta stay there (materialised later)."""
     module._apply(lambda t: t if t.device.type == "meta" else t.to(device))

@@ -93,7 +93,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     predicted = predict_run(config.strategy, _world(config), model, config.batch_size, config.accumulate,
                             config.precision, config.accelerator, optimizer=config.optimizer,
                             deferred=config.configure_model and _is_plan(config.strategy))
-    trainer, monitor = _trainer(config, predicted)
+    trainer, monitor, final = _trainer(config, predicted, params_out)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(module, _loader(config, dataset), _validation(config, dataset), ckpt_path=config.resume)
@@ -110,7 +110,8 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
 
     result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # by torch.compile on this rank
     result["first_batch_check"] = _first_batch(trainer)
-    result.update(_final_parameters(trainer, params_out))
+    result.update(final.result)
+    _goodbye()
     return result
 
 
@@ -198,7 +199,7 @@ def _validation(config: RunConfig, dataset: Any) -> Any:
     return DataLoader(Subset(dataset, range(config.batch_size)), batch_size=per_rank)
 
 
-def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
+def _trainer(config: RunConfig, predicted: dict | None, params_out: str | None = None) -> tuple[Any, Any, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -210,7 +211,8 @@ def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
                               comparison=config.comparison, label=config.strategy,
                               meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted},
                               heap=config.heap)
-    callbacks: list = [monitor]
+    final = _final_parameters(params_out)
+    callbacks: list = [monitor, final]
     if config.checkpoint_dir:
         every = {"every_n_train_steps": config.checkpoint_every} if config.checkpoint_every else {"every_n_epochs": 1}
         callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, **every))
@@ -229,24 +231,42 @@ def _trainer(config: RunConfig, predicted: dict | None) -> tuple[Any, Any]:
         # One process reads the pack's sharded checkpoints too (a plan's strategy reads them itself).
         plugins=[ShardedCheckpointIO()] if single else None,
     )
-    return trainer, monitor
+    return trainer, monitor, final
 
 
-def _final_parameters(trainer: Any, params_out: str | None) -> dict[str, Any]:
-    """The parameters' count and norm in the single-device view (gathered: a collective, every rank), saved to
-    ``params_out`` by rank 0; then the ranks say goodbye together."""
+def _final_parameters(params_out: str | None) -> Any:
+    """A callback that, as fit ends (while the plan still holds the model: one built on meta is left in slices),
+    counts the parameters and takes their norm in the single-device view one block at a time (a collective, every
+    rank), rank 0 saving them to ``params_out``; its ``result`` then holds the count and the norm."""
+    import lightning as L
     import torch
 
-    state = trainer.strategy.lightning_module_state_dict()
-    out = {"num_params": sum(v.numel() for v in state.values()),
-           "final_param_norm": float(torch.cat([v.detach().float().flatten() for v in state.values()]).norm())}
-    if params_out and trainer.global_rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, params_out)
+    from strategies.lightning.pretrained import full_state_blocks
+
+    class FinalParameters(L.Callback):
+        result: dict[str, Any] = {}
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            count, squares, kept = 0, 0.0, {}
+            for block in full_state_blocks(pl_module):
+                count += sum(v.numel() for v in block.values())
+                squares += sum(float(v.detach().double().square().sum()) for v in block.values())
+                if params_out and trainer.global_rank == 0:
+                    kept.update({k: v.detach().cpu() for k, v in block.items()})
+            if kept:
+                torch.save(kept, params_out)
+            self.result = {"num_params": count, "final_param_norm": squares**0.5}
+
+    return FinalParameters()
+
+
+def _goodbye() -> None:
+    """A script that is done with its ranks says so, all ranks together (rank 0 hosts the store)."""
+    import torch
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # A script that is done with its ranks says so, all ranks together (rank 0 hosts the store).
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return out
 
 
 def _wandb_logger(config: RunConfig) -> Any:

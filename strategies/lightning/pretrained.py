@@ -4,9 +4,11 @@ the bytes of what it keeps (`checkpoint.pretrained`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lightning.pytorch import Callback
 from torch import nn
 
 from strategies.checkpoint.pretrained import SafetensorsFiles
@@ -120,6 +122,26 @@ def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
     if rank == 0:
         _write_index(path, weight_map, module)
     return written
+
+
+def full_state_blocks(pl_module: Any) -> Iterator[dict[str, Any]]:
+    """The LightningModule's single-process state one block at a time (`_blocks`), each put together from the ranks
+    that hold it under a pack plan: no rank holds more than one block whole. Every rank must take every block."""
+    strategy = getattr(getattr(pl_module, "_trainer", None), "strategy", None)
+    keys = list(pl_module.state_dict())
+    for keys in _blocks(keys, set(keys)):
+        yield _full_part(pl_module, strategy, set(keys))
+
+
+class ExportPretrained(Callback):
+    """`save_pretrained` of the model at the end of fit (``on_train_end``, while the plan still holds it: a model
+    built on meta is left in slices after fit), into ``path``: what ``from_pretrained`` loads."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        save_pretrained(pl_module, self.path)
 
 
 def _first_names(module: nn.Module) -> set[str]:

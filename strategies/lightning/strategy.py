@@ -36,7 +36,7 @@ from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
-from strategies.deferred import Deferred, has_meta_parameters
+from strategies.deferred import Deferred, has_meta_parameters, leave_in_slices, refuse_left_in_slices
 from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.first_batch import FirstBatchCheck, Outcome
@@ -88,6 +88,7 @@ class PlanStrategy(ParallelStrategy):
         self._first_batch: FirstBatchCheck | None = None  # the whole model kept for the first-batch check
         self.first_batch: Outcome | None = None  # what the check found (both losses, or why it was skipped)
         self._deferred: Deferred | None = None  # a model built on meta, until every technique made its part
+        self._sliced = False  # built on meta and set up to fit (to evaluate, such a model is made whole)
         self.built_num_params = 0
 
     # -- where ranks come from -------------------------------------------------------------------------
@@ -170,6 +171,7 @@ class PlanStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        refuse_left_in_slices(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync:
@@ -179,6 +181,7 @@ class PlanStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
         self._deferred = Deferred(self.lightning_module, self.root_device) if has_meta_parameters(self.model) else None
+        self._sliced = fitting and self._deferred is not None
         self.built_num_params = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before any split
         self.model_to_device()
         check = fitting and self.options.check_first_batch and self.first_batch is None
@@ -457,6 +460,7 @@ class PlanStrategy(ParallelStrategy):
     def full_state(self, names: set[str] | None = None) -> dict[str, Any]:
         """The single-process state (every rank must call this), or its entries ``names`` only: each technique
         undoes its split of just that part (`save_pretrained` takes one block at a time)."""
+        refuse_left_in_slices(self.lightning_module)
         state = {k: v.detach() for k, v in self.lightning_module.state_dict().items() if names is None or k in names}
         for technique in reversed(self.techniques):
             state = technique.full_model_state(state)
@@ -471,6 +475,7 @@ class PlanStrategy(ParallelStrategy):
             self._pending_model = (checkpoint, strict)  # loaded once the first batch cut the stages and made them
             return None
         state = checkpoint["state_dict"]
+        refuse_left_in_slices(self.lightning_module)
         if not self.techniques and has_meta_parameters(self.lightning_module):
             # Lightning restores a checkpoint before set-up: a model built on meta is made whole to take it
             Deferred(self.lightning_module, self.root_device).rest()
@@ -595,10 +600,15 @@ class PlanStrategy(ParallelStrategy):
         # After a failure, only local undoing (hooks): gathering would wait on ranks that may be gone or stuck
         # elsewhere, and the module is left as it was when the step failed.
         healthy = self._failed is None and self.lightning_module is not None
+        # Built on meta and fit: nothing gathered (the whole model need not fit one rank); the module holds none
+        whole = not self._sliced
         for technique in reversed(self.techniques):
-            technique.teardown(healthy)
+            technique.teardown(healthy and whole)
         comm.set_ordered_sums(False)
         self._first_batch = None
         self.techniques = []
         self._steps = DirectSteps(self._lightning_hook)
-        super().teardown()
+        module = self.lightning_module
+        super().teardown()  # (moves the module to the CPU: before its weights go to meta)
+        if healthy and not whole:
+            leave_in_slices(module, self.plan)

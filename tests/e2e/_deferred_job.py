@@ -51,6 +51,9 @@ class First(L.Callback):
             return
         self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
 
+    def on_train_end(self, trainer, pl_module) -> None:  # after fit, a model built on meta is left in slices
+        self.last = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
 
 def data() -> TensorDataset:
     return TensorDataset(torch.cat(zoo.batches(STEPS, batch=BATCH)))
@@ -64,7 +67,13 @@ def fit(name: str, plan: str) -> dict[str, dict[str, torch.Tensor]]:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[first])
     trainer.fit(module, DataLoader(data(), batch_size=BATCH // dp, drop_last=True))
-    return {"first": first.state, "last": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    try:  # after fit: the module holds no weights (all on meta), and asking for them says why
+        trainer.strategy.lightning_module_state_dict()
+        after = "no error"
+    except RuntimeError as error:
+        after = str(error)
+    return {"first": first.state, "last": first.last, "after_fit": after,
+            "left_on_meta": all(p.device.type == "meta" for p in module.parameters())}
 
 
 if __name__ == "__main__":

@@ -19,16 +19,17 @@ from tests.models import zoo
 
 CASES = [("llama", "tp2"), ("llama", "zero3"), ("llama", "pp2_1f1b_mb2"), ("gpt2", "zero3_tp2_pp2_1f1b_mb2"),
          ("gpt2", "tp2"), ("gpt2", "zero3")]
-# Trained 2 steps after loading, then written back with `strategies.save_pretrained` (at on_train_end) to DIR/export-*
+# Trained 2 steps after loading, then written back by `strategies.ExportPretrained` (save_pretrained at the end of fit)
+# to DIR/export-*
 EXPORTS = [("gpt2", "zero3_tp2_pp2_1f1b_mb2"), ("llama_tied", "zero3_tp2_pp2_1f1b_mb2")]
 DEVICES, BATCH, STEPS, LR = 8, 8, 2, 0.5
 
 
 class Pretrained(L.LightningModule):
-    def __init__(self, name: str, folder: str, lr: float = 0.0, export: str | None = None) -> None:
+    def __init__(self, name: str, folder: str, lr: float = 0.0) -> None:
         super().__init__()
         self.name, self.folder, self.net, self.read, self.loss = name, folder, None, None, None
-        self.lr, self.export, self.val_loss = lr, export, None
+        self.lr, self.val_loss = lr, None
 
     def configure_model(self) -> None:
         if self.net is None:
@@ -48,10 +49,6 @@ class Pretrained(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, index) -> None:
         self.loss = float(outputs["loss"]) if self.loss is None else self.loss  # the first step's
 
-    def on_train_end(self) -> None:
-        if self.export:
-            strategies.save_pretrained(self, self.export)
-
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -69,13 +66,14 @@ def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
     L.seed_everything(0)
     steps, lr = (STEPS, LR) if export else (1, 0.0)
     out = os.path.join(folder, f"export-{name}") if export else None
-    module = Pretrained(name, os.path.join(folder, name), lr, out)
+    module = Pretrained(name, os.path.join(folder, name), lr)
     first = First()
     dp = strategies.ParallelPlan.parse(plan).resolve(DEVICES).dp
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=1, limit_val_batches=1,
-                        check_val_every_n_epoch=100, callbacks=[first])
+                        check_val_every_n_epoch=100,
+                        callbacks=[first] + ([strategies.ExportPretrained(out)] if export else []))
     data = TensorDataset(torch.cat(zoo.batches(steps, batch=BATCH)))
     loader = DataLoader(data, batch_size=BATCH // dp)
     # Under pp, a sanity check before the first batch: the meta-built model is made whole, and takes the weights then

@@ -53,6 +53,9 @@ def test_made_by_slice_starts_and_trains_as_one_process(results, name: str, plan
         assert torch.equal(got["first"][key], value), f"{key}: initial weights differ under {plan}"
     for key, value in last.items():
         torch.testing.assert_close(got["last"][key], value, rtol=0, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+    # Fit ended without gathering the whole model on every rank: the module is left holding no weights, and says so
+    assert got["left_on_meta"] and "was trained under '" in got["after_fit"] and "ckpt_path" in got["after_fit"], \
+        got["after_fit"]
 
 
 def test_stratpack_train_builds_the_demo_in_configure_model(tmp_path):
