@@ -4,6 +4,7 @@
 from strategies.checkpoint.sharded import (
     CheckpointError,
     ShardedCheckpointIO,
+    ShardedReader,
     convert,
     is_sharded,
     load_any,
@@ -12,5 +13,5 @@ from strategies.checkpoint.sharded import (
     save_sharded,
 )
 
-__all__ = ["CheckpointError", "ShardedCheckpointIO", "convert", "is_sharded", "load_any", "load_sharded",
-           "read_manifest", "save_sharded"]
+__all__ = ["CheckpointError", "ShardedCheckpointIO", "ShardedReader", "convert", "is_sharded", "load_any",
+           "load_sharded", "read_manifest", "save_sharded"]

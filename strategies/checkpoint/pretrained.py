@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -110,6 +111,73 @@ class LazyWeight:
             return torch.cat([part(dim + 1, (*chosen, slice(a, b))) for a, b in runs[dim]], dim=dim)
 
         return part(0, ())
+
+
+def names_of_each(module: nn.Module) -> list[list[str]]:
+    """Every name of each parameter (a weight tied under several names has several), the first in the model's order
+    first."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return list(names.values())
+
+
+def blocks(keys: list[str], keep: set[str]) -> list[list[str]]:
+    """The state's names grouped by block: up to the first number in the name (``model.layers.3.``), else alone
+    in groups of what comes between blocks, in the state's order."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        if key not in keep:
+            continue
+        parts = key.split(".")
+        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else "", []).append(key)
+    return list(groups.values())
+
+
+def write_index(path: str | os.PathLike, weight_map: dict[str, str], module: nn.Module) -> None:
+    import json
+
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(path)
+
+
+def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike, config: str | os.PathLike,
+                          strip_prefix: str = "") -> list[str]:
+    """Write the model weights of the pack's sharded ``checkpoint`` as a Hugging Face ``save_pretrained`` directory at
+    ``out`` (one safetensors file per block, their index, the config), which ``from_pretrained`` loads. ``config``: a
+    directory with the model's ``config.json`` (the one it was loaded from); ``strip_prefix``: the LightningModule's
+    name for the model (``net.``). One tensor at a time is read whole; a weight tied to another is written once, as
+    ``save_pretrained`` writes it. Returns the files written."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from strategies.checkpoint.sharded import CheckpointError, ShardedReader
+
+    reader = ShardedReader(checkpoint)
+    with torch.device("meta"):  # the names and ties only: no weights made
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
+    keep = set(model.state_dict()) - {n for group in names_of_each(model) for n in group[1:]}
+    stored = {k.removeprefix(strip_prefix): k for k in reader.index if k.startswith(strip_prefix)}
+    missing = sorted(keep - set(stored))
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint}: {len(missing)} of {type(model).__name__}'s weights are not in the checkpoint "
+            f"({', '.join(missing[:4])}); it holds {', '.join(sorted(reader.index)[:4])}...: pass --strip-prefix with "
+            "the LightningModule's name for the model (e.g. 'net.'), or the config of the model it holds")
+    os.makedirs(out, exist_ok=True)
+    groups, weight_map = blocks(list(model.state_dict()), keep), {}
+    for g, keys in enumerate(groups):
+        file = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: reader.tensor(stored[k]).contiguous() for k in keys}, os.path.join(out, file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+    write_index(out, weight_map, model)
+    return sorted(set(weight_map.values()))
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

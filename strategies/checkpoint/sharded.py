@@ -247,17 +247,45 @@ def load_sharded(path: str | os.PathLike, map_location: Any = "cpu", weights_onl
     except Exception as err:  # noqa: BLE001 - whatever torch raises for a damaged or hostile file
         raise CheckpointError(f"{path}: a file failed to load ({type(err).__name__}: {err})") from None
     tensors = []
-    for i, entry in enumerate(manifest["tensors"]):
-        dtype = getattr(torch, entry["dtype"])
-        full = torch.empty(entry["shape"], dtype=dtype)
-        flat = full.view(-1)
-        for r, start, stop in entry["parts"]:
-            piece = shards[r].get(str(i))
-            if piece is None or piece.numel() != stop - start:
-                raise CheckpointError(f"{path}: tensor {i}'s part from rank {r} is missing or of the wrong size")
-            flat[start:stop] = piece
+    for i in range(len(manifest["tensors"])):
+        full = _assemble(path, manifest, shards, i)
         tensors.append(full.to(map_location) if map_location not in (None, "cpu") else full)
     return join_tensors(skeleton, tensors)
+
+
+def _assemble(path: str, manifest: dict[str, Any], shards: list[dict[str, torch.Tensor]], i: int) -> torch.Tensor:
+    """Tensor ``i`` of the checkpoint, put together from its parts in the ranks' files."""
+    entry = manifest["tensors"][i]
+    full = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+    flat = full.view(-1)
+    for r, start, stop in entry["parts"]:
+        piece = shards[r].get(str(i))
+        if piece is None or piece.numel() != stop - start:
+            raise CheckpointError(f"{path}: tensor {i}'s part from rank {r} is missing or of the wrong size")
+        flat[start:stop] = piece
+    return full
+
+
+class ShardedReader:
+    """The model weights of a sharded checkpoint, one tensor at a time: the ranks' files are memory-mapped, so the
+    whole checkpoint is never in memory at once (`pretrained.sharded_to_pretrained`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.manifest = read_manifest(self.path)
+        world_size = self.manifest["world_size"]
+        try:
+            skeleton = torch.load(os.path.join(self.path, META), weights_only=True)
+            self._shards = [torch.load(os.path.join(self.path, shard_name(r, world_size)), weights_only=True,
+                                       mmap=True) for r in range(world_size)]
+        except Exception as err:  # noqa: BLE001 - whatever torch raises for a damaged or hostile file
+            raise CheckpointError(f"{self.path}: a file failed to load ({type(err).__name__}: {err})") from None
+        state = skeleton.get("state_dict") if isinstance(skeleton, dict) else None
+        self.index = {k: v[_REF] for k, v in (state or {}).items() if isinstance(v, dict) and set(v) == {_REF}}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The state_dict entry ``key``, whole."""
+        return _assemble(self.path, self.manifest, self._shards, self.index[key])
 
 
 def load_any(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool | None = None) -> dict[str, Any]:

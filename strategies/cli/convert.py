@@ -1,4 +1,5 @@
-"""``stratpack convert``: a sharded checkpoint directory as one file (the whole checkpoint, or the model's weights)."""
+"""``stratpack convert``: a sharded checkpoint directory as one file (the whole checkpoint, or the model's weights), or
+with ``--hf`` as a Hugging Face ``save_pretrained`` directory."""
 
 from __future__ import annotations
 
@@ -12,14 +13,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="the file to write")
     p.add_argument("--model-only", action="store_true",
                    help="write only the model's state_dict, which model.load_state_dict accepts")
-    p.add_argument("--strip-prefix", default="", help="with --model-only: keep keys under this prefix, without it "
-                   "(e.g. 'model.' for the nn.Module inside the LightningModule)")
+    p.add_argument("--strip-prefix", default="", help="with --model-only or --hf: keep keys under this prefix, "
+                   "without it (e.g. 'model.' for the nn.Module inside the LightningModule)")
+    p.add_argument("--hf", metavar="CONFIG", default=None,
+                   help="write OUT as a Hugging Face save_pretrained directory (safetensors by block, their index, "
+                   "the config) of the model CONFIG describes (a directory with its config.json), reading one "
+                   "tensor at a time")
     p.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:
     from strategies.checkpoint import CheckpointError, convert, read_manifest
 
+    if args.hf:
+        return _to_pretrained(args)
     try:
         manifest = read_manifest(args.checkpoint)
         obj = convert(args.checkpoint, args.out, model_only=args.model_only, strip_prefix=args.strip_prefix)
@@ -28,4 +35,17 @@ def command(args: argparse.Namespace) -> int:
         return 2
     what = f"model state_dict ({len(obj)} tensors)" if args.model_only else "Lightning checkpoint"
     print(f"{args.out}: {what} from a {manifest.get('plan', '?')} checkpoint of {manifest['world_size']} rank(s)")
+    return 0
+
+
+def _to_pretrained(args: argparse.Namespace) -> int:
+    from strategies.checkpoint import CheckpointError
+    from strategies.checkpoint.pretrained import sharded_to_pretrained
+
+    try:
+        files = sharded_to_pretrained(args.checkpoint, args.out, args.hf, args.strip_prefix)
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: a Hugging Face directory in {len(files)} safetensors files (from_pretrained loads it)")
     return 0

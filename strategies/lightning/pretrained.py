@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from torch import nn
 
-from strategies.checkpoint.pretrained import SafetensorsFiles
+from strategies.checkpoint.pretrained import SafetensorsFiles, blocks, names_of_each, write_index
 
 
 @dataclass
@@ -75,18 +75,9 @@ def _name_in(root: nn.Module, module: nn.Module) -> str:
     raise ValueError(f"{type(module).__name__} is not a submodule of the LightningModule")
 
 
-def _names_of_each(module: nn.Module) -> list[list[str]]:
-    """Every name of each parameter (a weight tied under several names has several), the first in the model's order
-    first."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return list(names.values())
-
-
 def _aliases(module: nn.Module, stored: set[str]) -> set[str]:
     """Names of parameters tied to one whose value the files hold (a head tied to the embedding: saved once)."""
-    return {n for group in _names_of_each(module) if any(n in stored for n in group) for n in group}
+    return {n for group in names_of_each(module) if any(n in stored for n in group) for n in group}
 
 
 def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module | None = None) -> list[str]:
@@ -105,7 +96,7 @@ def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
     strategy = getattr(getattr(pl_module, "_trainer", None), "strategy", None)
     rank, world = (strategy.global_rank, strategy.world_size) if strategy is not None else (0, 1)
     names = _first_names(module)
-    groups = _blocks(list(module.state_dict()), names)
+    groups = blocks(list(module.state_dict()), names)
     os.makedirs(path, exist_ok=True)
     weight_map, written = {}, []
     for g, keys in enumerate(groups):
@@ -120,17 +111,18 @@ def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
     if strategy is not None:
         strategy.barrier("save_pretrained")
     if rank == 0:
-        _write_index(path, weight_map, module)
+        write_index(path, weight_map, module)
     return written
 
 
 def full_state_blocks(pl_module: Any) -> Iterator[dict[str, Any]]:
-    """The LightningModule's single-process state one block at a time (`_blocks`), each put together from the ranks
-    that hold it under a pack plan: no rank holds more than one block whole. Every rank must take every block."""
+    """The LightningModule's single-process state one block at a time (`checkpoint.pretrained.blocks`), each put
+    together from the ranks that hold it under a pack plan: no rank holds more than one block whole. Every rank must
+    take every block."""
     strategy = getattr(getattr(pl_module, "_trainer", None), "strategy", None)
-    keys = list(pl_module.state_dict())
-    for keys in _blocks(keys, set(keys)):
-        yield _full_part(pl_module, strategy, set(keys))
+    names = list(pl_module.state_dict())
+    for group in blocks(names, set(names)):
+        yield _full_part(pl_module, strategy, set(group))
 
 
 class ExportPretrained(Callback):
@@ -146,20 +138,7 @@ class ExportPretrained(Callback):
 
 def _first_names(module: nn.Module) -> set[str]:
     """The state's names without a tied weight's later names (HF saves a tied head once, under the embedding)."""
-    return set(module.state_dict()) - {n for group in _names_of_each(module) for n in group[1:]}
-
-
-def _blocks(keys: list[str], keep: set[str]) -> list[list[str]]:
-    """The state's names grouped by block: up to the first number in the name (``model.layers.3.``), else alone
-    in groups of what comes between blocks, in the state's order."""
-    groups: dict[str, list[str]] = {}
-    for key in keys:
-        if key not in keep:
-            continue
-        parts = key.split(".")
-        cut = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        groups.setdefault(".".join(parts[: cut + 1]) if cut is not None else "", []).append(key)
-    return list(groups.values())
+    return set(module.state_dict()) - {n for group in names_of_each(module) for n in group[1:]}
 
 
 def _full_part(pl_module: Any, strategy: Any, names: set[str]) -> dict[str, Any]:
@@ -167,14 +146,3 @@ def _full_part(pl_module: Any, strategy: Any, names: set[str]) -> dict[str, Any]
     if hasattr(strategy, "full_state"):
         return strategy.full_state(names)
     return {k: v.detach() for k, v in pl_module.state_dict().items() if k in names}
-
-
-def _write_index(path: str | os.PathLike, weight_map: dict[str, str], module: nn.Module) -> None:
-    import json
-
-    total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(path)

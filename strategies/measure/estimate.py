@@ -395,7 +395,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     stages = len(ranges)
     tables = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
-    held = plan.pp > 1 or shape.accumulate > 1
+    held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
     memory, where, between = [], [], []
     per_rank = stage_params(shape, plan)
     for rank, psi in enumerate(per_rank):

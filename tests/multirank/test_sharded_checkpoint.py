@@ -182,3 +182,37 @@ def test_saving_over_something_that_is_not_a_checkpoint_is_refused(tmp_path):
         ckpt.save_sharded({"w": torch.ones(2)}, str(precious), rank=0, world_size=1, broadcast=lambda o: o,
                           gather=lambda o: [o], barrier=lambda: None)
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def _save_model(rank: int, world_size: int, path: str, name: str) -> None:
+    from tests.models import zoo
+
+    world = Axis.of_group("world", dist.group.WORLD, CommStats())
+    state = {"state_dict": {f"net.{k}": v for k, v in zoo.build(name).model.state_dict().items()}, "epoch": 0}
+    ckpt.save_sharded(state, path, rank=rank, world_size=world_size,
+                      broadcast=lambda obj: comm.broadcast_object(obj, world),
+                      gather=lambda obj: comm.all_gather_object(obj, world), barrier=lambda: comm.barrier(world))
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "gpt2"])
+def test_convert_hf_writes_a_directory_from_pretrained_loads(tmp_path, name: str):
+    """`stratpack convert CKPT OUT --hf CONFIG`: a sharded checkpoint of a Hugging Face model (its tensors cut over 2
+    ranks' files) as a save_pretrained directory, one tensor read at a time: from_pretrained gives the model's
+    logits; a tied head is written once, as save_pretrained writes it. Without the module's prefix: refused."""
+    transformers = pytest.importorskip("transformers")
+    from strategies.cli import main
+    from tests.models import zoo
+
+    path, out, config = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "config")
+    run_ranks(_save_model, 2, path, name)
+    model = zoo.build(name).model.eval()  # the Hugging Face model inside the zoo's wrapper
+    model.config.save_pretrained(config)
+    assert main(["convert", path, str(tmp_path / "bad"), "--hf", config]) == 2  # keys under "net.": not found
+    assert main(["convert", path, out, "--hf", config, "--strip-prefix", "net."]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = zoo.batches(1, batch=2)[0]
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        written = json.load(f)["weight_map"]
+    tied = [n for n in model.state_dict() if n not in written]
+    assert len(written) > 1 and tied == (["lm_head.weight"] if name == "llama_tied" else tied)
