@@ -109,8 +109,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     from torch._dynamo.utils import counters  # (imported by Lightning already)
 
     result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # by torch.compile on this rank
-    result["first_batch_check"] = _first_batch(trainer)
-    result.update(final.result)
+    result.update(first_batch_check=_first_batch(trainer), **final.result)
     _goodbye()
     return result
 
