@@ -172,7 +172,7 @@ def _stages(shape: ModelShape, plan: ParallelPlan) -> tuple[list[range], list[in
     split, whole = shape.block()
     local_block = math.ceil(split / plan.tp) + whole
     stages, v = plan.pp * plan.chunks, _vocab_split(plan)
-    ranges = partition([local_block] * shape.layers, stages, shape.embeddings(v), shape.head(v)) if stages > 1 \
+    ranges = list(_cut(local_block, shape.layers, stages, shape.embeddings(v), shape.head(v))) if stages > 1 \
         else [range(shape.layers)]
     per_stage = [len(r) * local_block for r in ranges]
     per_stage[0] += shape.embeddings(v)
@@ -186,6 +186,11 @@ def optimizer_share(optimizer: str) -> float:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} (its state per parameter), got "
                          f"{optimizer!r}")
     return OPTIMIZERS[optimizer]
+
+
+@functools.cache  # `partition` is a dynamic program over the blocks: the planner asks it thousands of times
+def _cut(block: int, layers: int, stages: int, first: int, last: int) -> tuple[range, ...]:
+    return tuple(partition([block] * layers, stages, first, last))
 
 
 def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32", optimizer: str = "adamw") -> dict[str, float]:

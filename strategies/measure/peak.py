@@ -93,6 +93,8 @@ def step_actions(table: list[Action] | None, accumulate: int, microbatches: int)
     """The rank's actions in one optimizer step: its table once per accumulation micro-step (microbatches
     numbered on), or without pp a forward and a backward per micro-step."""
     one = table if table is not None else [Action(Phase.FORWARD, 0, 0), Action(Phase.BACKWARD, 0, 0)]
+    if accumulate == 1:
+        return list(one)
     return [Action(a.phase, a.stage, a.microbatch + k * microbatches) for k in range(accumulate) for a in one]
 
 
@@ -134,7 +136,9 @@ class _Walk:
         self.split = any(a.phase is Phase.WEIGHT for a in actions)
         grads = Phase.WEIGHT if self.split else Phase.BACKWARD
         self.last_backward = {a.stage: a for a in actions if a.phase is grads}
-        self.reducing = [a for a in actions if a in self.last_backward.values()]  # each chunk's last, in order
+        # each chunk's last, in order; the walk compares actions by identity: the planner walks millions
+        last = {id(a) for a in self.last_backward.values()}
+        self.reducing = [a for a in actions if id(a) in last]
         self.seen: set[int] = set()  # the stages a backward has run for
         self.saved = self.held = self.stash = 0.0
         self.released = rules.release if rules.release_at_start else 0.0
@@ -142,9 +146,9 @@ class _Walk:
         self.zero3 = 2 * pieces.unit + pieces.gathers  # the current block, the one prefetched, the gather's buffer
 
     def consider(self, activations: float, temporaries: float, action: Action) -> None:
-        peak = Peak(activations, temporaries, str(action), self.released)
-        if peak.total > self.best.total:
-            self.best = peak
+        # Compared before a Peak is made: a 64-rank planner walks millions of these
+        if activations + temporaries - self.released > self.best.total:
+            self.best = Peak(activations, temporaries, str(action), self.released)
 
     def forward(self, action: Action, chunk: Chunk, ahead: float) -> None:
         self.saved += self.pieces.saved(chunk.blocks, chunk.first, chunk.last)
@@ -154,7 +158,7 @@ class _Walk:
 
     def backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
         p, rules = self.pieces, self.rules
-        flat = rules.flats if action == self.reducing[0] else 0.0
+        flat = rules.flats if action is self.reducing[0] else 0.0
         # The block's first matmul: the library's workspace, a weight's gradient beside the working set; ZeRO-2's
         # first flat is made before it (at the first gradient of the chunk's last parameters), ZeRO-3's right after
         # it, for that gradient, when the MLP's input gradient is gone.
@@ -182,7 +186,7 @@ class _Walk:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
         reductions."""
         p, rules = self.pieces, self.rules
-        flat = rules.flats if action == self.reducing[0] else 0.0
+        flat = rules.flats if action is self.reducing[0] else 0.0
         self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + self.workspace + chunk.weights + flat,
                       action)
         self.held += flat
@@ -202,12 +206,12 @@ class _Walk:
     def _gradients(self, action: Action, chunk: Chunk, ahead: float) -> None:
         """The gradients a backward (or W) leaves: kept whole until the chunk's last, which reduces them."""
         kept = action.stage in self.seen
-        if action == self.last_backward[action.stage]:
+        if action is self.last_backward[action.stage]:
             # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
             # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block.
             self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.zero3 +
                           (0.0 if kept else chunk.grads), action)
-            self.held -= (chunk.grads if kept else 0.0) + (self.rules.flats if action == self.reducing[-1] else 0.0)
+            self.held -= (chunk.grads if kept else 0.0) + (self.rules.flats if action is self.reducing[-1] else 0.0)
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)

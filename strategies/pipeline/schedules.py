@@ -135,6 +135,7 @@ def chunks_per_rank(schedule: str, virtual: int = 1) -> int:
     return 2 if schedule in V_PLACED else virtual
 
 
+@functools.cache  # the planner asks it for the same few schedules hundreds of times
 def ideal_bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
     """The idle fraction of a rank with equal stages (`timeline`'s costs): (pp-1) / (mb + pp-1) for GPipe and 1F1B,
     divided by v for interleaved; for the zero-bubble schedules, from their tables."""
