@@ -241,8 +241,21 @@ def held_receives(program: Program) -> list[int]:
                 posted[Action(Phase.BACKWARD, t.message.stage - 1, t.message.microbatch)] = len(uses)
         if step.action is not None:
             uses.append(step.action)
-    used = {key: uses.index(key) for key in posted}
-    return [sum(1 for key, at in posted.items() if at <= i < used[key]) for i in range(len(uses))]
+    first: dict[Action, int] = {}
+    for i, action in enumerate(uses):
+        first.setdefault(action, i)
+    # Each message is held over the actions [posted, used): counted with a running sum (the planner asks this of
+    # programs of thousands of actions)
+    change = [0] * (len(uses) + 1)
+    for key, at in posted.items():
+        if at < first[key]:
+            change[at] += 1
+            change[first[key]] -= 1
+    held, out = 0, []
+    for i in range(len(uses)):
+        held += change[i]
+        out.append(held)
+    return out
 
 
 def _payloads(transfers: list[Transfer]) -> tuple[Transfer, ...]:
