@@ -122,6 +122,11 @@ def names_of_each(module: nn.Module) -> list[list[str]]:
     return list(names.values())
 
 
+def first_names(module: nn.Module) -> set[str]:
+    """The state's names without a tied weight's later names (HF saves a tied head once, under the embedding)."""
+    return set(module.state_dict()) - {n for group in names_of_each(module) for n in group[1:]}
+
+
 def blocks(keys: list[str], keep: set[str]) -> list[list[str]]:
     """The state's names grouped by block: up to the first number in the name (``model.layers.3.``), else alone
     in groups of what comes between blocks, in the state's order."""
@@ -161,7 +166,7 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
     reader = ShardedReader(checkpoint)
     with torch.device("meta"):  # the names and ties only: no weights made
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
-    keep = set(model.state_dict()) - {n for group in names_of_each(model) for n in group[1:]}
+    keep = first_names(model)
     stored = {k.removeprefix(strip_prefix): k for k in reader.index if k.startswith(strip_prefix)}
     missing = sorted(keep - set(stored))
     if missing:

@@ -61,8 +61,10 @@ def command(args: argparse.Namespace) -> int:
     # resident memory was 2.5x the heap in use (19 against 8 GiB at 0.4B). A fixed threshold returns them.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from strategies.measure.estimate import ModelShape
+
     h = base.n_embd
-    params = base.n_layer * (12 * h * h + 13 * h) + (2 * 256 + base.seq_len) * h
+    params = ModelShape.from_config(_shape(base)).total()  # the demo's count (exact for it: `estimate`)
     lines = [f"# A model larger than this machine holds once per rank ({datetime.date.today().isoformat()})", "",
              f"`stratpack large {' '.join(sys.argv[2:])}`".replace(" `", "`"), "",
              f"Demo GPT {base.n_layer} x {h}, {base.n_head} heads: {params / 1e9:.2f}B parameters, "

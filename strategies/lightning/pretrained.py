@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from torch import nn
 
-from strategies.checkpoint.pretrained import SafetensorsFiles, blocks, names_of_each, write_index
+from strategies.checkpoint.pretrained import SafetensorsFiles, blocks, first_names, names_of_each, write_index
 
 
 @dataclass
@@ -95,7 +95,7 @@ def save_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
     prefix = _name_in(pl_module, module)
     strategy = getattr(getattr(pl_module, "_trainer", None), "strategy", None)
     rank, world = (strategy.global_rank, strategy.world_size) if strategy is not None else (0, 1)
-    names = _first_names(module)
+    names = first_names(module)
     groups = blocks(list(module.state_dict()), names)
     os.makedirs(path, exist_ok=True)
     weight_map, written = {}, []
@@ -134,11 +134,6 @@ class ExportPretrained(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         save_pretrained(pl_module, self.path)
-
-
-def _first_names(module: nn.Module) -> set[str]:
-    """The state's names without a tied weight's later names (HF saves a tied head once, under the embedding)."""
-    return set(module.state_dict()) - {n for group in names_of_each(module) for n in group[1:]}
 
 
 def _full_part(pl_module: Any, strategy: Any, names: set[str]) -> dict[str, Any]:
