@@ -144,12 +144,18 @@ class Deferred:
         self.seed = int(os.environ.get("PL_GLOBAL_SEED", "0")) if seed is None else seed
         self.names = {id(m): name for name, m in root.named_modules()}
         self._init_of = {id(m): _nearest_init(root, name) for name, m in root.named_modules()}
+        # Made already (by id: made in place, the same Parameter object): on a meta device (a rehearsal) a made
+        # parameter is on meta too, so being on meta does not say it is still to make
+        self._made: set[int] = set()
+
+    def _unmade(self, p: nn.Parameter) -> bool:
+        return p.device.type == "meta" and id(p) not in self._made
 
     def __call__(self, module: nn.Module) -> None:
         """Make every meta parameter under ``module`` (a layer, a block, a unit): each module whole, initialised."""
         owners = _owners(self.root)
         for sub in list(module.modules()):
-            if any(p.device.type == "meta" for p in sub.parameters(recurse=False)):
+            if any(self._unmade(p) for p in sub.parameters(recurse=False)):
                 self._make(sub, owners)
 
     def rest(self) -> None:
@@ -161,7 +167,7 @@ class Deferred:
         of such a weight to the last stage)."""
         owners = _owners(self.root)
         for group in list(owners.values()):
-            if len(group) > 1 and any(m._parameters[a].device.type == "meta" for m, a in group):
+            if len(group) > 1 and any(self._unmade(m._parameters[a]) for m, a in group):
                 self._make(group[0][0], owners)
 
     def _make(self, module: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]]) -> None:
@@ -170,17 +176,20 @@ class Deferred:
             if p is None:
                 continue
             first = owners[id(p)][0][0]
-            if first is not module and p.device.type == "meta":
+            if first is not module and self._unmade(p):
                 self._make(first, owners)  # a tied weight: its first owner makes it, for every name of it
             if _placeholder(p):  # another pipeline stage's: its one-element stand-in, made here, no init
-                torch.utils.swap_tensors(p, nn.Parameter(
-                    torch.zeros((), dtype=p.dtype, device=self.device).expand(p.shape), requires_grad=False))
+                if self._unmade(p):
+                    torch.utils.swap_tensors(p, nn.Parameter(
+                        torch.zeros((), dtype=p.dtype, device=self.device).expand(p.shape), requires_grad=False))
+                    self._made.add(id(p))
                 continue
-            if p.device.type == "meta":
+            if self._unmade(p):
                 # In place (the same Parameter object): the optimizer Lightning built and every tied name keep it.
                 fill = float("nan") if p.is_floating_point() else 0
                 made = nn.Parameter(torch.full(p.shape, fill, dtype=p.dtype, device=self.device), p.requires_grad)
                 torch.utils.swap_tensors(p, made)
+                self._made.add(id(p))
             if first is module:
                 mine.append((attr, p))
         if mine:
@@ -206,6 +215,8 @@ class Deferred:
                     init(module)
         finally:
             module._parameters.update(swapped)
+        if self.device.type == "meta":  # a rehearsal (`strategies.rehearse`): shapes only, no values to check
+            return
         missed = [attr for attr, p in mine if p.is_floating_point() and bool(torch.isnan(p).any())]
         if missed:
             raise ValueError(

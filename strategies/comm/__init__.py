@@ -14,13 +14,16 @@ from strategies.comm.ops import (
     all_gather,
     all_gather_object,
     all_reduce,
+    backend_of,
     barrier,
     broadcast,
     broadcast_object,
     ordered_sums,
     reduce_scatter,
     register_peers,
+    rehearsing,
     set_ordered_sums,
+    set_rehearsal,
 )
 from strategies.comm.p2p import P2P, STRICT_ENV, GroupHandle, P2POrderError, exchange, recv, ring_all_reduce, send
 from strategies.comm.recorder import (
@@ -36,6 +39,7 @@ from strategies.comm.stats import Axis, CommRecord, CommStats, Op
 __all__ = [
     "DEBUG_ENV", "DETERMINISTIC_ENV", "P2P", "RECORDER", "STRICT_ENV", "Axis", "CallRecord", "CollectiveError",
     "CollectiveMismatch", "CommRecord", "CommStats", "FlightRecorder", "GroupHandle", "Handle", "Op", "P2POrderError",
-    "all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object", "exchange",
-    "ordered_sums", "recv", "reduce_scatter", "register_peers", "ring_all_reduce", "send", "set_ordered_sums",
+    "all_gather", "all_gather_object", "all_reduce", "backend_of", "barrier", "broadcast", "broadcast_object",
+    "exchange", "ordered_sums", "recv", "reduce_scatter", "register_peers", "rehearsing", "ring_all_reduce", "send",
+    "set_ordered_sums", "set_rehearsal",
 ]

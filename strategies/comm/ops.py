@@ -52,10 +52,12 @@ def _check_same(record: CallRecord, axis: Axis) -> None:
 class Handle:
     """An in-flight async call; ``wait()`` adds the seconds blocked to the counters."""
 
-    def __init__(self, work: Any, axis: Axis, op: Op, record: CallRecord | None = None) -> None:
+    def __init__(self, work: Any, axis: Axis, op: Op, record: CallRecord | None = None, held: Any = None) -> None:
         self._work, self._axis, self._op, self._record = work, axis, op, record
+        self._held = held  # a rehearsal's: the backend's buffers while the call is in flight (`_backend_buffers`)
 
     def wait(self) -> None:
+        self._held = None
         if self._work is None:
             return
         start = time.perf_counter()
@@ -73,14 +75,69 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+# -- rehearsal --------------------------------------------------------------------------------------------
+
+_rehearsing = [False]  # set for the length of a rehearsal (`strategies.lightning.rehearsal`)
+_backend = ["nccl"]  # the backend a rehearsal stands in for
+
+
+def set_rehearsal(on: bool, backend: str = "nccl") -> None:
+    """Rehearsal mode: one rank of a job runs alone (over torch's fake process group). Every call is counted as in a
+    real run, and none is sent: meta tensors (the model's compute) need nothing but the buffers ``backend`` would
+    hold meanwhile (`_backend_buffers`), and a real tensor (Lightning's control values, the monitor's figures) gets
+    what every rank alike would give (`_alike`)."""
+    _rehearsing[0], _backend[0] = on, backend
+
+
+def _backend_buffers(op: Op, axis: Axis, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Meta stand-ins for what the backend holds during ``op`` beyond its tensors, as measured on gloo (the
+    estimator's model, `measure.estimate._chunk`): a reduce-scatter copies its input and holds 1/N more, an
+    all-gather works through a buffer the size of its output, an all-reduce holds 1/N. NCCL works in place: none."""
+    if _backend[0] != "gloo" or not tensors:
+        return []
+    n, first = axis.size, tensors[0]
+    size = {Op.REDUCE_SCATTER: tensors[-1].numel() * (n + 1) // n, Op.ALL_GATHER: first.numel(),
+            Op.ALL_REDUCE: first.numel() // n}.get(op, 0)
+    return [torch.empty(size, dtype=first.dtype, device="meta")] if size else []
+
+
+def rehearsing() -> bool:
+    return _rehearsing[0]
+
+
+def backend_of(axis: Axis) -> str:
+    """The backend ``axis`` talks over ("gloo", "nccl"): in a rehearsal, the one it stands in for."""
+    return _backend[0] if _rehearsing[0] else dist.get_backend(axis.group)
+
+
+def _alike(op: Op, axis: Axis, tensors: tuple[torch.Tensor, ...], reduce: ReduceOp | None) -> None:
+    """What ``op`` leaves in real ``tensors`` when every rank of ``axis`` holds the same values: a sum is N times
+    the value (max, min and average the value itself), a gather N copies, a reduce-scatter this rank's chunk."""
+    n = axis.size
+    with torch.no_grad():
+        if op is Op.ALL_REDUCE and reduce == ReduceOp.SUM:
+            tensors[0].mul_(n)
+        elif op is Op.REDUCE_SCATTER:
+            out, whole = tensors
+            out.copy_(whole.reshape(n, -1)[axis.index].view_as(out) * (n if reduce == ReduceOp.SUM else 1))
+        elif op is Op.ALL_GATHER:
+            out, part = tensors
+            out.copy_(part.reshape(1, -1).expand(n, -1).reshape(out.shape))
+
+
 @torch.compiler.disable  # under torch.compile: a clean graph break here, every call counted and logged eagerly
 def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, async_op: bool,
-         tensors: tuple[torch.Tensor, ...] = (), peer: int | None = None) -> Handle | None:
+         tensors: tuple[torch.Tensor, ...] = (), peer: int | None = None,
+         reduce: ReduceOp | None = None) -> Handle | None:
     """Issue ``call``, count it, log it, and time it now (sync) or at ``wait()`` (async). On meta tensors (a pipeline
     traced on a model built on meta, every rank alike) nothing is sent: the outputs' shapes are all there is."""
     axis.stats.record(op, axis.name, sent=sent, recv=recv)
-    if any(t.device.type == "meta" for t in tensors):
-        return Handle(None, axis, op) if async_op else None
+    if _rehearsing[0] or any(t.device.type == "meta" for t in tensors):
+        meta = any(t.device.type == "meta" for t in tensors)
+        if _rehearsing[0] and not meta:
+            _alike(op, axis, tensors, reduce)
+        held = _backend_buffers(op, axis, tensors) if _rehearsing[0] and meta else None
+        return Handle(None, axis, op, held=held) if async_op else None
     record = RECORDER.start(op, axis, tensors, peer)
     if op not in (Op.SEND, Op.RECV) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         _check_same(record, axis)
@@ -168,7 +225,7 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: ReduceOp = ReduceOp.SUM, as
     moved = 2 * (axis.size - 1) / axis.size * _nbytes(tensor)
     return _run(
         Op.ALL_REDUCE, axis, lambda: dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op),
-        moved, moved, async_op, (tensor,),
+        moved, moved, async_op, (tensor,), reduce=op,
     )
 
 
@@ -184,7 +241,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis: Axis, op: Re
     return _run(
         Op.REDUCE_SCATTER, axis,
         lambda: _REDUCE_SCATTER(output, input, op=op, group=axis.group, async_op=async_op),
-        moved, moved, async_op, (output, input),
+        moved, moved, async_op, (output, input), reduce=op,
     )
 
 
@@ -214,10 +271,17 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, async_op: bool = F
     )
 
 
-def broadcast_object(obj: Any, axis: Axis, src: int = 0) -> Any:
-    """Pickle ``obj`` from axis index ``src`` to every rank (not counted: control messages, not training data)."""
+_OWN = object()
+
+
+def broadcast_object(obj: Any, axis: Axis, src: int = 0, rehearsed: Any = _OWN) -> Any:
+    """Pickle ``obj`` from axis index ``src`` to every rank (not counted: control messages, not training data). In a
+    rehearsal (`set_rehearsal`) another rank's object is not known: a rank not ``src`` gets ``rehearsed``, by default
+    its own ``obj`` (every rank alike)."""
     if axis.size == 1:
         return obj
+    if _rehearsing[0]:
+        return obj if axis.index == src or rehearsed is _OWN else rehearsed
     box = [obj]
     _guarded("broadcast_object", axis, lambda: dist.broadcast_object_list(box, group=axis.group, group_src=src), src)
     return box[0]
@@ -225,8 +289,8 @@ def broadcast_object(obj: Any, axis: Axis, src: int = 0) -> Any:
 
 def all_gather_object(obj: Any, axis: Axis) -> list[Any]:
     """Every rank's ``obj`` in axis order (pickled; not counted: control messages)."""
-    if axis.size == 1:
-        return [obj]
+    if axis.size == 1 or _rehearsing[0]:  # a rehearsal: every rank alike
+        return [obj] * axis.size
     out: list[Any] = [None] * axis.size
     _guarded("all_gather_object", axis, lambda: dist.all_gather_object(out, obj, group=axis.group))
     return out

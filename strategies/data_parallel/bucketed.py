@@ -10,6 +10,7 @@ from torch import nn
 from strategies import comm
 from strategies.comm import Axis
 from strategies.data_parallel.sync import GradSync, assign_grads
+from strategies.tensors import address
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
 FIRST_BUCKET_BYTES = 2**20  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -67,7 +68,7 @@ class BucketedDataParallel(GradSync):
         b, i = self._where[id(param)]
         bucket = self.buckets[b]
         slot = bucket.slots[i]
-        if param.grad.data_ptr() != slot.data_ptr():
+        if address(param.grad) != address(slot):
             # The gradient moves into its bucket slot at once, and .grad becomes the slot: autograd's tensor is
             # freed now instead of at the end of backward (holding both cost 4 Psi more at the backward's peak),
             # and later backwards of the step (accumulation micro-steps, pipeline microbatches) add into the
@@ -106,7 +107,7 @@ class BucketedDataParallel(GradSync):
                 slot = self.buckets[b].slots[i]
                 if p.grad is None:
                     slot.zero_()
-                elif p.grad.data_ptr() != slot.data_ptr():
+                elif address(p.grad) != address(slot):
                     slot.copy_(p.grad)
         self._launch_ready(force=True)
         used = None

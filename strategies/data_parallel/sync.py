@@ -19,6 +19,7 @@ from torch import nn
 from strategies import comm
 from strategies.comm import Axis
 from strategies.technique import HeldGrad, Technique
+from strategies.tensors import address
 
 
 def broadcast_module(module: nn.Module, axis: Axis) -> None:
@@ -79,5 +80,5 @@ def assign_grads(params: list[nn.Parameter], grads: list[torch.Tensor], used: to
     for k, (p, grad) in enumerate(zip(params, grads)):
         if flags is not None and flags[k] == 0:
             p.grad = None
-        elif p.grad is None or p.grad.data_ptr() != grad.data_ptr():
+        elif p.grad is None or address(p.grad) != address(grad):
             p.grad = grad.view_as(p)

@@ -123,7 +123,7 @@ def choose_schedule(module: Any, batch: Any, plan: ParallelPlan, mesh: ParallelM
     from strategies.plan import PipelineSchedule
 
     chosen: tuple[str, str] | None = None
-    if mesh.world.index == 0:
+    if mesh.world.index == 0 or comm.rehearsing():  # (a rehearsal's one rank chooses as rank 0 would)
         shape = model_shape(module, batch, trainer.accumulate_grad_batches)
         if shape is None:
             chosen = ("1f1b", "1f1b: no model config to estimate from (a `config` with the model's layers, width, "

@@ -105,6 +105,12 @@ class PlanStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def compute_device(self) -> torch.device:
+        """Where the model's tensors live and compute: the root device (a rehearsal's are meta, while Lightning's own
+        control values stay on the root device, `strategies.lightning.rehearsal`)."""
+        return self.root_device
+
+    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -180,7 +186,8 @@ class PlanStrategy(ParallelStrategy):
         assemble.check_optimization(self.lightning_module, self.resolved_plan)
         self.precision_plugin.convert_module(self.model)
         # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
-        self._deferred = Deferred(self.lightning_module, self.root_device) if has_meta_parameters(self.model) else None
+        meta = has_meta_parameters(self.model)
+        self._deferred = Deferred(self.lightning_module, self.compute_device) if meta else None
         self._sliced = fitting and self._deferred is not None
         self.built_num_params = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before any split
         self.model_to_device()
@@ -207,7 +214,7 @@ class PlanStrategy(ParallelStrategy):
             return DirectSteps(self._lightning_hook)
         # Cut on the first training batch, after tracing it (`assemble.traced_pipeline`). Until then, and in a run
         # that only evaluates, every rank holds and runs the whole model.
-        return PipelineSteps(self._lightning_hook, self.lightning_module, self.root_device, self._no_sync, None,
+        return PipelineSteps(self._lightning_hook, self.lightning_module, self.compute_device, self._no_sync, None,
                              self._build_pipeline, self.options.stop_on_nonfinite_loss)
 
     def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
@@ -265,7 +272,7 @@ class PlanStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        deferred.to_device(self.model, self.root_device)  # what is on meta stays there, to be made by slice
+        deferred.to_device(self.model, self.compute_device)  # what is on meta stays there, to be made by slice
 
     @contextlib.contextmanager
     @override
@@ -441,7 +448,8 @@ class PlanStrategy(ParallelStrategy):
         disjoint = [axis for technique in self.techniques for axis in technique.disjoint_axes()]
         held = self.held_grads()
         return clip_pieces([(g.grad, g.split) for g in held if g.counted], max_norm, split=split, disjoint=disjoint,
-                           norm_type=norm_type, device=self.root_device, copies=[g.grad for g in held if not g.counted])
+                           norm_type=norm_type, device=self.compute_device,
+                           copies=[g.grad for g in held if not g.counted])
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -478,7 +486,7 @@ class PlanStrategy(ParallelStrategy):
         refuse_left_in_slices(self.lightning_module)
         if not self.techniques and has_meta_parameters(self.lightning_module):
             # Lightning restores a checkpoint before set-up: a model built on meta is made whole to take it
-            Deferred(self.lightning_module, self.root_device).rest()
+            Deferred(self.lightning_module, self.compute_device).rest()
         for technique in self.techniques:
             state = technique.local_model_state(state, strict)
         # Weights read lazily (`load_pretrained`) that no technique cut: read whole now

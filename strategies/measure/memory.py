@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from strategies.runs.schema import MODEL_STATE
+from strategies.tensors import storage_id
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
-    return (str(t.device), storage.data_ptr())
+    return (str(t.device), storage_id(t))
 
 
 def count_bytes(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
@@ -100,7 +100,8 @@ class SavedTensorsMeter:
         if key in self._exclude:
             return t
         if key not in self._live and any(_storage_key(b) == key for b in self._param_buffers()):
-            self._exclude.add(key)
+            # A gathered ZeRO-3 unit: asked each time, not remembered. It moves when gathered again, and the address it
+            # left may hold an activation next (remembered, such activations went uncounted: up to 5% of the peak).
             return t
         entry = self._live.setdefault(key, [0, t.untyped_storage().nbytes()])
         if entry[0] == 0:

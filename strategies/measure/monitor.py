@@ -54,13 +54,14 @@ class StrategyMonitor(L.Callback):
             ``heap_first_step``: the first step's peak above what the heap held before the model was built (it
             includes set-up work done inside that step, e.g. the pipeline's cut); ``heap_setup``: what the set-up
             left in the heap beyond the model's states before training (process groups, Lightning's objects: not
-            modelled). A sampling thread slows the run: off by default.
+            modelled). A sampling thread slows the run: off by default. Or a sampler of one's own with
+            `HeapSampler`'s interface: a rehearsal's `meta_heap.MetaHeap`, read by the same rules.
     """
 
     def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None, *,
                  runs_dir: str | os.PathLike | None = None, store: bool = True, run_id: str | None = None,
                  comparison: str | None = None, label: str | None = None, meta: dict | None = None,
-                 full_steps: int = 1000, heap: bool = False) -> None:
+                 full_steps: int = 1000, heap: Any = False) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if full_steps < 1:
@@ -101,7 +102,7 @@ class StrategyMonitor(L.Callback):
         found = vocab_layers(pl_module)  # by name: a tensor-parallel split replaces the layer, under the same name
         self._head_name = found[0] if found is not None else None
         if self.heap and self._heap is None:
-            self._heap_base, self._heap = start_heap_sampler(pl_module)
+            self._heap_base, self._heap = start_heap_sampler(pl_module, None if self.heap is True else self.heap)
         # Set-up memory, from here (before configure_model builds a model) to the end of the first step: resident
         # memory above what the process held, less a model already built (CPU tensors, as the heap's base).
         self._rss_base = readings.current_rss_bytes() - readings.count_cpu_bytes(pl_module)
@@ -380,15 +381,17 @@ def _strategy_label(trainer: L.Trainer) -> str:
     return str(plan) if plan is not None else type(trainer.strategy).__name__
 
 
-def start_heap_sampler(module: torch.nn.Module) -> tuple[int, Any]:
-    """A running `HeapSampler`, and what the heap held before ``module`` was built: in use now, less the storage of
-    the module's parameters and buffers (CPU tensors the user's code made, each counted once)."""
+def start_heap_sampler(module: torch.nn.Module, sampler: Any = None) -> tuple[int, Any]:
+    """A running `HeapSampler` (or ``sampler``, started), and what the heap held before ``module`` was built: in use
+    now, less the storage of the module's parameters and buffers (tensors of the sampler's device the user's code
+    made, each counted once)."""
     from strategies.measure.memory import HeapSampler, count_bytes
 
-    if not HeapSampler.available():
+    if sampler is None and not HeapSampler.available():
         raise RuntimeError("heap sampling needs glibc's mallinfo2 (Linux): run without --heap")
-    own = count_bytes({"model": [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]})
-    sampler = HeapSampler().__enter__()
+    device = getattr(sampler, "device", "cpu")
+    own = count_bytes({"model": [t for t in (*module.parameters(), *module.buffers()) if t.device.type == device]})
+    sampler = (sampler or HeapSampler()).__enter__()
     return sampler.start - own["model"], sampler
 
 

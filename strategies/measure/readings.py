@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from strategies.measure.memory import LogitsMeter
+from strategies.tensors import storage_id
 
 # Dense peaks Lightning's table (lightning.fabric.utilities.throughput) lacks or mistakes (FLOP/s, by dtype).
 _PEAKS = {"h200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
@@ -114,7 +115,7 @@ def count_cpu_bytes(module: torch.nn.Module) -> int:
     seen: dict[int, int] = {}
     for t in (*module.parameters(), *module.buffers()):
         if t.device.type == "cpu":
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            seen[storage_id(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

@@ -28,7 +28,7 @@ from strategies.comm import Axis
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import messages, schedules
 from strategies.pipeline.runner import PipelineRunner, StepResult
-from strategies.pipeline.stages import StageDone, StageRunner, plan_stages, split_microbatches
+from strategies.pipeline.stages import StageDone, StageLayout, StageRunner, plan_stages, split_microbatches
 from strategies.pipeline.tied import TiedWeights
 from strategies.pipeline.trace import ForwardTrace, tensors_of
 from strategies.pipeline.weights import WeightStore
@@ -40,6 +40,12 @@ class _TopDone(Exception):
     def __init__(self, output: Any) -> None:
         super().__init__("pipeline evaluation: model output captured")
         self.output = output
+
+
+def _stage_outputs(layout: StageLayout, trace: ForwardTrace | None) -> dict[int, tuple]:
+    """Stage -> (shape, dtype) of what it sends, as traced: its last block's output."""
+    outputs = trace.outputs if trace is not None else []
+    return {stage: outputs[r[-1]] for stage, r in enumerate(layout.ranges) if len(r) and r[-1] < len(outputs)}
 
 
 class PipelineParallel(Technique):
@@ -76,8 +82,8 @@ class PipelineParallel(Technique):
         self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
         self._last_backward = _reducing(self.table)
         fused = fused_weights(self.table, self._last_backward, self.where, crowded) if self.weights else frozenset()
-        self.runner = PipelineRunner(self.axis, self.stages, wait_sends=how == "action" and self._gloo,
-                                     where=self.where, weights=self.weights, fused=fused, carrier=_loss_carrier(tables))
+        self.runner = PipelineRunner(self.axis, self.stages, how == "action" and self._gloo, self.where, self.weights,
+                                     fused, _loss_carrier(tables), _stage_outputs(self.layout, trace))
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
         top, _, _ = self.layout.blocks_name.partition(".")
@@ -293,7 +299,7 @@ def _on_gloo(axis: Axis) -> bool:
     """Whether ``axis`` (of more than one rank) runs on gloo, where the CPU moves the messages."""
     import torch.distributed as dist
 
-    return axis.size > 1 and dist.is_initialized() and dist.get_backend(axis.group) == "gloo"
+    return axis.size > 1 and dist.is_initialized() and comm.backend_of(axis) == "gloo"
 
 
 def _to(tree: Any, device: torch.device) -> Any:

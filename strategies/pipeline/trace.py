@@ -41,6 +41,9 @@ class ForwardTrace:
     # the code before computed), and returned one tensor, under the autocast state and torch-function modes the
     # forward was called in: nothing the user's code does around a middle stage's blocks reaches them.
     chained: bool = False
+    # Each block's output as (shape, dtype), in order (None: not one tensor): what a stage ending there sends. A
+    # rehearsal's receiver reads it in place of the header it cannot read (`runner.PipelineRunner.traced`).
+    outputs: list = field(default_factory=list)
 
     def phases(self, name: str) -> set[str]:
         return self.uses.get(name, set())
@@ -137,7 +140,8 @@ def _log_hooks(name: str, container: nn.Module, recorder: _Recorder, log: list, 
                 for t in tensors_of(list(output[1:])):
                     recorder.extras[id(t)] = (t, name, index)
             last[0] = output if index < len(container) - 1 else None
-            log.append(("leave", name, index, isinstance(output, torch.Tensor)))
+            alone = isinstance(output, torch.Tensor)
+            log.append(("leave", name, index, alone, (tuple(output.shape), output.dtype) if alone else None))
         return hook
 
     return [hook for index, child in enumerate(container)
@@ -180,7 +184,8 @@ def read_log(log: list, blocks: str, size: int) -> ForwardTrace:
     """Phases of every use, with ``blocks`` as the list of blocks."""
     trace, phase, open_calls = ForwardTrace(blocks), PRE, 0
     calls = [e for e in log if e[0] in ("enter", "leave") and e[1] == blocks]
-    trace.chained = bool(calls) and all(e[-1] is True for e in calls)
+    trace.chained = bool(calls) and all(e[4 if e[0] == "enter" else 3] is True for e in calls)
+    trace.outputs = [e[4] for e in calls if e[0] == "leave"]
     for event in log:
         if event[0] == "use":
             trace.uses.setdefault(event[1], set()).add(BLOCKS if open_calls else phase)

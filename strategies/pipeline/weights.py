@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from strategies.tensors import storage_id
+
 _ORIGINAL_LINEAR = F.linear
 Key = tuple[int, int]  # (stage, microbatch)
 
@@ -67,7 +69,7 @@ class WeightStore:
         for triples in self.pending.values():
             for _, x, dy, _ in triples:
                 for t in (x, dy):
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    seen[storage_id(t)] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
     def weights(self, key: Key) -> None:
@@ -98,11 +100,13 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightStore,
                 param: list[Tensor]) -> Tensor:
         ctx.param = param[0]  # the parameter itself (``weight`` is it detached): W accumulates into it
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        autocast = x.device.type != "meta"  # (a rehearsal's meta tensors: autocast has no such device)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast and torch.is_autocast_enabled(x.device.type) \
+            else None
         if dtype is not None:  # what autocast does to F.linear: compute in its dtype
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
             out = _ORIGINAL_LINEAR(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.store, ctx.has_bias = store, bias is not None

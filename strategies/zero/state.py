@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from strategies import comm
+from strategies.tensors import address
 from strategies.zero.flat import FlatParam
 
 
@@ -88,7 +89,7 @@ def load_params(flats: list[FlatParam], state_dict: dict[str, Any], strict: bool
                     flat.full[offset : offset + n] = whole.reshape(-1).to(flat.full.device)
                 lo, hi = max(offset, start), min(offset + n, start + flat.shard_size)
                 if lo < hi:
-                    if gathered and flat.shard.data_ptr() == flat.full[start:].data_ptr():
+                    if gathered and address(flat.shard) == address(flat.full[start:]):
                         continue  # the shard is a view of the full flat, just written
                     piece = flat_range(value, lo - offset, hi - offset)
                     flat.shard[lo - start : hi - start] = piece.to(flat.shard.device)

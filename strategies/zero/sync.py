@@ -12,6 +12,7 @@ from strategies import comm
 from strategies.comm import Axis
 from strategies.data_parallel import GradSync
 from strategies.technique import HeldGrad, OptimizerState
+from strategies.tensors import address
 from strategies.zero import state as zero_state
 from strategies.zero.flat import FlatParam, host_copies_done, shard_slices, to_host
 
@@ -49,7 +50,7 @@ class ZeroGradSync(GradSync):
         if not self.require_sync:  # accumulation micro-step: the gradient stays local
             if self.stage == 1:  # in its slot of the persistent full gradient (no second copy), as `dp` does
                 slot = flat.slot(flat.grad_full, i)
-                if param.grad.data_ptr() != slot.data_ptr():
+                if address(param.grad) != address(slot):
                     slot.copy_(param.grad)
                     param.grad = slot
             self.on_param_reduced(param)  # ZeRO-2/3: in param.grad (their full gradient exists only in flight)
@@ -57,7 +58,7 @@ class ZeroGradSync(GradSync):
         if flat.grad_full is None:
             flat.grad_full = flat.new_grad_buffer()
         slot = flat.slot(flat.grad_full, i)
-        if param.grad.data_ptr() != slot.data_ptr():
+        if address(param.grad) != address(slot):
             slot.copy_(param.grad)
         # ZeRO-1 keeps the full gradient (as a view); 2 and 3 drop it: only the bucket holds it until reduced.
         param.grad = slot if self.stage == 1 else None

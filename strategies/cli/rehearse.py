@@ -1,0 +1,189 @@
+"""``stratpack rehearse PLAN --world-size N``: one rank of an N-rank job, run alone on this machine with no data.
+
+The rank's set-up and training steps run through the same strategy, techniques and pipeline programs as a real
+run, on meta tensors (`strategies.lightning.rehearsal`): every collective and message is counted as it would be
+sent, and every byte its tensors would take is counted as torch makes and frees them (`measure.meta_heap`). The
+report gives, per rank, memory by category (parameters, gradients, optimizer, host, saved activations, the rest of
+the step's peak) and the set-up and steady peaks, bytes per collective and axis, each beside the estimator's; and
+for a pipeline, its programs at this size checked under NCCL's rules (`pipeline.messages.check`).
+
+``--target cpu`` (the default) rehearses this host's gloo ranks: gloo's buffers and the matrix library's workspace
+measured here; ``--target cuda`` a GPU job's NCCL ranks (no backend buffers, no CPU workspace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+MiB = 2**20
+CATEGORIES = ("params", "grads", "optimizer", "host", "activations")  # the estimator's names (`runs.MEMORY_CATEGORIES`)
+
+
+def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") -> dict[str, Any]:
+    """Rehearse rank ``rank`` of a ``world_size``-rank run of ``config`` (a `train.RunConfig`; the model is built in
+    configure_model, on meta): this rank's memory figures as the monitor reads them, its communication per step, and
+    the estimator's figures for the same run."""
+    import warnings
+
+    import lightning as L
+
+    from strategies.cli.train import _loader, _model_config
+    from strategies.cli.workload import find_workload
+    from strategies.lightning.rehearsal import leave_fake_world, target_kernels
+    from strategies.measure.predict import predict_run
+
+    config = replace(config, configure_model=True, devices=world_size, num_nodes=1)
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    module, dataset = find_workload(config.workload).lightning(config)
+    model = _model_config(module)
+    predicted = predict_run(config.strategy, world_size, model, config.batch_size, config.accumulate,
+                            config.precision, "cpu" if target == "cpu" else "gpu", optimizer=config.optimizer,
+                            deferred=True)
+    trainer, monitor, heap = _trainer(config, rank, world_size, target)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), target_kernels(target), heap.tracking():
+            warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
+            trainer.fit(module, _loader(config, dataset))
+    finally:
+        leave_fake_world()
+    return {"rank": rank, "world_size": world_size, "label": config.strategy,
+            "plan": str(trainer.strategy.resolved_plan), "target": target, "config": asdict(config), "model": model,
+            "predicted": predicted, "seconds": time.perf_counter() - start,
+            "memory_bytes": monitor.summary["memory_bytes"], "comm_per_step": monitor.summary["comm_per_step"]}
+
+
+def _trainer(config: Any, rank: int, world_size: int, target: str) -> tuple[Any, Any, Any]:
+    """A Trainer for the rehearsal of ``rank``, its monitor, and the monitor's heap (`meta_heap.MetaHeap`)."""
+    import lightning as L
+
+    from strategies.lightning.rehearsal import RehearsalStrategy
+    from strategies.measure.meta_heap import MetaHeap
+    from strategies.measure.monitor import StrategyMonitor
+
+    heap = MetaHeap(workspace=_cpu_workspace(world_size) if target == "cpu" else None)
+    monitor = StrategyMonitor(warmup_steps=0, store=False, label=config.strategy, heap=heap)
+    strategy = RehearsalStrategy(config.strategy, rank=rank, world_size=world_size,
+                                 backend="gloo" if target == "cpu" else "nccl")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=config.steps,
+                        accumulate_grad_batches=config.accumulate, precision=config.precision,
+                        gradient_clip_val=config.gradient_clip_val, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+                        limit_val_batches=0)
+    return trainer, monitor, heap
+
+
+def _cpu_workspace(world_size: int):
+    """MKL's workspace per matmul shape, measured on this host with the threads a real run's rank gets (Lightning:
+    the cores over the ranks, at least one), each shape once."""
+    import functools
+
+    from strategies.measure.calibrate import kernel_workspace
+
+    threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
+    return functools.cache(lambda rows, inner, cols: kernel_workspace(rows, inner, cols, threads))
+
+
+def roles(plan: str, world_size: int) -> list[int]:
+    """One rank of each distinct role: per pipeline stage, its first rank and its last (the last data-parallel
+    shard, which holds the padding; the last tensor-parallel slice), in rank order."""
+    from strategies.plan import ParallelPlan
+
+    resolved = ParallelPlan.parse(plan).resolve(world_size)
+    stages: dict[int, list[int]] = {}
+    for rank in range(world_size):
+        stages.setdefault(resolved.coordinates(rank)["pp"], []).append(rank)
+    return sorted({r for ranks in stages.values() for r in (ranks[0], ranks[-1])})
+
+
+def checked_programs(plan: str) -> int | None:
+    """The pipeline's programs for ``plan`` (resolved, its schedule known) checked under NCCL's rules, with and
+    without headers: the rounds they take (None without pp). Raises where a rank would wait forever."""
+    from strategies.pipeline import messages, schedules
+    from strategies.plan import ParallelPlan
+
+    resolved = ParallelPlan.parse(plan)
+    if resolved.pp == 1:
+        return None
+    tables = schedules.build(resolved.schedule.value, resolved.pp, resolved.microbatches, resolved.virtual)
+    progs, known, _ = messages.as_run(tables, resolved.pp)
+    return messages.check(progs) + messages.check(known)
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """Each rehearsed rank's memory and communication beside the estimator's, then the worst rank."""
+    lines = [line for r in results for line in _rank_lines(r)]
+    worst = max(results, key=lambda r: r["memory_bytes"].get("heap_peak", 0))
+    lines.append(f"worst: rank {worst['rank']}, steady peak {worst['memory_bytes'].get('heap_peak', 0) / MiB:.2f} MiB")
+    return "\n".join(lines)
+
+
+def _rank_lines(r: dict[str, Any]) -> list[str]:
+    memory, predicted = r["memory_bytes"], r["predicted"] or {}
+    mine = (predicted.get("memory") or [{}] * r["world_size"])[r["rank"]]
+    setup = (predicted.get("setup") or [0.0] * r["world_size"])[r["rank"]]
+    peak = sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries"))
+    rows = [(key, memory.get(key if key != "activations" else "activations_peak", 0), mine.get(key, 0))
+            for key in (*CATEGORIES, "temporaries")]
+    rows += [("steady peak", memory.get("heap_peak", 0), peak), ("set-up peak", memory.get("setup_peak", 0), setup)]
+    lines = [f"rank {r['rank']} of {r['world_size']}, {r['plan']} ({r['target']}): rehearsed in {r['seconds']:.1f} s",
+             "  MiB            rehearsed  estimator"]
+    lines += [f"  {name:<14} {got / MiB:>10.2f} {expected / MiB:>10.2f}" for name, got, expected in rows]
+    for key, rec in sorted(r["comm_per_step"].items()):
+        moved = rec["bytes_sent"] or rec["bytes_recv"]
+        lines.append(f"  {key:<20} {moved / MiB:>10.3f} MiB per step in {rec['calls']:g} calls")
+    if r.get("rounds") is not None:
+        lines.append(f"  pipeline programs: checked under NCCL's rules ({r['rounds']} rounds)")
+    return lines
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from strategies.cli.train import add_run_options
+
+    p = sub.add_parser("rehearse", help="one rank of an N-rank job, run alone on meta tensors: its memory and "
+                                        "communication beside the estimator's",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", help="the plan, e.g. zero3_tp2_pp2")
+    p.add_argument("--world-size", type=int, required=True, help="the job's ranks")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--rank", default="0", help="the rank to rehearse, or several: 0,5,7 (default 0)")
+    who.add_argument("--all-roles", action="store_true",
+                     help="one rank of each role (each stage's first and last rank); the worst is named")
+    p.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
+                   help="the ranks rehearsed: this host's gloo ranks (cpu), or a GPU job's NCCL ranks (cuda)")
+    p.add_argument("--out", default=None, help="write every rank's figures as JSON here")
+    add_run_options(p)
+    p.set_defaults(func=command, steps=2)
+
+
+def command(args: argparse.Namespace) -> int:
+    from strategies.cli.train import HEAP_ENV, config_from
+
+    if args.target == "cpu" and any(os.environ.get(k) != v for k, v in HEAP_ENV.items()):
+        # as `stratpack train --heap`: MKL's workspace is measured, and read as the real run's heap reads it
+        os.environ.update(HEAP_ENV)
+        os.execv(sys.executable, sys.orig_argv)
+    config = config_from(args, args.plan)
+    ranks = roles(args.plan, args.world_size) if args.all_roles else [int(r) for r in args.rank.split(",")]
+    if any(not 0 <= r < args.world_size for r in ranks):
+        raise SystemExit(f"--rank: a rank of the job is 0..{args.world_size - 1}, got {args.rank}")
+    results = []
+    for rank in ranks:
+        result = rehearse_rank(config, rank, args.world_size, args.target)
+        result["rounds"] = checked_programs(result["plan"])
+        results.append(result)
+    print(report(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,148 @@
+"""The heap of a rehearsal: every meta tensor's storage, counted from when torch makes it to when torch frees it.
+
+A rehearsal (`strategies.lightning.rehearsal`) runs one rank's real code on meta tensors: shapes, no memory. This
+dispatch mode sees the outputs of every op; a storage it has not seen counts its bytes until it is freed (a weak
+reference to the storage, whose Python object torch keeps as long as any tensor uses it), and a storage resized in
+place (ZeRO-3 frees a gathered unit so) counts its new size. It offers `HeapSampler`'s interface (``in_use``,
+``peak``, ``restart``, ``start``), so the `StrategyMonitor` reads a rehearsal's memory by the rules it reads a real
+run's heap with. Unlike the heap it is exact: no allocator's rounding, no backend's buffers, no sampling interval.
+
+A meta tensor has no values. A scalar read on the host (``.item()``: a logged loss, the optimizer's step count, a
+finite-loss check; or copied to the CPU: Lightning's logged values at the end) reads as one, so that the code around
+it runs on (a step count of 1, a finite loss). Copying a larger meta tensor to a real device still fails, as it
+should: a rehearsal never makes the model's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_aten = torch.ops.aten
+_READS = {_aten._local_scalar_dense.default}
+_META = torch.device("meta")
+_MATMULS = {_aten.mm.default: 0, _aten.addmm.default: 1}  # where their two matrices are in the arguments
+
+
+class MetaHeap:
+    """Live bytes of meta storages, and their peak (see the module's docstring), counted while `tracking` is on:
+    enter it around everything the rehearsal runs (a storage made outside is not counted). Entered as a sampler
+    (the monitor does), it only starts a new peak."""
+
+    device = "meta"  # the tensors it counts
+
+    def __init__(self, workspace: Callable[[int, int, int], float] | None = None) -> None:
+        self.live = self.peak = self.start = 0
+        self._sizes: dict[int, int] = {}  # storage (its C pointer) -> bytes counted
+        # What the matrix library holds inside a (rows, inner) @ (inner, cols) matmul beyond its output, on the
+        # device rehearsed (`calibrate.kernel_workspace` on a CPU: MKL's packing buffers); None: nothing
+        self.workspace = workspace
+
+    # -- HeapSampler's interface ---------------------------------------------------------------------------
+
+    @staticmethod
+    def available() -> bool:
+        return True
+
+    def in_use(self) -> int:
+        return self.live
+
+    def sample(self) -> None:  # exact already: every change updates the peak
+        pass
+
+    def restart(self) -> tuple[int, int]:
+        before, self.peak = self.peak, self.live
+        return max(before, self.peak), self.peak
+
+    def __enter__(self) -> MetaHeap:
+        self.start = self.peak = self.live
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    @property
+    def peak_above_start(self) -> int:
+        return self.peak - self.start
+
+    # -- counting ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[MetaHeap]:
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:  # not an op the dispatch mode sees
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        try:
+            with _Counting(self):
+                yield self
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+    def count(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        size = storage.nbytes()
+        self._sizes[key] = size
+        self._change(size)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self._change(-self._sizes.pop(key, 0))
+
+    def _change(self, delta: int) -> None:
+        self.live += delta
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def transient(self, size: float) -> None:
+        """``size`` more bytes, held for a moment only: a peak, nothing left."""
+        self.peak = max(self.peak, self.live + int(size))
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._sizes:
+            self._change(storage.nbytes() - self._sizes[key])
+            self._sizes[key] = storage.nbytes()
+
+
+class _Counting(TorchDispatchMode):
+    """Every op's meta outputs, counted in ``heap``; a meta scalar read on the host reads as one."""
+
+    def __init__(self, heap: MetaHeap) -> None:
+        super().__init__()
+        self.heap = heap
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        meta = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        if meta and func in _READS:
+            return _ones_value(meta[0].dtype)
+        if meta and func is _aten._to_copy.default and meta[0].numel() == 1 and \
+                kwargs.get("device") not in (None, _META):  # a logged value, moved to the CPU at the end
+            return torch.ones(meta[0].shape, dtype=kwargs.get("dtype") or meta[0].dtype, device=kwargs["device"])
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self.heap.count(t.untyped_storage())
+        if meta and func in _MATMULS and self.heap.workspace is not None:
+            a, b = args[_MATMULS[func]], args[_MATMULS[func] + 1]
+            self.heap.transient(self.heap.workspace(a.shape[0], a.shape[1], b.shape[1]))
+        return out
+
+
+def _ones_value(dtype: torch.dtype) -> bool | int | float:
+    if dtype == torch.bool:
+        return True
+    return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
