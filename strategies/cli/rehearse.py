@@ -35,7 +35,7 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") 
 
     from strategies.cli.train import _loader, _model_config
     from strategies.cli.workload import find_workload
-    from strategies.lightning.rehearsal import leave_fake_world, target_kernels
+    from strategies.lightning.rehearsal import MetaAutocast, leave_fake_world, target_kernels
     from strategies.measure.predict import predict_run
 
     config = replace(config, configure_model=True, devices=world_size, num_nodes=1)
@@ -48,7 +48,7 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") 
     trainer, monitor, heap = _trainer(config, rank, world_size, target)
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), target_kernels(target), heap.tracking():
+        with warnings.catch_warnings(), target_kernels(target), heap.tracking(), MetaAutocast():
             warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
             trainer.fit(module, _loader(config, dataset))
     finally:

@@ -125,7 +125,7 @@ def target_kernels(device_type: str) -> Iterator[None]:
     """Inside, attention on meta tensors runs the fused kernel a ``device_type`` ("cpu", "cuda") device would choose.
     On meta, torch's ``scaled_dot_product_attention`` falls back to its math form, which keeps the whole attention
     matrix for backward; the fused kernels (flash on CUDA, its CPU twin) keep the output and one row statistic. Only
-    the causal or unmasked call without dropout and with as many key as query heads is redirected: the rest keeps
+    the causal or unmasked call without dropout is redirected (grouped keys too, ``enable_gqa``): the rest keeps
     torch's own choice."""
     import torch.nn.functional as F
 
@@ -134,11 +134,17 @@ def target_kernels(device_type: str) -> Iterator[None]:
              "cuda": torch.ops.aten._scaled_dot_product_flash_attention}[device_type]
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        heads, groups = query.shape[-3], key.shape[-3]
         simple = (query.device.type == "meta" and attn_mask is None and dropout_p == 0.0 and query.dim() == 4
-                  and key.shape[-3] == query.shape[-3] and not kwargs.get("enable_gqa", False))
+                  and (heads == groups or (kwargs.get("enable_gqa", False) and heads % groups == 0)))
         if not simple:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, **kwargs)
+        if torch.is_autocast_enabled("cpu"):  # (the wrapper is Python: `MetaAutocast` does not see it)
+            query, key, value = _cast((query, key, value), torch.get_autocast_dtype("cpu"))
+        if heads != groups:  # grouped keys and values: read in place by the kernel (here a view, no copy)
+            key, value = (t.as_strided(query.shape[:2] + t.shape[2:], (t.stride(0), 0, *t.stride()[2:]))
+                          for t in (key, value))
         return fused(query, key, value, 0.0, is_causal, scale=scale)[0]
 
     F.scaled_dot_product_attention = attention
@@ -146,3 +152,38 @@ def target_kernels(device_type: str) -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+class MetaAutocast(torch.overrides.TorchFunctionMode):
+    """Autocast for meta tensors, which torch's autocast leaves alone (it knows no meta device): while the host's
+    autocast is on (Lightning's ``*-mixed`` precision turns it on around each step), a matmul or attention on meta
+    floats computes in the autocast dtype and a norm, softmax or loss in float32, as on the device rehearsed, so that
+    what autograd saves has the size it would have there. Above autograd, as autocast is: the casts are saved."""
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LOW or func in _HIGH:
+            if torch.is_autocast_enabled(self.device_type):
+                dtype = torch.get_autocast_dtype(self.device_type) if func in _LOW else torch.float32
+                args, kwargs = _cast((args, kwargs), dtype)
+        return func(*args, **kwargs)
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+
+    def cast(t: Any) -> Any:
+        meta_float = isinstance(t, torch.Tensor) and t.device.type == "meta" and t.is_floating_point()
+        return t.to(dtype) if meta_float and t.dtype != dtype else t
+    return tree_map(cast, tree)
+
+
+_F = torch.nn.functional
+_LOW = {_F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.matmul,
+        torch.Tensor.__matmul__, _F.scaled_dot_product_attention}
+_HIGH = {_F.layer_norm, _F.softmax, _F.log_softmax, _F.cross_entropy, _F.nll_loss, torch.softmax, torch.log_softmax,
+         torch.layer_norm, _F.group_norm}
