@@ -143,6 +143,75 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+# -- the matrix: real sizes ---------------------------------------------------------------------------------
+
+# (workload, ranks, plan, global batch in sequences): Llama 3 at the sizes and scales people train it, bf16-mixed,
+# AdamW, sequences of 8,192 tokens, one sequence per microbatch.
+MATRIX = [
+    ("llama3-8b", 8, "zero3", 8), ("llama3-8b", 8, "zero3_ac", 8), ("llama3-8b", 64, "zero1_tp8", 8),
+    ("llama3-8b", 64, "zero2_cp2_ac", 32), ("llama3-70b", 64, "tp8_pp8_1f1b_mb8", 8),
+    ("llama3-70b", 64, "zero3_tp8_ac", 8), ("llama3-70b", 256, "zero1_tp8_pp4_interleaved_v2_mb8", 64),
+    ("llama3-70b", 256, "zero3_tp8_sp_ac", 32), ("llama3-70b", 1024, "zero1_tp8_pp8_zbv_mb8", 128),
+    ("llama3-405b", 1024, "zero1_tp8_pp16_1f1b_mb16", 128), ("llama3-405b", 1024, "zero1_tp8_pp16_1f1b_mb16_ac", 128),
+]
+
+
+def matrix_row(workload: str, world: int, plan: str, batch: int, base: Any) -> dict[str, Any]:
+    """One row of `MATRIX`: the first and the last stage's first rank rehearsed (under 1F1B and its kin the first
+    stage holds the most activations in flight, the last the logits), the worse of them beside the estimator."""
+    start = time.perf_counter()
+    config = replace(base, strategy=plan, workload=workload, batch_size=batch)
+    ends = roles(plan, world)
+    results = [rehearse_rank(config, rank, world, "cuda") for rank in sorted({ends[0], ends[-1]})]
+    worst = max(results, key=lambda r: r["memory_bytes"]["heap_peak"])
+    mine = worst["predicted"]["memory"][worst["rank"]]
+    return {"model": workload, "ranks": world, "plan": worst["plan"], "batch": batch, "rank": worst["rank"],
+            "rehearsed": worst["memory_bytes"]["heap_peak"], "states": worst["memory_bytes"]["total"],
+            "activations": worst["memory_bytes"]["activations_peak"],
+            "predicted": sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries")),
+            "predicted_states": sum(mine.get(k, 0) for k in CATEGORIES[:4]),
+            "predicted_activations": mine.get("activations", 0), "seconds": time.perf_counter() - start}
+
+
+def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
+    GiB = 2**30
+    lines = [f"# Rehearsed at real sizes ({time.strftime('%Y-%m-%d')})", "", f"`{command}`", "",
+             "One rank of each job rehearsed on this machine (`stratpack rehearse --target cuda`: NCCL's ranks, "
+             "bf16-mixed, AdamW, sequences of 8,192 tokens): the first and the last pipeline stage's first rank, the "
+             "worse shown. "
+             "GiB per rank: the steady peak (states + saved activations + the rest), beside the estimator's "
+             "(`stratpack plan`'s). Seconds: the row's two rehearsals on this machine.", "",
+             "| model | ranks | plan | batch | rank | rehearsed peak | estimator | off | states (est.) | activations "
+             "(est.) | s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['ranks']} | {r['plan']} | {r['batch']} | failed: {r['error']} |")
+            continue
+        off = (r["predicted"] - r["rehearsed"]) / r["rehearsed"]
+        lines.append(f"| {r['model']} | {r['ranks']:,} | `{r['plan']}` | {r['batch']} | {r['rank']} | "
+                     f"{r['rehearsed'] / GiB:,.1f} | {r['predicted'] / GiB:,.1f} | {off:+.0%} | "
+                     f"{r['states'] / GiB:,.1f} ({r['predicted_states'] / GiB:,.1f}) | "
+                     f"{r['activations'] / GiB:,.1f} ({r['predicted_activations'] / GiB:,.1f}) | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_matrix(args: argparse.Namespace, base: Any) -> int:
+    rows = []
+    for workload, world, plan, batch in MATRIX:
+        try:
+            rows.append(matrix_row(workload, world, plan, batch, base))
+        except Exception as err:  # noqa: BLE001 - a row that fails is reported, the others still run
+            rows.append({"model": workload, "ranks": world, "plan": plan, "batch": batch,
+                         "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+        print(rows[-1], flush=True)
+    text = matrix_report(rows, "stratpack rehearse --matrix")
+    print(text)
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(text)
+    return 0
+
+
 # -- the command line ---------------------------------------------------------------------------------------
 
 
@@ -152,8 +221,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rehearse", help="one rank of an N-rank job, run alone on meta tensors: its memory and "
                                         "communication beside the estimator's",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", help="the plan, e.g. zero3_tp2_pp2")
-    p.add_argument("--world-size", type=int, required=True, help="the job's ranks")
+    p.add_argument("plan", nargs="?", default="dp", help="the plan, e.g. zero3_tp2_pp2")
+    p.add_argument("--world-size", type=int, default=None, help="the job's ranks")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--rank", default="0", help="the rank to rehearse, or several: 0,5,7 (default 0)")
     who.add_argument("--all-roles", action="store_true",
@@ -161,6 +230,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
                    help="the ranks rehearsed: this host's gloo ranks (cpu), or a GPU job's NCCL ranks (cuda)")
     p.add_argument("--out", default=None, help="write every rank's figures as JSON here")
+    p.add_argument("--matrix", action="store_true",
+                   help="rehearse the real-size matrix instead (Llama 3 8B to 405B, 8 to 1,024 ranks; PLAN and "
+                        "--world-size are ignored): a markdown table beside the estimator's")
+    p.add_argument("--report", default=None, help="with --matrix: write the table here (docs/rehearsals-*.md)")
     add_run_options(p)
     p.set_defaults(func=command, steps=2)
 
@@ -173,6 +246,10 @@ def command(args: argparse.Namespace) -> int:
         os.environ.update(HEAP_ENV)
         os.execv(sys.executable, sys.orig_argv)
     config = config_from(args, args.plan)
+    if args.matrix:
+        return run_matrix(args, replace(config, seq_len=8192, precision="bf16-mixed", optimizer="adamw"))
+    if args.world_size is None:
+        raise SystemExit("stratpack rehearse: give the job's ranks, --world-size N (or --matrix)")
     ranks = roles(args.plan, args.world_size) if args.all_roles else [int(r) for r in args.rank.split(",")]
     if any(not 0 <= r < args.world_size for r in ranks):
         raise SystemExit(f"--rank: a rank of the job is 0..{args.world_size - 1}, got {args.rank}")

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from strategies import comm
 from strategies.lightning.strategy import PlanStrategy
+from strategies.measure.meta_heap import uncounted
 
 META = torch.device("meta")
 
@@ -103,6 +104,25 @@ class RehearsalStrategy(PlanStrategy):
             raise ValueError("a rehearsal needs the model built on meta: build it in configure_model() (or under "
                              "trainer.init_module(empty_init=True)); this one holds real weights")
         super().setup(trainer)
+
+    # What is meta in a real run too costs nothing there: the model's shapes before its slices are made (the build),
+    # and the pipeline's trace on shapes (`measure.meta_heap.uncounted`)
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:
+        with uncounted(), super().model_sharded_context():
+            yield
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        with uncounted(), super().tensor_init_context(empty_init):
+            yield
+
+    @override
+    def _tracing(self) -> contextlib.AbstractContextManager:
+        return uncounted()
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

@@ -231,7 +231,8 @@ class PlanStrategy(ParallelStrategy):
         def run_forward() -> None:  # set-up, not a step: what it logs is dropped, what it draws is given back
             # (a resumed run traces at its first step too: a draw here would shift its dropout masks)
             devices = [self.root_device] if self.root_device.type == "cuda" else []
-            with torch.no_grad(), deferred_logs(self.lightning_module), torch.random.fork_rng(devices=devices):
+            with torch.no_grad(), deferred_logs(self.lightning_module), torch.random.fork_rng(devices=devices), \
+                    self._tracing():
                 self._lightning_hook("training_step", micro, batch_idx, *args)
 
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward,
@@ -246,6 +247,10 @@ class PlanStrategy(ParallelStrategy):
             self.load_optimizer_state_dict(self._pending_optimizer)
             self._pending_optimizer = None
         return pipeline
+
+    def _tracing(self) -> contextlib.AbstractContextManager:
+        """Around the pipeline's trace (a rehearsal counts no memory there: `lightning.rehearsal`)."""
+        return contextlib.nullcontext()
 
     def _add_grad_sync(self) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None) is not None

@@ -39,6 +39,7 @@ class MetaHeap:
 
     def __init__(self, workspace: Callable[[int, int, int], float] | None = None) -> None:
         self.live = self.peak = self.start = 0
+        self.paused = 0  # inside `uncounted`
         self._sizes: dict[int, int] = {}  # storage (its C pointer) -> bytes counted
         # What the matrix library holds inside a (rows, inner) @ (inner, cols) matmul beyond its output, on the
         # device rehearsed (`calibrate.kernel_workspace` on a CPU: MKL's packing buffers); None: nothing
@@ -83,15 +84,17 @@ class MetaHeap:
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        _ACTIVE.append(self)
         try:
             with _Counting(self):
                 yield self
         finally:
+            _ACTIVE.remove(self)
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
     def count(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
-        if key in self._sizes:
+        if key in self._sizes or self.paused:
             return
         size = storage.nbytes()
         self._sizes[key] = size
@@ -115,6 +118,22 @@ class MetaHeap:
         if key in self._sizes:
             self._change(storage.nbytes() - self._sizes[key])
             self._sizes[key] = storage.nbytes()
+
+
+_ACTIVE: list[MetaHeap] = []  # the heaps tracking now (`MetaHeap.tracking`)
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Inside, the meta tensors made are what is meta in a real run too (a model's shapes before its slices are made,
+    the pipeline's trace on shapes): no memory there, so none counted here. Outside a rehearsal: nothing."""
+    for heap in _ACTIVE:
+        heap.paused += 1
+    try:
+        yield
+    finally:
+        for heap in _ACTIVE:
+            heap.paused -= 1
 
 
 class _Counting(TorchDispatchMode):
