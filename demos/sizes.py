@@ -4,6 +4,8 @@ in ``configure_model`` (on meta under the pack's plans), trained on random token
 
 Registered in pyproject's ``stratpack.workloads``: ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``qwen2-7b``,
 ``gpt2-xl``. ``--n-layer`` other than the default (0) keeps the width and cuts the depth (a quick look at a shape).
+And ``gpt-shape``: the demo GPT at the shape the run's options give (``--n-layer --n-embd --n-head --seq-len
+--vocab``), the block the estimator models, what `stratpack plan --rehearse` rehearses a model known by its size as.
 """
 
 from __future__ import annotations
@@ -104,3 +106,26 @@ def _depth(config: Any) -> int:
 LLAMA3_8B, LLAMA3_70B = SizedWorkload("llama3-8b"), SizedWorkload("llama3-70b")
 LLAMA3_405B = SizedWorkload("llama3-405b")
 QWEN2_7B, GPT2_XL = SizedWorkload("qwen2-7b"), SizedWorkload("gpt2-xl")
+
+
+@dataclass(frozen=True)
+class GPTShapeWorkload:
+    """The demo GPT at ``config``'s shape (its vocabulary ``config.vocab``), built in configure_model, on random ids."""
+
+    def lightning(self, config: Any) -> tuple[Any, Any]:
+        from demos.gpt import GPTConfig, GPTModule
+
+        shape = GPTConfig(vocab_size=config.vocab or 32000, n_layer=config.n_layer, n_head=config.n_head,
+                          n_embd=config.n_embd, seq_len=config.seq_len)
+        module = GPTModule(shape, lr=config.lr, optimizer=config.optimizer, configure_model=True)
+        samples = config.batch_size * config.accumulate * max(config.steps, 1)
+        ids = torch.randint(shape.vocab_size, (samples, config.seq_len + 1),
+                            generator=torch.Generator().manual_seed(config.seed))
+        return module, torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+    def model_config(self, config: Any) -> dict[str, Any]:
+        return {"vocab_size": config.vocab or 32000, "n_layer": config.n_layer, "n_head": config.n_head,
+                "n_embd": config.n_embd, "seq_len": config.seq_len}
+
+
+GPT_SHAPE = GPTShapeWorkload()

@@ -7,6 +7,9 @@ by the storage itself there.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 
@@ -22,3 +25,55 @@ def address(t: torch.Tensor) -> tuple[int, int]:
     if t.device.type == "meta":
         return storage_id(t), t.storage_offset() * t.element_size()
     return t.data_ptr(), 0
+
+
+class MetaAutocast(torch.overrides.TorchFunctionMode):
+    """Autocast for meta tensors, which torch's autocast leaves alone (it knows no meta device): while the host's
+    autocast is on (Lightning's ``*-mixed`` precision turns it on around each step), a matmul or attention on meta
+    floats computes in the autocast dtype and a norm, softmax or loss in float32, as on the device rehearsed, so that
+    what autograd saves has the size it would have there. Above autograd, as autocast is: the casts are saved."""
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def __enter__(self) -> MetaAutocast:
+        _AUTOCASTING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _AUTOCASTING.remove(self)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LOW or func in _HIGH:
+            if torch.is_autocast_enabled(self.device_type):
+                dtype = torch.get_autocast_dtype(self.device_type) if func in _LOW else torch.float32
+                args, kwargs = meta_cast((args, kwargs), dtype)
+        return func(*args, **kwargs)
+
+
+def meta_cast(tree: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+
+    def cast(t: Any) -> Any:
+        meta_float = isinstance(t, torch.Tensor) and t.device.type == "meta" and t.is_floating_point()
+        return t.to(dtype) if meta_float and t.dtype != dtype else t
+    return tree_map(cast, tree)
+
+
+_F = torch.nn.functional
+_LOW = {_F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.matmul,
+        torch.Tensor.__matmul__, _F.scaled_dot_product_attention}
+_HIGH = {_F.layer_norm, _F.softmax, _F.log_softmax, _F.cross_entropy, _F.nll_loss, torch.softmax, torch.log_softmax,
+         torch.layer_norm, _F.group_norm}
+
+
+_AUTOCASTING: list[MetaAutocast] = []  # entered now
+
+
+def meta_autocast_again() -> Any:
+    """`MetaAutocast` entered again where it is on (a recompute inside backward, which runs without it), else
+    nothing."""
+    return MetaAutocast(_AUTOCASTING[-1].device_type) if _AUTOCASTING else contextlib.nullcontext()

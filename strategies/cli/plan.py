@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Lightning's precision, for the layout it implies: 32-true, bf16-mixed and 16-mixed hold "
                         "4 + 4 + 8 bytes per parameter with Adam, bf16-true and 16-true 2 + 2 + 4")
     p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.add_argument("--rehearse", action="store_true",
+                   help="rehearse the top three plans that fit (`stratpack rehearse --target cuda`: the demo GPT at "
+                        "this shape, one rank of the first and of the last stage) and mark any whose rehearsed peak "
+                        "does not fit --gpu-mem")
     p.add_argument("--calibrate", action="store_true",
                    help="time steps with this machine's FLOP/s and links, measured at --gpus ranks (a few seconds, "
                         "then cached; see strategies.measure.calibrate) instead of H100 defaults")
@@ -81,7 +85,33 @@ def _rank_plans(args: argparse.Namespace) -> int:
     if not fits:
         print("none fits: more GPUs, more memory per GPU, or a smaller batch", file=sys.stderr)
         return 1
+    if args.rehearse:
+        return _rehearse_top(args, shape, fits[:3], batch)
     return 0
+
+
+def _rehearse_top(args: argparse.Namespace, shape: Any, picks: list, batch: int) -> int:
+    """Rehearse ``picks`` (`rehearse.rehearse_ends`) as the demo GPT at ``shape``; 1 if any does not fit."""
+    from dataclasses import replace
+
+    from strategies.cli.rehearse import rehearse_ends
+    from strategies.cli.train import RunConfig
+    from strategies.measure.planner import GiB
+
+    base = RunConfig(workload="gpt-shape", n_layer=shape.layers, n_head=shape.heads, n_embd=shape.hidden,
+                     seq_len=shape.seq, vocab=shape.vocab, batch_size=batch, precision=args.precision, steps=2,
+                     wandb="off")
+    print(f"rehearsed (the demo GPT at this shape, {args.precision}, AdamW; one rank of the first and the last "
+          "stage, the worse shown), GiB per rank:")
+    failed = 0
+    for pick in picks:
+        row = rehearse_ends(replace(base, strategy=pick.estimate.plan), args.gpus)
+        fits = row["rehearsed"] <= args.gpu_mem * GiB
+        failed += not fits
+        print(f"  {row['plan']:<40} rehearsed {row['rehearsed'] / GiB:7.1f} (rank {row['rank']}), estimator "
+              f"{row['predicted'] / GiB:7.1f}: {'fits' if fits else 'does NOT fit'} {args.gpu_mem:g} GiB "
+              f"({row['seconds']:.0f} s)")
+    return 1 if failed else 0
 
 
 def calibrated_hardware(ranks: int, memory: float):

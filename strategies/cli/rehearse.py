@@ -35,8 +35,9 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") 
 
     from strategies.cli.train import _loader, _model_config
     from strategies.cli.workload import find_workload
-    from strategies.lightning.rehearsal import MetaAutocast, leave_fake_world, target_kernels
+    from strategies.lightning.rehearsal import leave_fake_world, target_kernels
     from strategies.measure.predict import predict_run
+    from strategies.tensors import MetaAutocast
 
     config = replace(config, configure_model=True, devices=world_size, num_nodes=1)
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -156,21 +157,25 @@ MATRIX = [
 ]
 
 
-def matrix_row(workload: str, world: int, plan: str, batch: int, base: Any) -> dict[str, Any]:
-    """One row of `MATRIX`: the first and the last stage's first rank rehearsed (under 1F1B and its kin the first
-    stage holds the most activations in flight, the last the logits), the worse of them beside the estimator."""
+def rehearse_ends(config: Any, world: int, target: str = "cuda") -> dict[str, Any]:
+    """``config``'s plan at ``world`` ranks: the first and the last stage's first rank rehearsed (under 1F1B and its
+    kin the first stage holds the most activations in flight, the last the logits), the worse beside the estimator."""
     start = time.perf_counter()
-    config = replace(base, strategy=plan, workload=workload, batch_size=batch)
-    ends = roles(plan, world)
-    results = [rehearse_rank(config, rank, world, "cuda") for rank in sorted({ends[0], ends[-1]})]
+    ends = roles(config.strategy, world)
+    results = [rehearse_rank(config, rank, world, target) for rank in sorted({ends[0], ends[-1]})]
     worst = max(results, key=lambda r: r["memory_bytes"]["heap_peak"])
     mine = worst["predicted"]["memory"][worst["rank"]]
-    return {"model": workload, "ranks": world, "plan": worst["plan"], "batch": batch, "rank": worst["rank"],
-            "rehearsed": worst["memory_bytes"]["heap_peak"], "states": worst["memory_bytes"]["total"],
-            "activations": worst["memory_bytes"]["activations_peak"],
+    return {"model": config.workload, "ranks": world, "plan": worst["plan"], "batch": config.batch_size,
+            "rank": worst["rank"], "rehearsed": worst["memory_bytes"]["heap_peak"],
+            "states": worst["memory_bytes"]["total"], "activations": worst["memory_bytes"]["activations_peak"],
             "predicted": sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries")),
             "predicted_states": sum(mine.get(k, 0) for k in CATEGORIES[:4]),
             "predicted_activations": mine.get("activations", 0), "seconds": time.perf_counter() - start}
+
+
+def matrix_row(workload: str, world: int, plan: str, batch: int, base: Any) -> dict[str, Any]:
+    """One row of `MATRIX` (`rehearse_ends`)."""
+    return rehearse_ends(replace(base, strategy=plan, workload=workload, batch_size=batch), world)
 
 
 def matrix_report(rows: list[dict[str, Any]], command: str) -> str:

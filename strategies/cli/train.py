@@ -58,6 +58,7 @@ class RunConfig:
     heap: bool = False  # sample the C heap through the run (CPU): memory_bytes["heap_peak"] (slows the run)
     check_first_batch: bool = True  # a plan's first loss against the whole model's (`lightning.first_batch`)
     configure_model: bool = False  # the model built in configure_model: on meta, each rank making its slice
+    vocab: int | None = None  # a sized workload's vocabulary (`gpt-shape`); the demo's is its corpus's characters
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -360,6 +361,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check-first-batch", dest="check_first_batch", action="store_false",
                    help="skip the first-batch check (a plan's first loss against the whole model's, which stops a "
                         "run that computes something else)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="the vocabulary of a workload built to a shape (gpt-shape); the demo's is its corpus's")
     p.add_argument("--workload", default=defaults.workload,
                    help="what to train: a registered workload (default: gpt, the demo) or module:object")
 

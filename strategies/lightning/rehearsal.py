@@ -23,6 +23,7 @@ from typing_extensions import override
 from strategies import comm
 from strategies.lightning.strategy import PlanStrategy
 from strategies.measure.meta_heap import uncounted
+from strategies.tensors import meta_cast
 
 META = torch.device("meta")
 
@@ -161,7 +162,7 @@ def target_kernels(device_type: str) -> Iterator[None]:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, **kwargs)
         if torch.is_autocast_enabled("cpu"):  # (the wrapper is Python: `MetaAutocast` does not see it)
-            query, key, value = _cast((query, key, value), torch.get_autocast_dtype("cpu"))
+            query, key, value = meta_cast((query, key, value), torch.get_autocast_dtype("cpu"))
         if heads != groups:  # grouped keys and values: read in place by the kernel (here a view, no copy)
             key, value = (t.as_strided(query.shape[:2] + t.shape[2:], (t.stride(0), 0, *t.stride()[2:]))
                           for t in (key, value))
@@ -172,38 +173,3 @@ def target_kernels(device_type: str) -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
-
-
-class MetaAutocast(torch.overrides.TorchFunctionMode):
-    """Autocast for meta tensors, which torch's autocast leaves alone (it knows no meta device): while the host's
-    autocast is on (Lightning's ``*-mixed`` precision turns it on around each step), a matmul or attention on meta
-    floats computes in the autocast dtype and a norm, softmax or loss in float32, as on the device rehearsed, so that
-    what autograd saves has the size it would have there. Above autograd, as autocast is: the casts are saved."""
-
-    def __init__(self, device_type: str = "cpu") -> None:
-        super().__init__()
-        self.device_type = device_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _LOW or func in _HIGH:
-            if torch.is_autocast_enabled(self.device_type):
-                dtype = torch.get_autocast_dtype(self.device_type) if func in _LOW else torch.float32
-                args, kwargs = _cast((args, kwargs), dtype)
-        return func(*args, **kwargs)
-
-
-def _cast(tree: Any, dtype: torch.dtype) -> Any:
-    from torch.utils._pytree import tree_map
-
-    def cast(t: Any) -> Any:
-        meta_float = isinstance(t, torch.Tensor) and t.device.type == "meta" and t.is_floating_point()
-        return t.to(dtype) if meta_float and t.dtype != dtype else t
-    return tree_map(cast, tree)
-
-
-_F = torch.nn.functional
-_LOW = {_F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.matmul,
-        torch.Tensor.__matmul__, _F.scaled_dot_product_attention}
-_HIGH = {_F.layer_norm, _F.softmax, _F.log_softmax, _F.cross_entropy, _F.nll_loss, torch.softmax, torch.log_softmax,
-         torch.layer_norm, _F.group_norm}
