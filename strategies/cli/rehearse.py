@@ -154,7 +154,11 @@ MATRIX = [
     ("llama3-70b", 64, "zero3_tp8_ac", 8), ("llama3-70b", 256, "zero1_tp8_pp4_interleaved_v2_mb8", 64),
     ("llama3-70b", 256, "zero3_tp8_sp_ac", 32), ("llama3-70b", 1024, "zero1_tp8_pp8_zbv_mb8", 128),
     ("llama3-405b", 1024, "zero1_tp8_pp16_1f1b_mb16", 128), ("llama3-405b", 1024, "zero1_tp8_pp16_1f1b_mb16_ac", 128),
+    # the estimator's own block (the demo GPT) at Llama 3 70B's shape
+    ("gpt-shape", 64, "tp8_pp8_1f1b_mb8", 8), ("gpt-shape", 64, "zero3_tp8_ac", 8),
+    ("gpt-shape", 256, "zero1_tp8_pp4_interleaved_v2_mb8", 64),
 ]
+GPT_70B = {"n_layer": 80, "n_embd": 8192, "n_head": 64, "vocab": 128256}  # gpt-shape's rows
 
 
 def rehearse_ends(config: Any, world: int, target: str = "cuda") -> dict[str, Any]:
@@ -175,7 +179,8 @@ def rehearse_ends(config: Any, world: int, target: str = "cuda") -> dict[str, An
 
 def matrix_row(workload: str, world: int, plan: str, batch: int, base: Any) -> dict[str, Any]:
     """One row of `MATRIX` (`rehearse_ends`)."""
-    return rehearse_ends(replace(base, strategy=plan, workload=workload, batch_size=batch), world)
+    shape = GPT_70B if workload == "gpt-shape" else {}
+    return rehearse_ends(replace(base, strategy=plan, workload=workload, batch_size=batch, **shape), world)
 
 
 def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
@@ -183,7 +188,8 @@ def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
     lines = [f"# Rehearsed at real sizes ({time.strftime('%Y-%m-%d')})", "", f"`{command}`", "",
              "One rank of each job rehearsed on this machine (`stratpack rehearse --target cuda`: NCCL's ranks, "
              "bf16-mixed, AdamW, sequences of 8,192 tokens): the first and the last pipeline stage's first rank, the "
-             "worse shown. "
+             "worse shown. `gpt-shape`: the demo GPT (the block the estimator models) at Llama 3 70B's shape "
+             "(80 x 8,192, 64 heads, vocabulary 128,256). "
              "GiB per rank: the steady peak (states + saved activations + the rest), beside the estimator's "
              "(`stratpack plan`'s). Seconds: the row's two rehearsals on this machine.", "",
              "| model | ranks | plan | batch | rank | rehearsed peak | estimator | off | states (est.) | activations "

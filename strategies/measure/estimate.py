@@ -235,15 +235,22 @@ def setup_peaks(shape: ModelShape, plan: ParallelPlan, memory: list[dict[str, fl
 
 
 def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_bytes: float,
-                backend: str = "nccl") -> Pieces:
-    """The bytes of one microbatch's step on a rank (`peak.Pieces`; the counts are in the module docstring there)."""
+                backend: str = "nccl", wide_bytes: float | None = None) -> Pieces:
+    """The bytes of one microbatch's step on a rank (`peak.Pieces`; the counts are in the module docstring there).
+    ``wide_bytes``: of an element of the residual stream and of the loss's input (default ``act_bytes``). Under
+    autocast (``*-mixed``) they stay in the weights' float32 while the matmuls' outputs are half: each norm keeps its
+    float32 input and each matmul a half copy of the norm's output (found by rehearsing, `stratpack rehearse`)."""
     s, h, t = shape.seq / plan.cp, shape.hidden, plan.tp  # cp: this rank's part of each sequence
     b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
     u = b * s * h * act_bytes
-    boundary = u / t if plan.sp else u
+    r = u * (wide_bytes or act_bytes) / act_bytes  # the residual stream's
+    boundary = r / t if plan.sp else r
     scores = 0.0 if shape.flash_attention else shape.heads * s / h * u / t  # softmax's output, kept for backward
-    whole = ((2 + 14 / t) * u if plan.sp else (4 + 12 / t) * u) + scores
-    logits = b * s * shape.vocab * act_bytes / _vocab_split(plan)
+    # two residual adds' outputs (the stream, kept by the next norms) and the two norms' outputs (kept by the
+    # column-parallel layers, half under autocast), the rest split; under sp the stream is split too and the
+    # column-parallel inputs gathered whole
+    whole = (2 * u + 2 * r / t + 12 / t * u if plan.sp else 2 * r + 2 * u + 12 / t * u) + scores
+    logits = b * s * shape.vocab * (wide_bytes or act_bytes) / _vocab_split(plan)
     split, kept = shape.block()
     unit = (math.ceil(split / t) + kept) * weight_bytes if plan.data.stage == 3 else 0.0
     # Recompute makes a block's activations again but not its output (the residual add, which it drops).
@@ -395,7 +402,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     _check_plan(shape, plan)
     weight_bytes, grad_bytes, _, default_act = layout(precision)
     act_bytes = act_bytes or default_act
-    pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend)
+    mixed = _ALIASES.get(str(precision), str(precision)).endswith("-mixed")
+    pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend, weight_bytes if mixed else None)
     ranges, per_stage = _stages(shape, plan)
     stages = len(ranges)
     tables = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None

@@ -90,6 +90,9 @@ class SavedTensorsMeter:
         self._exclude = {_storage_key(p) for p in module.parameters()} if module is not None else set()
         # ZeRO-3 gathers parameters into storage that did not exist when the meter started.
         self._param_buffers = param_buffers or (lambda: ())
+        # Their bytes when gathered (fixed): a saved storage of another size is none of them, found without asking
+        # each one where it is (a 70B model has 80)
+        self._buffer_count, self._buffer_sizes = 0, set()
         self._live: dict[tuple[str, int], list[int]] = {}  # storage -> [references held, bytes]
         self.live = 0
         self.bytes = 0
@@ -99,7 +102,12 @@ class SavedTensorsMeter:
         key = _storage_key(t)
         if key in self._exclude:
             return t
-        if key not in self._live and any(_storage_key(b) == key for b in self._param_buffers()):
+        buffers = self._param_buffers() if key not in self._live else ()
+        if buffers and len(buffers) != self._buffer_count:  # (a pipeline adds ZeRO-3 in its first step)
+            self._buffer_sizes = {b.numel() * b.element_size() for b in buffers}
+            self._buffer_count = len(buffers)
+        if buffers and t.untyped_storage().nbytes() in self._buffer_sizes and \
+                any(_storage_key(b) == key for b in buffers):
             # A gathered ZeRO-3 unit: asked each time, not remembered. It moves when gathered again, and the address it
             # left may hold an activation next (remembered, such activations went uncounted: up to 5% of the peak).
             return t

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strategies import comm
 from strategies.comm import Axis
 from strategies.tensor_parallel import proof
 
@@ -135,6 +136,8 @@ def _decide(name: str, m: nn.Module, layers: dict[str, Any], tp: int) -> str:
     """``"own"``: the user's forward runs on the slice; ``"ours"``: nanoGPT's forward replaced by one proven equal;
     ``"unprobed"``: nothing to probe it with. Raises when neither is proven."""
     nano = _is_nanogpt_attention(m)
+    if comm.rehearsing() and not nano:  # a rehearsal (shapes only): the probe's real float64 copies cost a minute
+        return "unprobed"               # at 8B, for a verdict that leaves the split as it is; a real run probes
     x = proof.probe_input(m, layers)
     own = proof.check(m, layers, tp, lambda c, x: c(x), x, _localise_copy) if x is not None else None
     if own is None or not own.probed:
