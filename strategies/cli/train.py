@@ -361,6 +361,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check-first-batch", dest="check_first_batch", action="store_false",
                    help="skip the first-batch check (a plan's first loss against the whole model's, which stops a "
                         "run that computes something else)")
+    _workload_options(p, defaults)
+
+
+def _workload_options(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
     p.add_argument("--vocab", type=int, default=None,
                    help="the vocabulary of a workload built to a shape (gpt-shape); the demo's is its corpus's")
     p.add_argument("--workload", default=defaults.workload,
