@@ -101,9 +101,6 @@ class RehearsalStrategy(PlanStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if self.plan.offload:
-            raise ValueError("a rehearsal does not model offload yet: its host copies would be real tensors. Rehearse "
-                             "the plan without offload (the device's side is the same less the optimizer state)")
         if not any(p.device.type == "meta" for p in self.lightning_module.parameters()):
             raise ValueError("a rehearsal needs the model built on meta: build it in configure_model() (or under "
                              "trainer.init_module(empty_init=True)); this one holds real weights")

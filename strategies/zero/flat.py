@@ -44,7 +44,8 @@ class FlatParam:
         self.shard = view.clone() if own_shard else view
         self.grad_shard: torch.Tensor | None = None  # the reduce-scatter's output, from launch to `ZeroGradSync.finish`
         self.offload = offload
-        master = self.shard.detach().to("cpu", copy=True) if offload else self.shard
+        host = "meta" if device.type == "meta" else "cpu"  # (a rehearsal's host copies are shapes too)
+        master = self.shard.detach().to(host, copy=True) if offload else self.shard
         if offload and device.type == "cuda":
             master = master.pin_memory()  # async host<->device copies
         self.master = nn.Parameter(master)
