@@ -126,8 +126,8 @@ def checked_programs(plan: str) -> int | None:
 def report(results: list[dict[str, Any]]) -> str:
     """Each rehearsed rank's memory and communication beside the estimator's, then the worst rank."""
     lines = [line for r in results for line in _rank_lines(r)]
-    worst = max(results, key=lambda r: r["memory_bytes"].get("heap_peak", 0))
-    lines.append(f"worst: rank {worst['rank']}, steady peak {worst['memory_bytes'].get('heap_peak', 0) / MiB:.2f} MiB")
+    worst = max(results, key=lambda r: r["device_peak"])
+    lines.append(f"worst: rank {worst['rank']}, steady peak on the device {worst['device_peak'] / MiB:.2f} MiB")
     return "\n".join(lines)
 
 

@@ -132,11 +132,13 @@ def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, 
     """Issue ``call``, count it, log it, and time it now (sync) or at ``wait()`` (async). On meta tensors (a pipeline
     traced on a model built on meta, every rank alike) nothing is sent: the outputs' shapes are all there is."""
     axis.stats.record(op, axis.name, sent=sent, recv=recv)
-    if _rehearsing[0] or any(t.device.type == "meta" for t in tensors):
-        meta = any(t.device.type == "meta" for t in tensors)
-        if _rehearsing[0] and not meta:
+    meta = any(t.device.type == "meta" for t in tensors)
+    if _rehearsing[0] or meta:
+        held = None
+        if _rehearsing[0] and meta:
+            held = _backend_buffers(op, axis, tensors)
+        elif _rehearsing[0]:
             _alike(op, axis, tensors, reduce)
-        held = _backend_buffers(op, axis, tensors) if _rehearsing[0] and meta else None
         return Handle(None, axis, op, held=held) if async_op else None
     record = RECORDER.start(op, axis, tensors, peer)
     if op not in (Op.SEND, Op.RECV) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):
