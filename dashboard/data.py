@@ -46,10 +46,17 @@ def _num(value: Any) -> float | None:
         return None
 
 
+def rehearsed(run: dict[str, Any]) -> bool:
+    """Whether the run is a rehearsal (`stratpack rehearse`: ranks of the job run alone on meta tensors)."""
+    return run["meta"].get("kind") == "rehearsal"
+
+
 def label(run: dict[str, Any]) -> str:
-    """How a run is shown: strategy, ranks, and the end of its id (repeats of one strategy stay apart)."""
+    """How a run is shown: strategy, ranks (and "rehearsed" for a rehearsal), and the end of its id (repeats of one
+    strategy stay apart)."""
     meta = run["meta"]
-    return f"{meta.get('label') or run['id']} ({meta.get('world_size', '?')}) #{run['id'][-4:]}"
+    ranks = f"{meta.get('world_size', '?')}, rehearsed" if rehearsed(run) else meta.get("world_size", "?")
+    return f"{meta.get('label') or run['id']} ({ranks}) #{run['id'][-4:]}"
 
 
 def progress(run: dict[str, Any]) -> str:

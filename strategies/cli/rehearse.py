@@ -5,7 +5,9 @@ run, on meta tensors (`strategies.lightning.rehearsal`): every collective and me
 sent, and every byte its tensors would take is counted as torch makes and frees them (`measure.meta_heap`). The
 report gives, per rank, memory by category (parameters, gradients, optimizer, host, saved activations, the rest of
 the step's peak) and the set-up and steady peaks, bytes per collective and axis, each beside the estimator's; and
-for a pipeline, its programs at this size checked under NCCL's rules (`pipeline.messages.check`).
+for a pipeline, its programs at this size checked under NCCL's rules (`pipeline.messages.check`). The rehearsed
+ranks are also written to the run store (``--runs-dir``) as one run of kind "rehearsal" (`store_rehearsal`), which
+the dashboard's Memory and Communication pages show beside real runs, marked as rehearsed.
 
 ``--target cpu`` (the default) rehearses this host's gloo ranks: gloo's buffers and the matrix library's workspace
 measured here; ``--target cuda`` a GPU job's NCCL ranks (no backend buffers, no CPU workspace).
@@ -57,6 +59,7 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") 
     return {"rank": rank, "world_size": world_size, "label": config.strategy,
             "plan": str(trainer.strategy.resolved_plan), "target": target, "config": asdict(config), "model": model,
             "predicted": predicted, "seconds": time.perf_counter() - start,
+            "num_params": getattr(trainer.strategy, "built_num_params", None),
             "memory_bytes": monitor.summary["memory_bytes"], "comm_per_step": monitor.summary["comm_per_step"],
             "device_peak": _device_peak(monitor.summary["memory_bytes"], target)}
 
@@ -148,6 +151,38 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     if r.get("rounds") is not None:
         lines.append(f"  pipeline programs: checked under NCCL's rules ({r['rounds']} rounds)")
     return lines
+
+
+def store_rehearsal(results: list[dict[str, Any]], root: str | None, comparison: str | None) -> str:
+    """Write the rehearsed ranks into the run store as one run of the job, as the monitor writes a real run: meta
+    (``kind`` "rehearsal", the ranks rehearsed, the target, the worst; the estimator's figures as ``predicted``), one
+    record per rehearsed rank (its memory and bytes per step), and a summary whose ``comm_per_step`` and
+    ``memory_bytes`` are the lowest rehearsed rank's (a real run's are rank 0's) and whose ``memory_bytes_per_rank``
+    is null for the ranks not rehearsed. Returns the run's folder."""
+    from strategies import runs
+    from strategies.plan import ParallelPlan
+
+    results = sorted(results, key=lambda r: r["rank"])
+    first, world = results[0], results[0]["world_size"]
+    run_id = runs.new_run_id(f"{first['label']}-rehearsal")
+    rehearsal = {"ranks": [r["rank"] for r in results], "target": first["target"],
+                 "worst_rank": max(results, key=lambda r: r["device_peak"])["rank"]}
+    meta = runs.run_meta(run_id=run_id, label=first["label"], comparison=comparison, world_size=world,
+                         devices=[f"{first['target']} (rehearsed)"], plan=ParallelPlan.parse(first["plan"]),
+                         model=first["model"], num_params=first["num_params"], kind="rehearsal", rehearsal=rehearsal,
+                         predicted=first["predicted"], run_config=first["config"], seed=first["config"]["seed"])
+    # The process's resident memory is this rehearsal's, not the rank's: left out.
+    memory = {r["rank"]: {k: v for k, v in r["memory_bytes"].items() if k != "peak_rss"} for r in results}
+    summary = {"steps": first["config"]["steps"], "world_size": world, "comm_per_step": first["comm_per_step"],
+               "memory_bytes": memory[first["rank"]], "memory_bytes_per_rank": [memory.get(k) for k in range(world)]}
+    for r in results:
+        writer = runs.RunWriter(root, run_id, r["rank"])
+        if r is first:
+            writer.write_meta(meta)
+        writer.append({"step": summary["steps"], "time": time.time(), "memory": memory[r["rank"]],
+                       "comm": r["comm_per_step"], "steps": summary["steps"]})
+        writer.finish(summary if r is results[-1] else None)  # the summary last: it marks the run complete
+    return str(writer.path)
 
 
 # -- the matrix: real sizes ---------------------------------------------------------------------------------
@@ -276,6 +311,7 @@ def command(args: argparse.Namespace) -> int:
         result["rounds"] = checked_programs(result["plan"])
         results.append(result)
     print(report(results))
+    print(f"written to the run store: {store_rehearsal(results, args.runs_dir, args.comparison)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

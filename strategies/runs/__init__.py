@@ -13,7 +13,9 @@ Schema version 1 (`SCHEMA`), present in every file and record:
   ``degrees`` {dp, tp, pp, microbatches, virtual}, ``world_size``, ``devices`` (names), ``versions``
   {torch, lightning, stratpack, python}, ``model`` (config), ``num_params``, ``seed``, ``git``, ``started``
   (unix time), ``predicted`` (the estimator's figures, or null); from ``stratpack bench`` also ``bench``
-  (the pair, its ratios and both sides' per-rank peaks; ``role`` "ours" or "peer").
+  (the pair, its ratios and both sides' per-rank peaks; ``role`` "ours" or "peer"); from ``stratpack rehearse``
+  ``kind`` "rehearsal" (absent for a real run) and ``rehearsal`` {ranks, target, worst_rank}: one record per
+  rehearsed rank, and a summary of the lowest rehearsed rank (``memory_bytes_per_rank`` null for the others).
 - ``rank*.jsonl`` records: ``schema``, ``rank``, ``step``, ``time`` (unix), ``step_time_s``, ``loss``
   (this rank's), ``lr``, ``samples_per_s``, ``tokens_per_s``, ``memory`` (bytes by category:
   params, grads, optimizer, host, activations_peak, logits (the output layer's largest output, 1/tp of the

@@ -27,6 +27,7 @@ META_SHAPE = {
     "!": ("schema", "run_id", "label"), "schema": "int", "run_id": "str", "label": "str", "comparison": ("str", None),
     "plan": ("str", None), "degrees": ({"*": ("int", None)}, None), "world_size": ("int", None), "devices": ["str"],
     "num_params": ("int", None), "predicted": ({"memory": [_MEMORY]}, None), "wandb_run": ("str", None),
+    "kind": ("str", None),
 }
 RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time": _NUM, "step_time_s": _NUM,
                 "loss": _NUM, "tokens_per_s": _NUM, "memory": (_MEMORY, None), "split": ({"*": _NUM}, None),

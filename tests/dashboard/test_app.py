@@ -179,6 +179,25 @@ def test_step_time_rows_keep_numbers_only_from_records_the_schema_lets_through()
                      ("predicted", "backward"): 0.0, ("predicted", "other"): 0.1}
 
 
+def test_a_rehearsal_shows_beside_real_runs_on_the_memory_and_communication_pages_marked_as_rehearsed():
+    # Rank 5 of a 64-rank job, rehearsed alone (`stratpack rehearse --rank 5`), beside a real 1-rank run.
+    memory = {"params": 100, "grads": 100, "optimizer": 200, "host": 0, "total": 400, "activations_peak": 50,
+              "heap_peak": 600, "setup_peak": 500}
+    comm = {"all_gather/dp": {"calls": 2, "bytes_sent": 64.0, "bytes_recv": 64.0, "wait_s": 0.0}}
+    real = {"id": "r1-dp-cd34", "meta": {"label": "dp", "world_size": 1}, "records": {0: [{"memory": memory}]},
+            "summary": {"comm_per_step": comm, "memory_bytes_per_rank": [memory]}}
+    rehearsal = {"id": "r2-zero3-rehearsal-ab12", "records": {5: [{"step": 2, "memory": memory, "comm": comm}]},
+                 "meta": {"label": "zero3", "world_size": 64, "kind": "rehearsal", "rehearsal": {"ranks": [5]},
+                          "predicted": {"memory": [{"params": 90}] * 64, "setup": [450] * 64}},
+                 "summary": {"comm_per_step": comm, "memory_bytes_per_rank": [None] * 5 + [memory] + [None] * 58}}
+    runs, ours, theirs = [real, rehearsal], "dp (1) #cd34", "zero3 (64, rehearsed) #ab12"
+    assert [(r["run"], r["rank"], r["source"], r["bytes"]) for r in data.memory_rows(runs) if r["category"] == "params"
+            ] == [(ours, 0, "measured", 100), (theirs, 5, "measured", 100), (theirs, 5, "predicted", 90)]
+    assert [(r["run"], r["rank"], r["set-up MiB (predicted)"]) for r in data.peak_rows(runs)] == [
+        (ours, 0, None), (theirs, 5, 450 / 2**20)]
+    assert [(r["run"], r["bytes"]) for r in data.comm_rows(runs)] == [(ours, 64), (theirs, 64)]
+
+
 def test_no_page_uses_what_its_streamlit_warns_is_going_away(store):
     """Streamlit logs each deprecated argument it is given (``use_container_width``, say) through its deprecation
     logger, whatever the browser shows: every page, drawn here, must log nothing there, and no dashboard source may

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from dashboard import data
 from strategies.plan import ParallelPlan
 from tests.helpers import COMMON, train_demo
 
@@ -27,11 +28,12 @@ CASES = [("zero3", 4), ("tp2_pp2", 4), ("zero3_tp2_pp2", 8)]
 STATES = ("params", "grads", "optimizer", "host", "total")
 
 
-def rehearse(tmp_path, plan: str, world: int) -> list[dict]:
+def rehearse(tmp_path, plan: str, world: int, run: tuple[str, ...] = RUN) -> list[dict]:
+    """Every rank of ``plan`` at ``world`` rehearsed (`stratpack rehearse`), into the run store tmp_path/runs."""
     out = tmp_path / f"rehearsal-{plan}.json"
     ranks = ",".join(str(r) for r in range(world))
     cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", ranks,
-           "--out", str(out), *COMMON, *RUN]
+           "--out", str(out), "--runs-dir", str(tmp_path / "runs"), *COMMON, *run]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "pipeline programs: checked" in proc.stdout or "pp" not in plan
@@ -68,3 +70,20 @@ def test_a_rehearsal_sends_and_holds_what_the_real_run_does(tmp_path, plan: str,
         reached = max(m["heap_peak"] for other, m in enumerate(real["memory_bytes_per_rank"])
                       if ParallelPlan.parse(r["plan"]).coordinates(other)["pp"] == stage)
         assert abs(got["heap_peak"] - reached) <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
+
+
+def test_a_rehearsal_is_stored_as_a_run_the_dashboard_shows_as_rehearsed(tmp_path):
+    # The smallest job: the demo GPT at COMMON's size, dp at 2 ranks, both rehearsed, 2 steps (about 8 s).
+    rehearsed = rehearse(tmp_path, "dp", 2, ("--steps", "2"))
+    (run,), problems = data.load_runs(tmp_path / "runs")
+    assert not problems and run["status"] == "complete"
+    assert run["meta"]["kind"] == "rehearsal" and run["meta"]["rehearsal"]["ranks"] == [0, 1]
+    assert run["meta"]["world_size"] == 2 and run["meta"]["predicted"] == rehearsed[0]["predicted"]
+    name = "dp (2, rehearsed) #" + run["id"][-4:]
+    memory = {(r["rank"], r["source"]): r["bytes"] for r in data.memory_rows([run]) if r["category"] == "params"}
+    assert memory == {(r["rank"], s): float(r["memory_bytes"]["params"] if s == "measured" else
+                                            r["predicted"]["memory"][r["rank"]]["params"])
+                      for r in rehearsed for s in ("measured", "predicted")}
+    assert [(r["run"], r["rank"]) for r in data.peak_rows([run])] == [(name, 0), (name, 1)]
+    assert [(r["run"], r["collective"], r["axis"], r["bytes"]) for r in data.comm_rows([run])] == [
+        (name, "all_reduce", "dp", rehearsed[0]["comm_per_step"]["all_reduce/dp"]["bytes_sent"])]
