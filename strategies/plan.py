@@ -37,12 +37,12 @@ class DataMode(enum.Enum):
 
     @property
     def is_zero(self) -> bool:
-        return self in (DataMode.ZERO1, DataMode.ZERO2, DataMode.ZERO3)
+        return self._name_.startswith("ZERO")  # _name_: a plain attribute (.value is a descriptor, slower)
 
     @property
     def stage(self) -> int:
         """The ZeRO stage (0 for the modes that replicate the whole model state)."""
-        return int(self.value[-1]) if self.is_zero else 0
+        return int(self._name_[-1]) if self._name_.startswith("ZERO") else 0
 
 
 class PipelineSchedule(enum.Enum):

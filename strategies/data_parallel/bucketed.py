@@ -10,10 +10,8 @@ from torch import nn
 from strategies import comm
 from strategies.comm import Axis
 from strategies.data_parallel.sync import GradSync, assign_grads
+from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
 from strategies.tensors import address
-
-DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
-FIRST_BUCKET_BYTES = 2**20  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 @dataclass

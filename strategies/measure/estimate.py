@@ -39,12 +39,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from strategies.data_parallel.bucketed import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES
-from strategies.measure.peak import GLOO, Chunk, Pieces, Rules, step_actions, walk
+from strategies.measure.peak import GLOO, Chunk, Peak, Pieces, Rules, step_actions, walk
 from strategies.pipeline import messages, schedules
-from strategies.pipeline.stages import partition
+from strategies.pipeline.cuts import partition
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
-from strategies.zero.sync import IN_FLIGHT
+from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGHT
 
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
@@ -219,14 +218,17 @@ def setup_peaks(shape: ModelShape, plan: ParallelPlan, memory: list[dict[str, fl
     copy, then sharded); built whole, the whole model's weights beside the kept ones while they are cut."""
     w = layout(precision)[0]
     ranges, _ = _stages(shape, plan)
-    where, last = _placement(plan), len(ranges) - 1
+    last, block, first_piece, last_piece = len(ranges) - 1, sum(shape.block()), shape.embeddings(), shape.head()
+    mine: dict[int, list[int]] = {}
+    for s, r in _placement(plan).items():
+        mine.setdefault(r, []).append(s)
     out = []
     for rank, held in enumerate(memory):
         device = sum(v for k, v in held.items() if k != "host")
         if deferred:
-            mine = [s for s, r in where.items() if r == rank]
-            pieces = [sum(shape.block()) if any(ranges[s] for s in mine) else 0, shape.embeddings() if 0 in mine
-                      else 0, shape.head() if last in mine else 0]
+            stages = mine.get(rank, [])
+            pieces = [block if any(ranges[s] for s in stages) else 0, first_piece if 0 in stages else 0,
+                      last_piece if last in stages else 0]
             build = held["params"] + (2 if plan.data.stage == 3 else 1) * w * max(pieces)
         else:
             build = held["params"] + w * shape.total()
@@ -291,10 +293,11 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
-           rounds: bool = False, gloo: bool = False) -> Rules:
+           rounds: bool = False, early: bool = False) -> Rules:
     """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
     model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all); ``rounds``: every program grouped
-    in rounds (a crowded host: `messages.crowded`); ``gloo``: the ranks talk over gloo (`messages.posts_early`)."""
+    in rounds (a crowded host: `messages.crowded`); ``early``: every receive posted at the first
+    (`messages.posts_early`)."""
     n = plan.data_ranks
     naive = plan.data is DataMode.NAIVE and n > 1
     # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
@@ -309,10 +312,10 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
     elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
-    early = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds,
-                        messages.posts_early(gloo)) if plan.pp > 1 else None
+    held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early) \
+        if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
-                 early=tuple(early[rank]) if early else ())
+                 early=held[rank] if held else ())
 
 
 def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
@@ -405,20 +408,12 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     mixed = _ALIASES.get(str(precision), str(precision)).endswith("-mixed")
     pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend, weight_bytes if mixed else None)
     ranges, per_stage = _stages(shape, plan)
-    stages = len(ranges)
-    tables = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual) if plan.pp > 1 else None
-    # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
-    held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
     memory, where, between = [], [], []
     per_rank = stage_params(shape, plan)
     for rank, psi in enumerate(per_rank):
-        mine = [s for s, r in _placement(plan).items() if r == rank]
-        chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, stages, grad_bytes, backend, held) for s in mine}
-        actions = step_actions(tables[rank] if tables else None, shape.accumulate, plan.microbatches or 1)
         states = model_states(psi, plan, precision, optimizer)
-        rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
-                       crowded and backend == GLOO, backend == GLOO)
-        peak = walk(pieces, chunks, actions, workspace, rules)
+        peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), grad_bytes, backend, workspace,
+                          crowded)
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
         memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
                        "temporaries": peak.temporaries})
@@ -429,6 +424,27 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     return Estimate(str(plan), memory, _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes), bubble, per_rank,
                     peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
+
+
+def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float], pieces: Pieces,
+               stages: tuple[list[range], list[int]], grad_bytes: float, backend: str, workspace: float,
+               crowded: bool) -> Peak:
+    """`peak.walk` of pipeline ``rank``'s step: its chunks of ``stages`` (blocks and parameters of each), its actions
+    and the rules its data mode and messages follow (`estimate`'s arguments)."""
+    ranges, per_stage = stages
+    # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
+    held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
+    mine = [s for s, r in _placement(plan).items() if r == rank]
+    chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend, held) for s in mine}
+    table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)[rank] if plan.pp > 1 \
+        else None
+    actions = step_actions(table, shape.accumulate, plan.microbatches or 1)
+    rounds, early = crowded and backend == GLOO, messages.posts_early(backend == GLOO)
+    rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
+                   rounds, early)
+    # what names the actions and the messages held ahead (`_rules`)
+    key = (plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, shape.accumulate, rank, rounds, early)
+    return walk(pieces, chunks, actions, workspace, rules, key)
 
 
 def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int) -> dict:
@@ -450,15 +466,15 @@ def _placement(plan: ParallelPlan) -> dict[int, int]:
 
 @functools.cache
 def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int, int]:
-    return schedules.owners(schedules.build(schedule, pp, microbatches, virtual))
+    return schedules.owners(schedules.shared(schedule, pp, microbatches, virtual))
 
 
 @functools.cache
 def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int, rounds: bool = False,
-                early: bool = False) -> list[list[int]] | None:
+                early: bool = False) -> tuple[tuple[int, ...], ...] | None:
     """Per rank and action the messages received ahead of use (`messages.held_receives`) by a step shaped as the last
     one, as the runner runs it (`messages.as_run`), for programs grouped in rounds (interleaved, the V schedules; every
     schedule where ``rounds``) or with every receive posted at the first (``early``: `messages.early_receives`); None
     for programs grouped per action, which post each receive just before its use."""
-    _, progs, how = messages.as_run(schedules.build(schedule, pp, microbatches, virtual), pp, rounds, early)
-    return [messages.held_receives(p) for p in progs] if how == "rounds" or early else None
+    held = messages.held_ahead(schedules.shared(schedule, pp, microbatches, virtual), pp, rounds, early)
+    return tuple(tuple(counts) for counts in held) if held else None  # `peak.Rules.early`, made once

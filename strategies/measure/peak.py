@@ -31,7 +31,10 @@ and then reduces them as a full backward would.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from strategies.pipeline.schedules import Action, Phase
 
@@ -89,12 +92,13 @@ class Peak:
         return self.activations + self.temporaries - self.released
 
 
-def step_actions(table: list[Action] | None, accumulate: int, microbatches: int) -> list[Action]:
+def step_actions(table: Sequence[Action] | None, accumulate: int, microbatches: int) -> Sequence[Action]:
     """The rank's actions in one optimizer step: its table once per accumulation micro-step (microbatches
-    numbered on), or without pp a forward and a backward per micro-step."""
-    one = table if table is not None else [Action(Phase.FORWARD, 0, 0), Action(Phase.BACKWARD, 0, 0)]
+    numbered on), or without pp a forward and a backward per micro-step. Read only: the table itself where it is
+    run once (the planner asks this for every rank of every plan)."""
+    one = table if table is not None else (Action(Phase.FORWARD, 0, 0), Action(Phase.BACKWARD, 0, 0))
     if accumulate == 1:
-        return list(one)
+        return one
     return [Action(a.phase, a.stage, a.microbatch + k * microbatches) for k in range(accumulate) for a in one]
 
 
@@ -113,105 +117,188 @@ class Rules:
     #                              messages held for later ones
 
 
+# The walk is linear in a few byte counts (`_QUANTITIES`): it is run once per structure (a rank's actions, its chunks'
+# places, the rules' shape) on packed integer coefficients (`_pack`), which record each point it compares as a row of
+# coefficients; a plan's peak is then the largest row times its byte counts. The planner walks some 30,000 ranks of
+# a few hundred actions each, with about 1,000 structures among them.
+_GLOBAL = ("boundary", "recompute", "head", "logits", "backward", "weight", "workspace", "zero3", "release",
+           "release_start", "flats", "flats_top")
+_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
+_WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
+_COMPILED: dict[tuple, tuple] = {}
+
+
 def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], workspace: float = 0.0,
-         rules: Rules = Rules()) -> Peak:
+         rules: Rules = Rules(), key: Hashable | None = None) -> Peak:
     """The peak of ``actions`` run in order on a rank whose chunks (by stage) are ``chunks``. ``workspace``: the
-    matrix library's working memory inside a backward's matmul."""
-    walker = _Walk(pieces, rules, workspace, actions)
+    matrix library's working memory inside a backward's matmul. ``key``: a name for ``actions`` and ``rules.early``
+    (the same key, the same both), under which the walk's structure is compiled once."""
+    stages = tuple((s, chunks[s].first, chunks[s].last) for s in sorted(chunks))
+    compiled = _COMPILED.get((key, stages)) if key is not None else None
+    if compiled is None:
+        compiled = _compile(stages, actions, rules)
+        if key is not None:
+            _COMPILED[(key, stages)] = compiled
+    total, parts, at = compiled
+    values = _values(pieces, chunks, workspace, rules)
+    totals = total @ values
+    best = int(totals.argmax()) if len(at) else 0
+    if not len(at) or totals[best] <= 0.0:
+        return Peak(0.0, 0.0, "")
+    activations, temporaries, released = (parts[best] @ values).tolist()
+    return Peak(activations, temporaries, at[best], released)
+
+
+def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: Rules) -> np.ndarray:
+    """The byte counts the compiled rows multiply, in `_GLOBAL` then `_PER_CHUNK` order (chunks by stage)."""
+    p, r = pieces, rules
+    out = [p.boundary, p.recompute, p.head, p.logits, p.backward, p.weight, workspace, 2 * p.unit + p.gathers,
+           r.release, r.release if r.release_at_start else 0.0, r.flats,
+           r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)]
+    for s in sorted(chunks):
+        c = chunks[s]
+        out += [p.saved(c.blocks, c.first, c.last), p.stashed(c.blocks), (c.blocks - 1) * max(p.stash - p.block, 0.0),
+                c.grads, c.reduce, c.weights]
+    return np.array(out, dtype=float)
+
+
+def _compile(stages: tuple, actions: list[Action], rules: Rules) -> tuple:
+    """Walk ``actions`` on packed coefficients: each distinct point compared, first occurrence kept, as rows of
+    total coefficients, of (activations, temporaries, released) coefficients, and the action each is in."""
+    unit = {name: 1 << (_WIDTH * i) for i, name in enumerate(_GLOBAL)}
+    chunks = {}
+    for k, (stage, first, last) in enumerate(stages):
+        base = len(_GLOBAL) + k * len(_PER_CHUNK)
+        chunks[stage] = _Terms(first=first, last=last,
+                               **{n: 1 << (_WIDTH * (base + i)) for i, n in enumerate(_PER_CHUNK)})
+    walker = _Walk(_Terms(**unit), actions)
     run = {Phase.FORWARD: walker.forward, Phase.BACKWARD: walker.input_backward if walker.split else walker.backward,
            Phase.WEIGHT: walker.weight_backward}
     for index, action in enumerate(actions):
-        ahead = pieces.boundary * rules.early[index % len(rules.early)] if rules.early else 0.0
+        ahead = walker.q.boundary * rules.early[index % len(rules.early)] if rules.early else 0
         run[action.phase](action, chunks[action.stage], ahead)
-    return walker.best
+    width = len(_GLOBAL) + len(stages) * len(_PER_CHUNK)
+    a, t, r = (_unpack([row[i] for row in walker.rows], width) for i in range(3))
+    return a + t - r, np.stack([a, t, r], axis=1), [str(action) for action in walker.rows.values()]
+
+
+def _unpack(values: list[int], width: int) -> np.ndarray:
+    """The ``width`` signed coefficients packed in each of ``values`` (sum of c_i * 2**(_WIDTH * i)), as rows: each
+    coefficient is offset by half a field first, so that the fields are read as unsigned bytes with no borrow."""
+    offset = sum(1 << (_WIDTH * i + _WIDTH - 1) for i in range(width))
+    raw = b"".join((v + offset).to_bytes(width * _WIDTH // 8, "little") for v in values)
+    fields = np.frombuffer(raw, dtype="<u4").reshape(len(values), width).astype(float)
+    return fields - float(1 << (_WIDTH - 1))
+
+
+@dataclass
+class _Terms:
+    """The walk's quantities, each a packed unit (`_compile`): a piece's, or one chunk's."""
+
+    boundary: int = 0
+    recompute: int = 0
+    head: int = 0
+    logits: int = 0
+    backward: int = 0
+    weight: int = 0
+    workspace: int = 0
+    zero3: int = 0
+    release: int = 0
+    release_start: int = 0  # what is released before the first action: ``release`` or nothing
+    flats: int = 0
+    flats_top: int = 0  # what the first flat adds to its backward's top: all of it (ZeRO-2's, made before the block's
+    #                     first matmul) or max(flats - mlp_grad, 0) (ZeRO-3's, made after it, the MLP's gradient gone)
+    saved: int = 0  # a chunk's activations saved per microbatch (`Pieces.saved`)
+    stashed: int = 0  # what its B keeps for W (`Pieces.stashed`)
+    swap: int = 0  # its blocks but the last swapped what they saved for their stash: (blocks - 1)(stash - block)+
+    grads: int = 0
+    reduce: int = 0
+    weights: int = 0
+    first: bool = False
+    last: bool = False
 
 
 class _Walk:
     """`walk`'s state: the activations alive (``saved``), the temporaries that outlive an action (``held``: gradients
-    kept, flats, sends in flight), the kept gradients already freed (``released``), and the largest total so far."""
+    kept, flats, sends in flight), the kept gradients already freed (``released``); each point compared is kept as a
+    row (`_compile`)."""
 
-    def __init__(self, pieces: Pieces, rules: Rules, workspace: float, actions: list[Action]) -> None:
-        self.pieces, self.rules, self.workspace = pieces, rules, workspace
+    def __init__(self, q: _Terms, actions: list[Action]) -> None:
+        self.q = q
         # Zero-bubble tables split each backward: B frees the activations and keeps the stash, W makes the gradients.
         self.split = any(a.phase is Phase.WEIGHT for a in actions)
         grads = Phase.WEIGHT if self.split else Phase.BACKWARD
         self.last_backward = {a.stage: a for a in actions if a.phase is grads}
-        # each chunk's last, in order; the walk compares actions by identity: the planner walks millions
+        # each chunk's last, in order; the walk compares actions by identity
         last = {id(a) for a in self.last_backward.values()}
         self.reducing = [a for a in actions if id(a) in last]
         self.seen: set[int] = set()  # the stages a backward has run for
-        self.saved = self.held = self.stash = 0.0
-        self.released = rules.release if rules.release_at_start else 0.0
-        self.best = Peak(0.0, 0.0, "")
-        self.zero3 = 2 * pieces.unit + pieces.gathers  # the current block, the one prefetched, the gather's buffer
+        self.saved = self.held = self.stash = 0
+        self.released = q.release_start
+        self.rows: dict[tuple[int, int, int], Action] = {}
 
-    def consider(self, activations: float, temporaries: float, action: Action) -> None:
-        # Compared before a Peak is made: a 64-rank planner walks millions of these
-        if activations + temporaries - self.released > self.best.total:
-            self.best = Peak(activations, temporaries, str(action), self.released)
+    def consider(self, activations: int, temporaries: int, action: Action) -> None:
+        self.rows.setdefault((activations, temporaries, self.released), action)
 
-    def forward(self, action: Action, chunk: Chunk, ahead: float) -> None:
-        self.saved += self.pieces.saved(chunk.blocks, chunk.first, chunk.last)
+    def forward(self, action: Action, chunk: _Terms, ahead: int) -> None:
+        self.saved += chunk.saved
         # At the forward's end: the last chunk's logits beside their log-softmax.
-        logits = self.pieces.logits if chunk.last else 0.0
-        self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + logits, action)
+        logits = self.q.logits if chunk.last else 0
+        self.consider(self.saved + self.stash, self.held + ahead + self.q.zero3 + logits, action)
 
-    def backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
-        p, rules = self.pieces, self.rules
-        flat = rules.flats if action is self.reducing[0] else 0.0
+    def backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
+        q, reducing = self.q, action is self.reducing[0]
         # The block's first matmul: the library's workspace, a weight's gradient beside the working set; ZeRO-2's
         # first flat is made before it (at the first gradient of the chunk's last parameters), ZeRO-3's right after
         # it, for that gradient, when the MLP's input gradient is gone.
-        start = self.zero3 + p.recompute + ahead + p.backward + self.workspace + p.weight
-        top = start + flat if rules.flats_early else max(start, start - p.mlp_grad + flat)
+        start = q.zero3 + q.recompute + ahead + q.backward + q.workspace + q.weight
+        top = start + (q.flats_top if reducing else 0)
         self._working(action, chunk, ahead, top)
-        self.held += flat
-        self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
+        self.held += q.flats if reducing else 0
+        self.saved -= chunk.saved
         self._gradients(action, chunk, ahead)
 
-    def input_backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
+    def input_backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """B of a split backward: the working set without the weights' gradients; the chunk's activations are
         freed but what W needs is kept (`Pieces.stashed`)."""
-        p = self.pieces
-        top = self.zero3 + p.recompute + ahead + p.backward + self.workspace
+        q = self.q
+        top = q.zero3 + q.recompute + ahead + q.backward + q.workspace
         self._working(action, chunk, ahead, top)
         # Its last block: the blocks done have swapped what they saved for their stash (more under ac).
-        self.consider(self.saved + self.stash + (chunk.blocks - 1) * max(p.stash - p.block, 0.0), self.held + top,
-                      action)
-        self.saved -= p.saved(chunk.blocks, chunk.first, chunk.last)
-        self.stash += p.stashed(chunk.blocks)
-        self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + p.backward, action)
+        self.consider(self.saved + self.stash + chunk.swap, self.held + top, action)
+        self.saved -= chunk.saved
+        self.stash += chunk.stashed
+        self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
 
-    def weight_backward(self, action: Action, chunk: Chunk, ahead: float) -> None:
+    def weight_backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
         reductions."""
-        p, rules = self.pieces, self.rules
-        flat = rules.flats if action is self.reducing[0] else 0.0
-        self.consider(self.saved + self.stash, self.held + ahead + self.zero3 + self.workspace + chunk.weights + flat,
-                      action)
+        q = self.q
+        flat = q.flats if action is self.reducing[0] else 0
+        self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.workspace + chunk.weights + flat, action)
         self.held += flat
-        self.stash -= p.stashed(chunk.blocks)
+        self.stash -= chunk.stashed
         self._gradients(action, chunk, ahead)
 
-    def _working(self, action: Action, chunk: Chunk, ahead: float, top: float) -> None:
+    def _working(self, action: Action, chunk: _Terms, ahead: int, top: int) -> None:
         """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first."""
-        p = self.pieces
-        self.released = self.rules.release
+        q = self.q
+        self.released = q.release
         if chunk.last:  # the loss's gradient (two logits-sized tensors), then the last block's, its head freed
-            self.consider(self.saved + self.stash, self.held + ahead + 2 * p.logits, action)
-            self.consider(self.saved + self.stash - p.head, self.held + top, action)
+            self.consider(self.saved + self.stash, self.held + ahead + 2 * q.logits, action)
+            self.consider(self.saved + self.stash - q.head, self.held + top, action)
         else:
             self.consider(self.saved + self.stash, self.held + top, action)
 
-    def _gradients(self, action: Action, chunk: Chunk, ahead: float) -> None:
+    def _gradients(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """The gradients a backward (or W) leaves: kept whole until the chunk's last, which reduces them."""
         kept = action.stage in self.seen
         if action is self.last_backward[action.stage]:
             # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
             # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block.
-            self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.zero3 +
-                          (0.0 if kept else chunk.grads), action)
-            self.held -= (chunk.grads if kept else 0.0) + (self.rules.flats if action is self.reducing[-1] else 0.0)
+            self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.q.zero3 +
+                          (0 if kept else chunk.grads), action)
+            self.held -= (chunk.grads if kept else 0) + (self.q.flats if action is self.reducing[-1] else 0)
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)

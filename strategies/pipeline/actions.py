@@ -11,6 +11,10 @@ class Phase(enum.Enum):
     BACKWARD = "B"  # the gradient of the stage's input; of its weights too unless a WEIGHT action of its own follows
     WEIGHT = "W"  # the gradients of the stage's weights, split from its B (zero-bubble schedules)
 
+    # By identity (the members are singletons), in C: Enum's own hashes the name in Python, and every Action hashes
+    # its phase (the planner's schedules hash millions of them).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True)
 class Action:

@@ -22,7 +22,9 @@ or swap two messages raises, naming the ranks and messages.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -82,9 +84,7 @@ def grouped(table: ScheduleTable, pp: int, how: str | None = None, headers: bool
     gradient pass in memory: no message. ``headers=False``: no header messages, for a step whose activations' shapes
     the receivers already know."""
     where = owners(table)
-    last = max(where)
-    headed = {s: min(a.microbatch for actions in table for a in actions if a.stage == s and a.phase is Phase.FORWARD)
-              for s in range(last + 1)} if headers else {}  # the microbatch whose activation has a header: the first
+    headed = _headed(table) if headers else {}
     kinds = [how] if how else ["action", "rounds"]
     for kind in kinds:
         built = _per_action(table, where, headed) if kind == "action" else _rounds(table, where, headed)
@@ -96,6 +96,43 @@ def grouped(table: ScheduleTable, pp: int, how: str | None = None, headers: bool
             continue
         return built, kind
     raise AssertionError("unreachable: the last kind returns or raises")
+
+
+def _headed(table: ScheduleTable) -> dict[int, int]:
+    """Stage -> the microbatch whose activation has a header: the stage's first forward's."""
+    headed: dict[int, int] = {}
+    for actions in table:
+        for a in actions:
+            if a.phase is Phase.FORWARD and a.microbatch < headed.get(a.stage, a.microbatch + 1):
+                headed[a.stage] = a.microbatch
+    return headed
+
+
+def held_ahead(table: ScheduleTable, pp: int, crowded: bool = False, early: bool = False) -> list[list[int]] | None:
+    """Per rank and action, how many messages the runner's program for a step without headers holds received ahead
+    of use (`held_receives`), grouped as `as_run` groups it; None where it receives each just before its use (per
+    action, not ``early``). For the estimator, which asks it of tables of tens of thousands of actions, cheaper than
+    `as_run`: a table with one stage per rank is grouped per action without trying (`grouped` always finds that safe,
+    as torch's single-stage schedules assume; tests/unit/test_messages.py checks it over a grid), a table of several
+    stages per rank tries per action (with headers, as `grouped` does) and otherwise takes rounds, and the program
+    counted is not proven again (the runner proves what it runs)."""
+    where = owners(table)
+    if crowded:
+        how = "rounds"
+    elif len(where) == pp:
+        how = "action"
+    else:
+        try:
+            check(_per_action(table, where, _headed(table)))
+            how = "action"
+        except PipelineOrderError:
+            how = "rounds"
+    if how == "action" and not early:
+        return None
+    if how == "rounds" and not early:
+        return _held_in_rounds(table, where)
+    known = (_per_action if how == "action" else _rounds)(table, where, {})
+    return [held_receives(early_receives(p) if early else p) for p in known]
 
 
 def crowded(ranks_here: int) -> bool:
@@ -129,9 +166,11 @@ def posts_early(gloo: bool) -> bool:
     (``STRATPACK_STRICT_P2P``) makes gloo follow NCCL's rules, under which that program would in general hang. Read
     when a step starts (the engine) and when a run is predicted (the estimator, in the process that starts the ranks,
     whose environment they inherit)."""
+    if not gloo:  # NCCL: asked by `stratpack plan` too, which should not import torch for it
+        return False
     from strategies.comm.p2p import strict_seconds
 
-    return gloo and strict_seconds() is None
+    return strict_seconds() is None
 
 
 def early_receives(program: Program) -> Program:
@@ -204,28 +243,59 @@ def _rounds(table: ScheduleTable, where: dict[int, int], headed: dict[int, int])
     time per step against the time-step lock step this replaces), and every program is a subsequence of one global
     order in which each send is followed by its receive: no order can hang (torch's `_add_send_recv` places its
     receives the same way)."""
-    last = max(where)
     out: list[Program] = [[] for _ in table]
+    for r, action in _round_order(table, max(where)):
+        out[r].append(Step((), action))
+        sent = _output(action, where, headed)
+        out[r] += _header_steps(sent) + ([Step(_payloads(sent), None)] if _payloads(sent) else [])
+        for peer in sorted({t.peer for t in sent}):
+            got = [Transfer(False, r, t.message) for t in sent if t.peer == peer]
+            out[peer] += _header_steps(got) + [Step(_payloads(got), None)]
+    return out
+
+
+def _round_order(table: ScheduleTable, last: int) -> Iterator[tuple[int, Action]]:
+    """`_rounds`' order: round after round, each rank in rank order whose next action's inputs were made (in this
+    round by a lower rank, or earlier): (rank, action)."""
     cursor, made = [0] * len(table), set()
+    needs = [dependencies(actions[0], last) if actions else [] for actions in table]  # each rank's next action's
     while any(cursor[r] < len(actions) for r, actions in enumerate(table)):
         moved = False
         for r, actions in enumerate(table):
-            if cursor[r] == len(actions) or any(d not in made for d in dependencies(actions[cursor[r]], last)):
+            if cursor[r] == len(actions) or any(d not in made for d in needs[r]):
                 continue
             action = actions[cursor[r]]
-            out[r].append(Step((), action))
-            sent = _output(action, where, headed)
-            out[r] += _header_steps(sent) + ([Step(_payloads(sent), None)] if _payloads(sent) else [])
-            for peer in sorted({t.peer for t in sent}):
-                got = [Transfer(False, r, t.message) for t in sent if t.peer == peer]
-                out[peer] += _header_steps(got) + [Step(_payloads(got), None)]
+            yield r, action
             made.add(action)
             cursor[r] += 1
+            needs[r] = dependencies(actions[cursor[r]], last) if cursor[r] < len(actions) else []
             moved = True
         if not moved:
             raise PipelineOrderError("the schedule's table cannot complete: every rank's next action waits for an "
                                      "input that no rank makes first")
-    return out
+
+
+def _held_in_rounds(table: ScheduleTable, where: dict[int, int]) -> list[list[int]]:
+    """`held_receives` of each rank's program in rounds without headers, counted from `_round_order` without
+    building the programs: a receive is posted on its rank once the rank's actions so far have run, and held until
+    the action that uses it."""
+    index = [{a: i for i, a in enumerate(actions)} for actions in table]
+    change = [[0] * (len(actions) + 1) for actions in table]
+    ran = [0] * len(table)
+    last = max(where)
+    for r, action in _round_order(table, last):
+        ran[r] += 1
+        s, m = action.stage, action.microbatch
+        if action.phase is Phase.FORWARD and s < last and where[s + 1] != r:
+            peer, use = where[s + 1], Action(Phase.FORWARD, s + 1, m)
+        elif action.phase is Phase.BACKWARD and s > 0 and where[s - 1] != r:
+            peer, use = where[s - 1], Action(Phase.BACKWARD, s - 1, m)
+        else:
+            continue
+        if ran[peer] < index[peer][use]:
+            change[peer][ran[peer]] += 1
+            change[peer][index[peer][use]] -= 1
+    return [list(itertools.accumulate(c[:-1])) for c in change]
 
 
 def held_receives(program: Program) -> list[int]:
@@ -260,19 +330,24 @@ def held_receives(program: Program) -> list[int]:
 
 def _payloads(transfers: list[Transfer]) -> tuple[Transfer, ...]:
     """The messages other than headers, sends first (the order within a group is the same on every rank)."""
-    return tuple(sorted((t for t in transfers if t.message.kind != "h"), key=lambda t: not t.send))
+    if not transfers:  # most actions: the planner builds programs of tens of thousands of actions
+        return ()
+    return tuple([t for t in transfers if t.send and t.message.kind != "h"] +
+                 [t for t in transfers if not t.send and t.message.kind != "h"])
 
 
 def _header_steps(transfers: list[Transfer]) -> list[Step]:
     """The headers among ``transfers``, as a group of their own: read before the activation's buffer is made."""
-    headers = tuple(sorted((t for t in transfers if t.message.kind == "h"), key=lambda t: not t.send))
-    return [Step(headers, None)] if headers else []
+    headers = [t for t in transfers if t.message.kind == "h"]
+    if not headers:
+        return []
+    return [Step(tuple([t for t in headers if t.send] + [t for t in headers if not t.send]), None)]
 
 
 def _input(action: Action, where: dict[int, int], headed: dict[int, int]) -> list[Transfer]:
     """What ``action`` receives from another rank: its input activation (F) or output gradient (B); none when the
     neighbouring stage is on the same rank, or for W."""
-    s, m, last = action.stage, action.microbatch, max(where)
+    s, m, last = action.stage, action.microbatch, len(where) - 1  # stages 0 .. last
     if action.phase is Phase.FORWARD and s > 0 and where[s - 1] != where[s]:
         src = where[s - 1]
         header = [Transfer(False, src, Message("h", s - 1, m))] if m == headed.get(s - 1) else []
@@ -283,7 +358,7 @@ def _input(action: Action, where: dict[int, int], headed: dict[int, int]) -> lis
 
 
 def _output(action: Action, where: dict[int, int], headed: dict[int, int]) -> list[Transfer]:
-    s, m, last = action.stage, action.microbatch, max(where)
+    s, m, last = action.stage, action.microbatch, len(where) - 1  # stages 0 .. last
     if action.phase is Phase.FORWARD and s < last and where[s + 1] != where[s]:
         dst = where[s + 1]
         header = [Transfer(True, dst, Message("h", s, m))] if m == headed.get(s) else []
@@ -309,16 +384,20 @@ def check(progs: list[Program]) -> int:
 def _match(groups: list[list[tuple[Transfer, ...]]]) -> dict[tuple[int, int, int], list]:
     """Pair the ends as NCCL does, the k-th send from a to b with the k-th receive on b from a: (a, b, k) ->
     [the send's (rank, group, label), the receive's]. Raises if an end has no partner or their labels differ."""
-    counts: dict[tuple[int, int, bool], int] = defaultdict(int)
-    ends: dict[tuple[int, int, int], list] = {}
+    sides: dict[tuple[int, int], tuple[list, list]] = defaultdict(lambda: ([], []))  # (a, b) -> sends, receives
     for r, rank_groups in enumerate(groups):
         for g, group in enumerate(rank_groups):
             for t in group:
-                pair = (r, t.peer) if t.send else (t.peer, r)
-                k = counts[(*pair, t.send)]
-                counts[(*pair, t.send)] += 1
-                ends.setdefault((*pair, k), [None, None])[0 if t.send else 1] = (r, g, str(t.message))
-    for (a, b, k), (sent, got) in sorted(ends.items()):
+                if t.send:
+                    sides[(r, t.peer)][0].append((r, g, t.message))
+                else:
+                    sides[(t.peer, r)][1].append((r, g, t.message))
+    ends: dict[tuple[int, int, int], list] = {}
+    for (a, b), (sent, got) in sides.items():
+        for k in range(max(len(sent), len(got))):
+            ends[(a, b, k)] = [sent[k] if k < len(sent) else None, got[k] if k < len(got) else None]
+    wrong = [key for key, (sent, got) in ends.items() if sent is None or got is None or sent[2] != got[2]]
+    for (a, b, k), (sent, got) in sorted((key, ends[key]) for key in wrong):  # the first in order is named
         if sent is None or got is None:
             side = f"rank {a} sends" if got is None else f"rank {b} receives"
             raise PipelineOrderError(f"{side} {(sent or got)[2]} (message {k + 1} from rank {a} to rank {b}) with no "

@@ -113,6 +113,12 @@ def build(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> Schedu
     return [list(actions) for actions in _built(schedule, pp, microbatches, virtual)]
 
 
+def shared(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
+    """`build`'s table, made once and shared, as tuples: for readers that ask for the same tables many times (the
+    estimator, for the planner)."""
+    return _built(schedule, pp, microbatches, virtual)
+
+
 @functools.lru_cache(maxsize=256)
 def _built(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[tuple[Action, ...], ...]:
     return tuple(tuple(actions) for actions in _build(schedule, pp, microbatches, virtual))
@@ -167,10 +173,12 @@ def _play(table: ScheduleTable, pp: int, cost: dict[Phase, float]) -> list[list[
     last = max(a.stage for actions in table for a in actions)
 
     def run(r: int, action: Action) -> bool:
-        needs = dependencies(action, last)
-        if not all(n in done for n in needs):
-            return False
-        start = max([clock[r]] + [done[n] for n in needs])
+        start = clock[r]
+        for need in dependencies(action, last):  # a plain loop: the planner plays tables of 50,000 actions
+            end = done.get(need)
+            if end is None:
+                return False
+            start = max(start, end)
         done[action] = clock[r] = start + cost[action.phase]
         out[r].append((action, start, clock[r]))
         return True

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.pipeline.cuts import partition
 from strategies.pipeline.trace import BETWEEN, BLOCKS, POST, PRE, ForwardTrace, tensors_of
 
 
@@ -63,35 +64,6 @@ def find_blocks(module: nn.Module, name: str | None = None) -> str:
             "Keep the layers in such a list, or name it: PlanStrategy('pp2', pipeline_blocks='model.layers')."
         )
     return max(lists)[2]
-
-
-def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
-    """Contiguous ranges of ``weights`` (one per block), one range per stage, each non-empty, minimising the
-    heaviest stage; ``first_extra`` / ``last_extra`` weigh on the first and last stage (embeddings, head)."""
-    n = len(weights)
-    if stages > n:
-        raise ValueError(f"cannot cut {n} blocks into {stages} pipeline stages (pp x v): each stage needs at least "
-                         "one block; use a smaller pp (or v), or a model with more blocks")
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: the lightest heaviest-stage for the first i blocks in k stages; cut[k][i]: where stage k starts.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                w = prefix[i] - prefix[j] + (first_extra if k == 1 else 0) + (last_extra if k == stages else 0)
-                cost = max(best[k - 1][j], w)
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds, i = [], n
-    for k in range(stages, 0, -1):
-        bounds.append(range(cut[k][i], i))
-        i = cut[k][i]
-    return bounds[::-1]
 
 
 @dataclass

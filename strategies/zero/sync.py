@@ -11,12 +11,11 @@ from torch import Tensor, nn
 from strategies import comm
 from strategies.comm import Axis
 from strategies.data_parallel import GradSync
+from strategies.sizes import IN_FLIGHT
 from strategies.technique import HeldGrad, OptimizerState
 from strategies.tensors import address
 from strategies.zero import state as zero_state
 from strategies.zero.flat import FlatParam, host_copies_done, shard_slices, to_host
-
-IN_FLIGHT = 2  # ZeRO-2/3: reduce-scatters in flight during backward, each holding its flat's full gradient
 
 
 class ZeroGradSync(GradSync):

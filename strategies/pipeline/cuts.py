@@ -1,0 +1,33 @@
+"""Where a pipeline cuts its list of blocks: a pure function of their weights, free of torch, so that the
+estimator and `stratpack plan` use the engine's own cut without importing it."""
+
+from __future__ import annotations
+
+
+def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
+    """Contiguous ranges of ``weights`` (one per block), one range per stage, each non-empty, minimising the
+    heaviest stage; ``first_extra`` / ``last_extra`` weigh on the first and last stage (embeddings, head)."""
+    n = len(weights)
+    if stages > n:
+        raise ValueError(f"cannot cut {n} blocks into {stages} pipeline stages (pp x v): each stage needs at least "
+                         "one block; use a smaller pp (or v), or a model with more blocks")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the lightest heaviest-stage for the first i blocks in k stages; cut[k][i]: where stage k starts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                w = prefix[i] - prefix[j] + (first_extra if k == 1 else 0) + (last_extra if k == stages else 0)
+                cost = max(best[k - 1][j], w)
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
