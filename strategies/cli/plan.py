@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -13,7 +14,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--params", type=float, default=None, help="model size to plan for, e.g. 7e9")
     p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--gpu-mem", type=float, default=80, help="GiB per GPU")
+    p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (default 80, or the --hardware's)")
+    p.add_argument("--hardware", default=None, choices=("h100-sxm", "h100-96g", "a100-80g"),
+                   help="a cluster's GPUs and links (`measure.published.CLUSTERS`: peak FLOP/s, and nccl-tests' bus "
+                        "bandwidth inside a node and per GPU between nodes) instead of the H100 defaults")
+    p.add_argument("--published", action="store_true",
+                   help="published large runs (Megatron-LM, Llama 3 405B) beside the planner's answer for the same "
+                        "model, cluster and batch: a markdown table (a few minutes)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8 per GPU)")
@@ -34,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def command(args: argparse.Namespace) -> int:
     from strategies.plan import ParallelPlan
 
+    if args.published:
+        return _published()
     if args.plan is None:
         if args.params is None:
             print("error: give a plan to explain, or --params (and --gpus, --gpu-mem) to rank the plans that fit",
@@ -55,7 +64,7 @@ def command(args: argparse.Namespace) -> int:
 
 def _rank_plans(args: argparse.Namespace) -> int:
     from strategies.measure.estimate import ModelShape, layout
-    from strategies.measure.planner import GiB, Hardware, rank_plans
+    from strategies.measure.planner import GiB, rank_plans
 
     try:
         shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
@@ -63,7 +72,7 @@ def _rank_plans(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    hw = Hardware(gpus=args.gpus, memory=args.gpu_mem * GiB)
+    hw = _hardware(args)
     if args.calibrate:
         hw = calibrated_hardware(args.gpus, args.gpu_mem * GiB)
     batch = args.global_batch or 8 * args.gpus
@@ -87,6 +96,37 @@ def _rank_plans(args: argparse.Namespace) -> int:
         return 1
     if args.rehearse:
         return _rehearse_top(args, shape, fits[:3], batch)
+    return 0
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    """The GPUs the plans are ranked for: H100 defaults, or a named cluster's (``--hardware``), with ``--gpu-mem``
+    (which this fills in where not given)."""
+    from strategies.measure.planner import GiB, Hardware
+
+    hw = Hardware(gpus=args.gpus, memory=80 * GiB)
+    if args.hardware:
+        from strategies.measure.published import CLUSTERS
+
+        hw = CLUSTERS[args.hardware].hardware(args.gpus)
+    args.gpu_mem = args.gpu_mem or hw.memory / GiB
+    return dataclasses.replace(hw, memory=args.gpu_mem * GiB)
+
+
+def _published() -> int:
+    """`measure.published.RUNS` beside the planner: a markdown table, a row per run as it is computed."""
+    from strategies.measure.published import EFFICIENCY, RUNS, compare, implied_efficiency
+
+    print(f"compute at {EFFICIENCY:.3f} of peak FLOP/s (`published.EFFICIENCY`); seconds per step\n")
+    print("| run | GPUs | plan (ours) | rank among the planner's | planner's pick | predicted s | published s | "
+          "predicted / published | efficiency it implies | GiB per GPU (estimator) |")
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    for run in RUNS:
+        r = compare(run)
+        pick = f"`{r['pick']}` {r['pick_s']:.2f}" if r["pick"] else "none fits"
+        print(f"| {r['run']} | {r['gpus']:,} | `{r['plan']}` | {r['rank']} of {r['candidates']} | {pick} | "
+              f"{r['predicted_s']:.2f} | {r['published_s']:.2f} | {r['ratio']:.2f} | {implied_efficiency(run):.3f} | "
+              f"{r['memory_gib']:.1f}{'' if r['fits'] else ' (does not fit)'} |", flush=True)
     return 0
 
 

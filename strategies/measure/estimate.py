@@ -341,23 +341,29 @@ def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str
 
 
 def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0,
-                  act_bytes: int = 4) -> dict[str, float]:
-    """Bytes rank 0 sends per optimizer step, by ``kind/axis`` (fp32 gradients and activations; the ring's K/V in
-    ``act_bytes``)."""
+                  act_bytes: int = 4, wide_bytes: int = 4) -> dict[str, float]:
+    """Bytes rank 0 sends per optimizer step, by ``kind/axis``: fp32 gradients; activations in ``act_bytes`` where
+    they are a matmul's output (the ring's K/V, tp's row-parallel outputs and their gradients) and in ``wide_bytes``
+    where autocast keeps them float32 (the norms' outputs tp gathers or whose gradients it reduces, pp's messages:
+    `step_pieces`)."""
     out = data_parallel_bytes(psi, plan, kept)
     t = plan.tp
-    activation = shape.batch * shape.seq / plan.cp * shape.hidden * 4  # the step's b·s·h on a rank, all microbatches
+    elements = shape.batch * shape.seq / plan.cp * shape.hidden  # the step's b·s·h on a rank, all microbatches
+    activation = elements * wide_bytes
     if plan.cp > 1:
         for key, nbytes in context_parallel_bytes(shape, plan, blocks, act_bytes).items():
             out[key] = out.get(key, 0.0) + nbytes
     if t > 1:
+        # Per block forward: the column-parallel layers' inputs (norm outputs: wide) gathered under sp, the
+        # row-parallel outputs (act) reduced; backward the conjugates, on the gradients of the same tensors. Recompute
+        # runs a block's forward again up to its last saved tensor: both gathers, the first scatter (all-reduce).
+        narrow = elements * act_bytes
         if plan.sp:  # + entering the region (backward) and leaving it (forward): stage 0 only enters under pp
-            # Recompute runs a block's forward again up to its last saved tensor: both gathers, the first scatter.
-            gathers, scatters = (6, 5) if plan.ac else (4, 4)
-            out["all_gather/tp"] = (t - 1) / t * activation * (gathers * blocks + (2 if plan.pp == 1 else 1))
-            out["reduce_scatter/tp"] = (t - 1) / t * activation * scatters * blocks
+            gathers = (4 if plan.ac else 2) * activation + 2 * narrow
+            out["all_gather/tp"] = (t - 1) / t * (gathers * blocks + (2 if plan.pp == 1 else 1) * activation)
+            out["reduce_scatter/tp"] = (t - 1) / t * ((3 if plan.ac else 2) * narrow + 2 * activation) * blocks
         else:
-            out["all_reduce/tp"] = 2 * (t - 1) / t * activation * (5 if plan.ac else 4) * blocks
+            out["all_reduce/tp"] = 2 * (t - 1) / t * ((3 if plan.ac else 2) * narrow + 2 * activation) * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
             # max and (sum of exp, target logit): one value per token each
             tokens = shape.batch * shape.seq / plan.cp * 4
@@ -421,7 +427,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         between.append(states)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
-    return Estimate(str(plan), memory, _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes), bubble, per_rank,
+    comm = _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes, weight_bytes if mixed else act_bytes)
+    return Estimate(str(plan), memory, comm, bubble, per_rank,
                     peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
 
@@ -447,14 +454,15 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     return walk(pieces, chunks, actions, workspace, rules, key)
 
 
-def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int) -> dict:
+def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int,
+                wide_bytes: int) -> dict:
     """`communication` for rank 0, which holds ``psi`` parameters and the blocks of its stages in ``ranges``."""
     first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
         else math.ceil(split / plan.tp) + whole
-    return communication(shape, plan, psi, first_blocks, kept, act_bytes)
+    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes)
 
 
 def _placement(plan: ParallelPlan) -> dict[int, int]:
