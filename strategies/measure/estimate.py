@@ -35,6 +35,7 @@ the embeddings and head leave.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -418,8 +419,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     per_rank = stage_params(shape, plan)
     for rank, psi in enumerate(per_rank):
         states = model_states(psi, plan, precision, optimizer)
-        peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), grad_bytes, backend, workspace,
-                          crowded)
+        peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, act_bytes * mixed),
+                          backend, workspace, crowded)
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
         memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
                        "temporaries": peak.temporaries})
@@ -434,15 +435,21 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
 
 
 def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float], pieces: Pieces,
-               stages: tuple[list[range], list[int]], grad_bytes: float, backend: str, workspace: float,
+               stages: tuple[list[range], list[int]], sizes: tuple[float, float], backend: str, workspace: float,
                crowded: bool) -> Peak:
     """`peak.walk` of pipeline ``rank``'s step: its chunks of ``stages`` (blocks and parameters of each), its actions
-    and the rules its data mode and messages follow (`estimate`'s arguments)."""
-    ranges, per_stage = stages
+    and the rules its data mode and messages follow; ``sizes``: bytes of a gradient and of autocast's copy of a weight
+    (0 without autocast); the rest `estimate`'s arguments."""
+    (ranges, per_stage), (grad_bytes, cast_bytes) = stages, sizes
+    matmuls = math.ceil(shape.block()[0] / plan.tp)  # a block's weights autocast copies (tp's slice)
+    head = shape.vocab // _vocab_split(plan) * shape.hidden
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
     mine = [s for s, r in _placement(plan).items() if r == rank]
-    chunks = {s: _chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend, held) for s in mine}
+    chunks = {s: dataclasses.replace(_chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend,
+                                            held), cast=cast_bytes * (len(ranges[s]) * matmuls +
+                                                                      (head if s == len(ranges) - 1 else 0)))
+              for s in mine}
     table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)[rank] if plan.pp > 1 \
         else None
     actions = step_actions(table, shape.accumulate, plan.microbatches or 1)

@@ -78,6 +78,8 @@ class Chunk:
     grads: float = 0.0  # gradients its backwards leave in param.grad until the step's last one (ZeRO-2/3)
     reduce: float = 0.0  # what its last backward's reduction holds beyond the gradients (the backend's copies)
     weights: float = 0.0  # split backwards: the gradients W makes at once, before autograd accumulates them
+    cast: float = 0.0  # under autocast: the half copy of its matmuls' weights, made at its first forward (autocast
+    #                    caches it for the region) and saved by each matmul for backward: held until its last backward
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Rules:
 # a few hundred actions each, with about 1,000 structures among them.
 _GLOBAL = ("boundary", "recompute", "head", "logits", "backward", "weight", "workspace", "zero3", "release",
            "release_start", "flats", "flats_top")
-_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
+_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights", "cast")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -158,7 +160,7 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: R
     for s in sorted(chunks):
         c = chunks[s]
         out += [p.saved(c.blocks, c.first, c.last), p.stashed(c.blocks), (c.blocks - 1) * max(p.stash - p.block, 0.0),
-                c.grads, c.reduce, c.weights]
+                c.grads, c.reduce, c.weights, c.cast]
     return np.array(out, dtype=float)
 
 
@@ -214,6 +216,7 @@ class _Terms:
     grads: int = 0
     reduce: int = 0
     weights: int = 0
+    cast: int = 0
     first: bool = False
     last: bool = False
 
@@ -233,6 +236,7 @@ class _Walk:
         last = {id(a) for a in self.last_backward.values()}
         self.reducing = [a for a in actions if id(a) in last]
         self.seen: set[int] = set()  # the stages a backward has run for
+        self.cast: set[int] = set()  # the stages whose weights autocast has copied
         self.saved = self.held = self.stash = 0
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
@@ -241,7 +245,8 @@ class _Walk:
         self.rows.setdefault((activations, temporaries, self.released), action)
 
     def forward(self, action: Action, chunk: _Terms, ahead: int) -> None:
-        self.saved += chunk.saved
+        self.saved += chunk.saved + (chunk.cast if action.stage not in self.cast else 0)
+        self.cast.add(action.stage)
         # At the forward's end: the last chunk's logits beside their log-softmax.
         logits = self.q.logits if chunk.last else 0
         self.consider(self.saved + self.stash, self.held + ahead + self.q.zero3 + logits, action)
@@ -298,6 +303,7 @@ class _Walk:
             # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block.
             self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.q.zero3 +
                           (0 if kept else chunk.grads), action)
+            self.saved -= chunk.cast
             self.held -= (chunk.grads if kept else 0) + (self.q.flats if action is self.reducing[-1] else 0)
         elif not kept:
             self.held += chunk.grads
