@@ -419,8 +419,11 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     per_rank = stage_params(shape, plan)
     for rank, psi in enumerate(per_rank):
         states = model_states(psi, plan, precision, optimizer)
-        peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, act_bytes * mixed),
-                          backend, workspace, crowded)
+        # Autocast's half copies of the weights: saved by the matmuls for backward, but not under recompute, whose
+        # forward saves none (the rehearsals' count; what autocast's own cache holds is not counted)
+        cast_bytes = act_bytes if mixed and not plan.ac else 0
+        peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, cast_bytes), backend,
+                          workspace, crowded)
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
         memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
                        "temporaries": peak.temporaries})

@@ -78,8 +78,8 @@ class Chunk:
     grads: float = 0.0  # gradients its backwards leave in param.grad until the step's last one (ZeRO-2/3)
     reduce: float = 0.0  # what its last backward's reduction holds beyond the gradients (the backend's copies)
     weights: float = 0.0  # split backwards: the gradients W makes at once, before autograd accumulates them
-    cast: float = 0.0  # under autocast: the half copy of its matmuls' weights, made at its first forward (autocast
-    #                    caches it for the region) and saved by each matmul for backward: held until its last backward
+    cast: float = 0.0  # under autocast: the half copy of its matmuls' weights, made at its first forward and saved by
+    #                    each matmul for backward (not under recompute): held until its last backward
 
 
 @dataclass(frozen=True)

@@ -92,3 +92,13 @@ def test_a_split_backward_swaps_activations_for_the_stash_until_w():
         return max(m["activations"] for m in estimate(shape, plan, 4, "32-true").memory)
     assert 0.98 * most("pp4_1f1b_mb8") <= most("pp4_zb1p_mb8") <= most("pp4_1f1b_mb8")
     assert most("pp4_zb1p_mb8_ac") > 5 * most("pp4_1f1b_mb8_ac")
+
+
+def test_autocasts_copy_of_the_weights_is_held_once_from_the_first_forward_to_the_last_backward():
+    plain = {0: Chunk(blocks=1, first=True, last=True)}
+    cast = {0: Chunk(blocks=1, first=True, last=True, cast=1000)}
+    actions = step_actions(None, 2, 1)  # two micro-steps: the copy is made once and kept for both
+    assert walk(PIECES, cast, actions).total == walk(PIECES, plain, actions).total + 1000
+    # with nothing else held, the peak is the copy, made by the first forward
+    quiet = Pieces(boundary=0, block=0, recompute=0, embedding=0, head=0, logits=0, backward=0)
+    assert walk(quiet, cast, actions).total == 1000 and walk(quiet, cast, actions).at == "F0.0"
