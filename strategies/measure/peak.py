@@ -78,8 +78,9 @@ class Chunk:
     grads: float = 0.0  # gradients its backwards leave in param.grad until the step's last one (ZeRO-2/3)
     reduce: float = 0.0  # what its last backward's reduction holds beyond the gradients (the backend's copies)
     weights: float = 0.0  # split backwards: the gradients W makes at once, before autograd accumulates them
-    cast: float = 0.0  # under autocast: the half copy of its matmuls' weights, made at its first forward and saved by
-    #                    each matmul for backward (not under recompute): held until its last backward
+    cast: float = 0.0  # under autocast: the half copy of its matmuls' weights each forward makes and its matmuls save
+    #                    for backward (not under recompute): one per microbatch in flight, since Lightning's autocast
+    #                    region, whose cache would share it, is one training_step call: one microbatch under pp
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Rules:
 # a few hundred actions each, with about 1,000 structures among them.
 _GLOBAL = ("boundary", "recompute", "head", "logits", "backward", "weight", "workspace", "zero3", "release",
            "release_start", "flats", "flats_top")
-_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights", "cast")
+_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -159,8 +160,8 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: R
            r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)]
     for s in sorted(chunks):
         c = chunks[s]
-        out += [p.saved(c.blocks, c.first, c.last), p.stashed(c.blocks), (c.blocks - 1) * max(p.stash - p.block, 0.0),
-                c.grads, c.reduce, c.weights, c.cast]
+        out += [p.saved(c.blocks, c.first, c.last) + c.cast, p.stashed(c.blocks),
+                (c.blocks - 1) * max(p.stash - p.block, 0.0), c.grads, c.reduce, c.weights]
     return np.array(out, dtype=float)
 
 
@@ -210,13 +211,12 @@ class _Terms:
     flats: int = 0
     flats_top: int = 0  # what the first flat adds to its backward's top: all of it (ZeRO-2's, made before the block's
     #                     first matmul) or max(flats - mlp_grad, 0) (ZeRO-3's, made after it, the MLP's gradient gone)
-    saved: int = 0  # a chunk's activations saved per microbatch (`Pieces.saved`)
+    saved: int = 0  # a chunk's activations saved per microbatch (`Pieces.saved`, and `Chunk.cast`)
     stashed: int = 0  # what its B keeps for W (`Pieces.stashed`)
     swap: int = 0  # its blocks but the last swapped what they saved for their stash: (blocks - 1)(stash - block)+
     grads: int = 0
     reduce: int = 0
     weights: int = 0
-    cast: int = 0
     first: bool = False
     last: bool = False
 
@@ -236,7 +236,6 @@ class _Walk:
         last = {id(a) for a in self.last_backward.values()}
         self.reducing = [a for a in actions if id(a) in last]
         self.seen: set[int] = set()  # the stages a backward has run for
-        self.cast: set[int] = set()  # the stages whose weights autocast has copied
         self.saved = self.held = self.stash = 0
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
@@ -245,8 +244,7 @@ class _Walk:
         self.rows.setdefault((activations, temporaries, self.released), action)
 
     def forward(self, action: Action, chunk: _Terms, ahead: int) -> None:
-        self.saved += chunk.saved + (chunk.cast if action.stage not in self.cast else 0)
-        self.cast.add(action.stage)
+        self.saved += chunk.saved
         # At the forward's end: the last chunk's logits beside their log-softmax.
         logits = self.q.logits if chunk.last else 0
         self.consider(self.saved + self.stash, self.held + ahead + self.q.zero3 + logits, action)
@@ -303,7 +301,6 @@ class _Walk:
             # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block.
             self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.q.zero3 +
                           (0 if kept else chunk.grads), action)
-            self.saved -= chunk.cast
             self.held -= (chunk.grads if kept else 0) + (self.q.flats if action is self.reducing[-1] else 0)
         elif not kept:
             self.held += chunk.grads
