@@ -120,10 +120,11 @@ class Rules:
     #                              messages held for later ones
 
 
-# The walk is linear in a few byte counts (`_QUANTITIES`): it is run once per structure (a rank's actions, its chunks'
-# places, the rules' shape) on packed integer coefficients (`_pack`), which record each point it compares as a row of
-# coefficients; a plan's peak is then the largest row times its byte counts. The planner walks some 30,000 ranks of
-# a few hundred actions each, with about 1,000 structures among them.
+# The walk is linear in a few byte counts (`_GLOBAL`, and `_PER_CHUNK` per chunk): it is run once per structure (a
+# rank's actions and messages held ahead, named by `walk`'s ``key``, and its chunks' places) on packed integer
+# coefficients (`_compile`), which record each point it compares as a row of coefficients; a plan's peak is then the
+# largest row times its byte counts. The planner walks some 30,000 ranks of a few hundred actions each, with about
+# 600 structures among them.
 _GLOBAL = ("boundary", "recompute", "head", "logits", "backward", "weight", "workspace", "zero3", "release",
            "release_start", "flats", "flats_top")
 _PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")

@@ -280,22 +280,20 @@ def _held_in_rounds(table: ScheduleTable, where: dict[int, int]) -> list[list[in
     building the programs: a receive is posted on its rank once the rank's actions so far have run, and held until
     the action that uses it."""
     index = [{a: i for i, a in enumerate(actions)} for actions in table]
-    change = [[0] * (len(actions) + 1) for actions in table]
+    spans: list[list[tuple[int, int]]] = [[] for _ in table]
     ran = [0] * len(table)
     last = max(where)
     for r, action in _round_order(table, last):
         ran[r] += 1
         s, m = action.stage, action.microbatch
         if action.phase is Phase.FORWARD and s < last and where[s + 1] != r:
-            peer, use = where[s + 1], Action(Phase.FORWARD, s + 1, m)
+            peer, use = where[s + 1], _user("a", s, m)
         elif action.phase is Phase.BACKWARD and s > 0 and where[s - 1] != r:
-            peer, use = where[s - 1], Action(Phase.BACKWARD, s - 1, m)
+            peer, use = where[s - 1], _user("g", s, m)
         else:
             continue
-        if ran[peer] < index[peer][use]:
-            change[peer][ran[peer]] += 1
-            change[peer][index[peer][use]] -= 1
-    return [list(itertools.accumulate(c[:-1])) for c in change]
+        spans[peer].append((ran[peer], index[peer][use]))
+    return [_held_over(spans[r], len(actions)) for r, actions in enumerate(table)]
 
 
 def held_receives(program: Program) -> list[int]:
@@ -305,27 +303,32 @@ def held_receives(program: Program) -> list[int]:
     uses: list[Action] = []
     for step in program:
         for t in step.group:
-            if not t.send and t.message.kind == "a":  # the next stage's forward uses it
-                posted[Action(Phase.FORWARD, t.message.stage + 1, t.message.microbatch)] = len(uses)
-            elif not t.send and t.message.kind == "g":  # the previous stage's backward
-                posted[Action(Phase.BACKWARD, t.message.stage - 1, t.message.microbatch)] = len(uses)
+            if not t.send and t.message.kind in ("a", "g"):
+                posted[_user(t.message.kind, t.message.stage, t.message.microbatch)] = len(uses)
         if step.action is not None:
             uses.append(step.action)
     first: dict[Action, int] = {}
     for i, action in enumerate(uses):
         first.setdefault(action, i)
-    # Each message is held over the actions [posted, used): counted with a running sum (the planner asks this of
-    # programs of thousands of actions)
-    change = [0] * (len(uses) + 1)
-    for key, at in posted.items():
-        if at < first[key]:
-            change[at] += 1
-            change[first[key]] -= 1
-    held, out = 0, []
-    for i in range(len(uses)):
-        held += change[i]
-        out.append(held)
-    return out
+    return _held_over([(at, first[use]) for use, at in posted.items()], len(uses))
+
+
+def _user(kind: str, stage: int, microbatch: int) -> Action:
+    """The action that uses the activation ("a") or gradient ("g") stage ``stage`` sends: the next stage's forward,
+    the previous stage's backward."""
+    return Action(Phase.FORWARD, stage + 1, microbatch) if kind == "a" else Action(Phase.BACKWARD, stage - 1,
+                                                                                      microbatch)
+
+
+def _held_over(spans: list[tuple[int, int]], actions: int) -> list[int]:
+    """Per action of ``actions``, how many messages are held while it runs, each over the actions [posted, used) of
+    its span: a running sum (the planner asks this of programs of thousands of actions)."""
+    change = [0] * (actions + 1)
+    for posted, used in spans:
+        if posted < used:
+            change[posted] += 1
+            change[used] -= 1
+    return list(itertools.accumulate(change[:-1]))
 
 
 def _payloads(transfers: list[Transfer]) -> tuple[Transfer, ...]:
