@@ -57,6 +57,7 @@ class CausalLMModule(L.LightningModule):
         self.save_hyperparameters()
         self.name, self.lr, self.optimizer_name = name, lr, optimizer
         self.config = hf_config(name, n_layer)
+        self.config.use_cache = False  # training: no key/value cache (on by default, it keeps every block's K and V)
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:

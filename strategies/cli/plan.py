@@ -185,7 +185,7 @@ def workload_shape(config: Any) -> Any:
     from strategies.measure.estimate import ModelShape
 
     module, _ = find_workload(config.workload).lightning(config)
-    return ModelShape.from_config(_model_config(module), batch=config.batch_size)
+    return ModelShape.from_config(_model_config(module, config.seq_len), batch=config.batch_size)
 
 
 def calibrate_host(config: Any) -> None:

@@ -44,7 +44,7 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") 
     config = replace(config, configure_model=True, devices=world_size, num_nodes=1)
     L.seed_everything(config.seed, workers=True, verbose=False)
     module, dataset = find_workload(config.workload).lightning(config)
-    model = _model_config(module)
+    model = _model_config(module, config.seq_len)
     predicted = predict_run(config.strategy, world_size, model, config.batch_size, config.accumulate,
                             config.precision, "cpu" if target == "cpu" else "gpu", optimizer=config.optimizer,
                             deferred=True)
@@ -190,7 +190,8 @@ def store_rehearsal(results: list[dict[str, Any]], root: str | None, comparison:
 # (workload, ranks, plan, global batch in sequences): Llama 3 at the sizes and scales people train it, bf16-mixed,
 # AdamW, sequences of 8,192 tokens, one sequence per microbatch.
 MATRIX = [
-    ("llama3-8b", 8, "zero3", 8), ("llama3-8b", 8, "zero3_ac", 8), ("llama3-8b", 64, "zero1_tp8", 8),
+    ("llama3-8b", 8, "zero3", 8), ("llama3-8b", 8, "zero3_ac", 8), ("llama3-8b", 8, "zero3_ac_offload", 8),
+    ("llama3-8b", 64, "zero1_tp8", 8),
     ("llama3-8b", 64, "zero2_cp2_ac", 32), ("llama3-70b", 64, "tp8_pp8_1f1b_mb8", 8),
     ("llama3-70b", 64, "zero3_tp8_ac", 8), ("llama3-70b", 256, "zero1_tp8_pp4_interleaved_v2_mb8", 64),
     ("llama3-70b", 256, "zero3_tp8_sp_ac", 32), ("llama3-70b", 1024, "zero1_tp8_pp8_zbv_mb8", 128),
@@ -229,8 +230,8 @@ def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
     lines = [f"# Rehearsed at real sizes ({time.strftime('%Y-%m-%d')})", "", f"`{command}`", "",
              "One rank of each job rehearsed on this machine (`stratpack rehearse --target cuda`: NCCL's ranks, "
              "bf16-mixed, AdamW, sequences of 8,192 tokens): the first and the last pipeline stage's first rank, the "
-             "worse shown. `gpt-shape`: the demo GPT (the block the estimator models) at Llama 3 70B's shape "
-             "(80 x 8,192, 64 heads, vocabulary 128,256). "
+             "worse shown. `gpt-shape`: the demo GPT at Llama 3 70B's shape (80 x 8,192, 64 heads, vocabulary "
+             "128,256); the Llama rows are the estimator's Llama family, the `gpt-shape` rows its demo block. "
              "GiB per rank: the steady peak (states + saved activations + the rest), beside the estimator's "
              "(`stratpack plan`'s). Seconds: the row's two rehearsals on this machine.", "",
              "| model | ranks | plan | batch | rank | rehearsed peak | estimator | off | states (est.) | activations "

@@ -90,7 +90,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
 
         compile_blocks(module, {"backend": config.compile})
     dataset = _check_batches(config, dataset)
-    model = _model_config(module)
+    model = _model_config(module, config.seq_len)
     predicted = predict_run(config.strategy, _world(config), model, config.batch_size, config.accumulate,
                             config.precision, config.accelerator, optimizer=config.optimizer,
                             deferred=config.configure_model and _is_plan(config.strategy))
@@ -150,10 +150,18 @@ def _strategy(config: RunConfig) -> Any:
     return strategy
 
 
-def _model_config(module: Any) -> dict[str, Any]:
-    """The module's config as a dict (a dataclass ``config`` attribute, as the demo GPT has), else empty."""
+def _model_config(module: Any, seq_len: int | None = None) -> dict[str, Any]:
+    """The module's config as a dict (a dataclass ``config`` attribute, as the demo GPT has; a Hugging Face config's
+    ``to_dict``, which names its ``model_type``), else empty; with the run's ``seq_len`` where it has none (a Hugging
+    Face config gives only the longest, which the estimator would otherwise take)."""
     config = getattr(module, "config", None)
-    return asdict(config) if is_dataclass(config) else dict(vars(config)) if config is not None else {}
+    if callable(getattr(config, "to_dict", None)):  # (before asdict: transformers' configs are dataclasses too)
+        out = config.to_dict()
+    elif is_dataclass(config):
+        out = asdict(config)
+    else:
+        out = dict(vars(config)) if config is not None else {}
+    return {**out, "seq_len": seq_len} if out and seq_len and "seq_len" not in out else out
 
 
 def _check_batches(config: RunConfig, dataset: Any) -> Any:

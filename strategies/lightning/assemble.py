@@ -54,7 +54,8 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
         with outside_all(techniques):  # its set-up proof runs the modules as one process (no ring SDPA)
             techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred))
     if plan.ac:
-        techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks))))
+        techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks)),
+                                                  model))
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)

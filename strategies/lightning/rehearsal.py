@@ -143,7 +143,8 @@ class RehearsalStrategy(PlanStrategy):
 
 @contextlib.contextmanager
 def target_kernels(device_type: str) -> Iterator[None]:
-    """Inside, attention on meta tensors runs the fused kernel a ``device_type`` ("cpu", "cuda") device would choose.
+    """Inside, attention on meta tensors runs the fused kernel a ``device_type`` ("cpu", "cuda") device would choose,
+    and the optimizers step with the kernels they would choose there.
     On meta, torch's ``scaled_dot_product_attention`` falls back to its math form, which keeps the whole attention
     matrix for backward; the fused kernels (flash on CUDA, its CPU twin) keep the output and one row statistic. Only
     the causal or unmasked call without dropout is redirected (grouped keys too, ``enable_gqa``): the rest keeps
@@ -170,6 +171,22 @@ def target_kernels(device_type: str) -> Iterator[None]:
 
     F.scaled_dot_product_attention = attention
     try:
-        yield
+        with _optimizer_kernels(device_type):
+            yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _optimizer_kernels(device_type: str) -> Iterator[None]:
+    """The optimizers' step as on ``device_type``: on CUDA torch's optimizers run their foreach kernels by default
+    (one temporary the size of all their parameters: AdamW's square roots), elsewhere one tensor at a time."""
+    import torch.optim.optimizer as optim
+
+    devices = optim._get_foreach_kernels_supported_devices
+    if device_type == "cuda":
+        optim._get_foreach_kernels_supported_devices = lambda: [*devices(), "meta"]
+    try:
+        yield
+    finally:
+        optim._get_foreach_kernels_supported_devices = devices

@@ -1,9 +1,10 @@
 """What a plan should cost, before running it: memory per rank by category, bytes per step per axis, bubble.
 
-The model is a decoder-only transformer (`ModelShape`): embeddings, ``layers`` blocks of attention (fused
-qkv + projection) and a 4x MLP, a final norm and an untied head, laid out like the demo GPT, so for the
-demo the model-state figures are exact. For a model given only by its parameter count the blocks get what
-the embeddings and head leave.
+The model is a decoder-only transformer (`ModelShape`): embeddings, ``layers`` blocks, a final norm and an untied
+head. Two block families: the demo GPT's (fused qkv + projection, a 4x GELU MLP, LayerNorms, biases) and Hugging
+Face's Llama family (Llama, Qwen2, Mistral: q, k, v and o with grouped keys, a gated SiLU MLP, RMSNorms computed in
+float32, rotary positions), each counted as built, so the model-state figures are exact for both. For a model given
+only by its parameter count the blocks get what the embeddings and head leave.
 
 - Model states (ZeRO paper, Rajbhandari et al. 2020): bytes per parameter for the weights, gradients and
   optimizer (Adam: two moments) in the layout the pack holds under each Lightning precision (`PRECISIONS`):
@@ -21,6 +22,11 @@ the embeddings and head leave.
   al. 2022 count the same tensors, with dropout masks the demo does not have), and the temporaries beside them: the
   backward's working set, recompute, ZeRO-3's gathered blocks, gradients ZeRO-2/3 keep whole across a step's
   backwards, messages in flight, and, by ``backend`` and ``workspace``, gloo's copies and the matrix library's buffers.
+- The optimizer's step (`optimizer_step_bytes`), where every gradient is back beside the states: Adam's square roots,
+  for all the parameters at once under torch's foreach kernels (CUDA's default), or one tensor at a time (CPU); the
+  rank's peak when its activations are small beside its parameters (a first stage holding a large embedding).
+- With one data-parallel rank (``dp1``) the gradients are autograd's own, freed by zero_grad and made again by the
+  step's backwards; with more, they stay in their buckets or shards between steps.
 - The set-up peak (`setup_peaks`), from before the model is built to the end of the first step: the first step's,
   or the build's where larger; built on meta (configure_model) the kept slice and one piece made whole, built in
   ``__init__`` the whole model on every rank. The optimizer's state is Adam's unless named (`OPTIMIZERS`).
@@ -47,6 +53,8 @@ from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGHT
 
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
+FAMILIES = ("gpt", "llama")  # `ModelShape.family`
+LLAMA_TYPES = ("llama", "qwen2", "mistral")  # Hugging Face model types of the "llama" family
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
               "bf16-true": (2, 2, 4, 2), "16-true": (2, 2, 4, 2)}
 _ALIASES = {"fp32": "32-true", "32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}  # as Lightning reads them
@@ -67,7 +75,11 @@ def layout(precision: str) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer: sizes, and the samples per microbatch... per data-parallel rank."""
+    """A decoder-only transformer: sizes, and the samples per microbatch... per data-parallel rank.
+
+    ``family`` is the block: ``"gpt"`` the demo's (LayerNorm, fused qkv, a 4h GELU MLP, biases, learned positions),
+    ``"llama"`` Hugging Face's Llama, Qwen2 and Mistral (RMSNorm, separate q, k and v with ``kv_heads`` grouped key
+    heads, a gated SiLU MLP ``ffn`` wide, rotary positions, no biases but Qwen2's on q, k and v: ``qkv_bias``)."""
 
     layers: int
     hidden: int
@@ -78,22 +90,51 @@ class ModelShape:
     accumulate: int = 1  # accumulation steps the batch is run in, one after the other (activations: one at a time)
     params: int | None = None  # total parameters, when known (else counted from the sizes)
     flash_attention: bool = True  # no s x s score matrix kept for backward (SDPA / flash)
+    family: str = "gpt"
+    ffn: int = 0  # the MLP's width (0: 4 x hidden)
+    kv_heads: int = 0  # key and value heads (0: as many as ``heads``)
+    qkv_bias: bool = False  # the Llama family's q, k and v have biases (Qwen2)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+
+    @property
+    def llama(self) -> bool:
+        return self.family == "llama"
+
+    def mlp(self) -> int:
+        """The MLP's width."""
+        return self.ffn or 4 * self.hidden
+
+    def groups(self) -> float:
+        """Key (and value) heads per query head: 1, or less with grouped keys."""
+        return (self.kv_heads or self.heads) / self.heads
+
+    def norm(self) -> int:
+        """Parameters of one norm: a LayerNorm's weight and bias, an RMSNorm's weight."""
+        return self.hidden if self.llama else 2 * self.hidden
 
     def block(self) -> tuple[int, int]:
         """Parameters of one block: (split by tp, kept whole)."""
         h = self.hidden
+        whole = 2 * self.norm() + (0 if self.llama else 2 * h)  # the norms, and the demo's row-parallel biases
         if self.params is not None:
             per_block = max(0, (self.params - self.embeddings() - self.head())) // self.layers
-            return per_block - 6 * h, 6 * h
-        return 12 * h * h + 7 * h, 6 * h  # qkv 3h²+3h, proj h², fc 4h²+4h, proj 4h² | 2 norms 4h, 2 row biases 2h
+            return per_block - whole, whole
+        if self.llama:  # q and o h², k and v g·h² each, gate, up and down h·ffn each
+            kv = round(self.groups() * h)
+            return 2 * h * h + 2 * kv * h + 3 * h * self.mlp() + (h + 2 * kv if self.qkv_bias else 0), whole
+        return 4 * h * h + 2 * h * self.mlp() + 3 * h + self.mlp(), whole  # qkv 3h²+3h, proj h², fc 4h²+4h, proj 4h²
 
     def embeddings(self, vocab_split: int = 1) -> int:
-        """Token and position embeddings; ``vocab_split``: the ranks the vocabulary is split over ('vp')."""
-        return (self.vocab // vocab_split + self.seq) * self.hidden
+        """Token (and learned position) embeddings; ``vocab_split``: the ranks the vocabulary is split over ('vp')."""
+        return (self.vocab // vocab_split + (0 if self.llama else self.seq)) * self.hidden
 
     def head(self, vocab_split: int = 1) -> int:
-        """The final norm and the output layer (weight and bias), its vocabulary split over ``vocab_split``."""
-        return 2 * self.hidden + (self.vocab * self.hidden + self.vocab) // vocab_split
+        """The final norm and the output layer (weight, and the demo's bias), its vocabulary split over
+        ``vocab_split``."""
+        return self.norm() + (self.vocab * self.hidden + (0 if self.llama else self.vocab)) // vocab_split
 
     def total(self) -> int:
         split, whole = self.block()
@@ -103,16 +144,22 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict, batch: int = 1) -> ModelShape:
-        """From a model config: the demo's GPTConfig fields, or Hugging Face names."""
+        """From a model config: the demo's GPTConfig fields, or Hugging Face names (the Llama family by its
+        ``model_type``, `LLAMA_TYPES`; another, GPT-2's included, is taken as the demo's block)."""
         def get(*names: str) -> int:
             for name in names:
                 if name in config:
                     return int(config[name])
             raise KeyError(f"the config has none of {names}")
 
-        return cls(layers=get("n_layer", "num_hidden_layers"), hidden=get("n_embd", "hidden_size"),
-                   heads=get("n_head", "num_attention_heads"), seq=get("seq_len", "max_position_embeddings"),
-                   vocab=get("vocab_size"), batch=batch)
+        shape = cls(layers=get("n_layer", "num_hidden_layers"), hidden=get("n_embd", "hidden_size"),
+                    heads=get("n_head", "num_attention_heads"), seq=get("seq_len", "max_position_embeddings"),
+                    vocab=get("vocab_size"), batch=batch)
+        if config.get("model_type") not in LLAMA_TYPES:
+            return shape
+        return dataclasses.replace(shape, family="llama", ffn=get("intermediate_size"),
+                                   kv_heads=int(config.get("num_key_value_heads") or shape.heads),
+                                   qkv_bias=config["model_type"] == "qwen2" or bool(config.get("attention_bias")))
 
     @classmethod
     def from_params(cls, params: float, *, seq: int = 4096, vocab: int = 32000, batch: int = 1) -> ModelShape:
@@ -246,28 +293,59 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     s, h, t = shape.seq / plan.cp, shape.hidden, plan.tp  # cp: this rank's part of each sequence
     b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
     u = b * s * h * act_bytes
-    r = u * (wide_bytes or act_bytes) / act_bytes  # the residual stream's
+    wide = wide_bytes or act_bytes
+    r = u * wide / act_bytes  # the residual stream's
     boundary = r / t if plan.sp else r
-    scores = 0.0 if shape.flash_attention else shape.heads * s / h * u / t  # softmax's output, kept for backward
-    # two residual adds' outputs (the stream, kept by the next norms) and the two norms' outputs (kept by the
-    # column-parallel layers, half under autocast), the rest split; under sp the stream is split too and the
-    # column-parallel inputs gathered whole
-    whole = (2 * u + 2 * r / t + 12 / t * u if plan.sp else 2 * r + 2 * u + 12 / t * u) + scores
-    logits = b * s * shape.vocab * (wide_bytes or act_bytes) / _vocab_split(plan)
+    saved = _block_saved(shape, plan, b * s * h, act_bytes, wide, wide_bytes is not None)
+    whole, f = saved.whole, shape.mlp() / h
+    # the log-softmax's output, in float32 for Hugging Face's loss (which casts the logits up), else the stream's dtype
+    logits = b * s * shape.vocab * (4 if shape.llama else wide) / _vocab_split(plan)
     split, kept = shape.block()
     unit = (math.ceil(split / t) + kept) * weight_bytes if plan.data.stage == 3 else 0.0
     # Recompute makes a block's activations again but not its output (the residual add, which it drops).
+    # Half logits cast up to float32 (by autocast for the cross-entropy, by Hugging Face's loss): at the loss's forward
+    # both beside the log-softmax
+    half = wide_bytes is not None or (shape.llama and act_bytes < 4)
+    loss = logits + b * s * shape.vocab * act_bytes / _vocab_split(plan) if half else logits
     return Pieces(boundary=boundary, block=boundary if plan.ac else whole,
                   recompute=whole - boundary if plan.ac else 0.0,
-                  embedding=boundary, head=u + logits, logits=logits,
+                  embedding=boundary, head=saved.norm_extra + u + logits, logits=logits, loss=loss,
                   # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
-                  backward=boundary + (u if plan.sp else 0.0) + 4 * u / t, weight=4 * h * h / t * weight_bytes,
-                  mlp_grad=4 * u / t,
+                  backward=boundary + (u if plan.sp else 0.0) + f * u / t, weight=h * shape.mlp() / t * weight_bytes,
+                  mlp_grad=f * u / t,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
-                  # Split backwards: B keeps each block linear's input (qkv's and fc's whole, proj's 1/t, fc2's 4/t) and
-                  # output gradient (qkv's 3/t, proj's whole, fc's 4/t, fc2's whole) for W, with sp too (gathered).
-                  # The head's weight gradient is made in B (`pipeline.weights`): nothing kept for it.
-                  stash=(4 + 12 / t) * u if plan.schedule.splits_backward else 0.0)
+                  head_unit=(shape.head(_vocab_split(plan)) - shape.norm()) * weight_bytes if unit else 0.0,
+                  vocab_grad=shape.vocab // _vocab_split(plan) * h * weight_bytes,  # (gradients: the weights' dtype)
+                  stash=saved.stash if plan.schedule.splits_backward else 0.0)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    whole: float  # what one block saves for backward
+    norm_extra: float  # what a norm saves beyond its input (the final norm's, with the head)
+    stash: float  # what a split backward's B keeps for W
+
+
+def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, wide: float, mixed: bool) -> _Saved:
+    """What one block saves with one microbatch's ``bsh`` hidden elements (``act``, ``wide``: bytes of a matmul's
+    output and of the residual stream's element), counted tensor by tensor (`stratpack rehearse` finds the same)."""
+    t, u, g, f = plan.tp, bsh * act, shape.groups(), shape.mlp() / shape.hidden
+    # Each norm keeps its input (the stream); Hugging Face's RMSNorm computes in float32: it keeps the input in float32
+    # (a copy on half weights) and its normalised output in the weights' dtype. Whole, or 1/t of the sequence under sp.
+    norm = (4 + wide) * bsh if shape.llama else wide * bsh
+    # The column-parallel linears' input (the norm's output, gathered whole under sp): under autocast each linear
+    # keeps its own half copy (q, k, v; gate, up: Llama's five; the demo's fused qkv and fc: two), else one is shared.
+    casts = (5 if shape.llama else 2) if mixed else 2
+    # Split over tp. The demo: qkv 3, attention 1, fc and GELU 4 each. Llama: q (rotated, cast) 1, k and v g each,
+    # attention 1, and gate, up, SiLU and their product ffn/h each. Flash attention's row statistic, float32 per head.
+    inner = ((2 + 2 * g + 4 * f) if shape.llama else (4 + 2 * f)) * u + 4 * bsh * shape.heads / shape.hidden
+    scores = 0.0 if shape.flash_attention else shape.heads * bsh / shape.hidden * shape.seq / plan.cp * act
+    whole = 2 * norm / (t if plan.sp else 1) + casts * u + (inner + scores) / t
+    # B keeps each block linear's input (the casts whole, attention's output 1/t, the down projection's f/t) and output
+    # gradient (the two row-parallel ones whole, the column-parallel ones 1/t: the demo's qkv 3 and fc f, Llama's q 1,
+    # k and v g each, gate and up f each), with sp too (gathered). The head's weight gradient is made in B.
+    outputs = (1 + 2 * g + 2 * f) if shape.llama else (3 + f)
+    return _Saved(whole, norm - wide * bsh, (casts + 2) * u + (1 + f + outputs) * u / t)
 
 
 def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,
@@ -288,9 +366,11 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
         reduce = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
         reduce = 2 * grads
-    keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2
-    return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if held and keeps else 0.0, reduce=reduce,
-                 weights=grads if plan.schedule.splits_backward else 0.0)
+    # autograd's own .grad (`_plain_grads`) is made by the step's first backward, kept or not
+    plain = _plain_grads(plan)
+    keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2 or plain
+    return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if (held or plain) and keeps else 0.0,
+                 reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0)
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
@@ -304,7 +384,7 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
     # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
     # (first) training_step, before backward; under pp the schedule runs inside training_step, which first drops
     # the module's .grad (naive's flat) but not the shards (the optimizer's own parameters).
-    release = states["grads"] if naive or (plan.data.stage >= 2 and plan.pp == 1) else 0.0
+    release = states["grads"] if naive or _plain_grads(plan) or (plan.data.stage >= 2 and plan.pp == 1) else 0.0
     # ZeRO-2/3 make a flat's full gradient when its first parameter's gradient arrives in the reducing backward,
     # beside the .grad not yet moved into it: ZeRO-2's flats follow DDP's buckets over all of the rank's chunks (the
     # first one at most FIRST_BUCKET_BYTES), ZeRO-3's are one per block.
@@ -317,6 +397,12 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         if plan.pp > 1 else None
     return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
                  early=held[rank] if held else ())
+
+
+def _plain_grads(plan: ParallelPlan) -> bool:
+    """With one data-parallel rank there are no buckets or shards (`gradient_sync`): .grad is autograd's own, which
+    zero_grad frees (under pp before the first action, as naive's flat) and the step's first backward makes again."""
+    return plan.data_ranks == 1 and not plan.offload and plan.data is not DataMode.NAIVE
 
 
 def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
@@ -363,8 +449,9 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
             gathers = (4 if plan.ac else 2) * activation + 2 * narrow
             out["all_gather/tp"] = (t - 1) / t * (gathers * blocks + (2 if plan.pp == 1 else 1) * activation)
             out["reduce_scatter/tp"] = (t - 1) / t * ((3 if plan.ac else 2) * narrow + 2 * activation) * blocks
-        else:
-            out["all_reduce/tp"] = 2 * (t - 1) / t * ((3 if plan.ac else 2) * narrow + 2 * activation) * blocks
+        else:  # each column-parallel linear all-reduces its input's gradient: Llama's q, k, v, gate and up
+            inputs = 5 if shape.llama else 2
+            out["all_reduce/tp"] = 2 * (t - 1) / t * ((3 if plan.ac else 2) * narrow + inputs * activation) * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
             # max and (sum of exp, target logit): one value per token each
             tokens = shape.batch * shape.seq / plan.cp * 4
@@ -419,15 +506,21 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     per_rank = stage_params(shape, plan)
     for rank, psi in enumerate(per_rank):
         states = model_states(psi, plan, precision, optimizer)
-        # Autocast's half copies of the weights: saved by the matmuls for backward, but not under recompute, whose
-        # forward saves none (the rehearsals' count; what autocast's own cache holds is not counted)
-        cast_bytes = act_bytes if mixed and not plan.ac else 0
+        # Autocast's half copies of the weights, saved by the matmuls for backward (the rehearsals' count; what
+        # autocast's own cache holds is not counted)
+        cast_bytes = act_bytes if mixed else 0
         peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, cast_bytes), backend,
                           workspace, crowded)
-        # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then.
-        memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
-                       "temporaries": peak.temporaries})
-        where.append(peak.at)
+        # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then; or
+        # the optimizer's step, where every gradient is back, if that is more.
+        step = optimizer_step_bytes(shape, plan, rank, states, weight_bytes, optimizer, backend)
+        if step > peak.total:  # (both beside the states)
+            memory.append({**states, "activations": 0.0, "temporaries": step})
+            where.append("step")
+        else:
+            memory.append({**states, "grads": states["grads"] - peak.released, "activations": peak.activations,
+                           "temporaries": peak.temporaries})
+            where.append(peak.at)
         between.append(states)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
@@ -437,6 +530,24 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
 
 
+def optimizer_step_bytes(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float],
+                         weight_bytes: float, optimizer: str, backend: str) -> float:
+    """What Adam's step holds beyond the model states on pipeline ``rank`` (AdamW's square roots of the second
+    moments): with NCCL (CUDA), torch's default foreach kernels, one temporary as large as all the parameters it
+    steps; with gloo (CPU), one tensor at a time, two temporaries as large as the largest. None for SGD (in place),
+    nor on the device under offload (the step runs on the host)."""
+    if optimizer_share(optimizer) < 1.0 or plan.offload:
+        return 0.0
+    if backend != GLOO:
+        return states["optimizer"] / 2
+    t, v, n = plan.tp, _vocab_split(plan), plan.data_ranks if plan.data.is_zero else 1
+    mine = [s for s, r in _placement(plan).items() if r == rank]
+    last = plan.pp * plan.chunks - 1
+    largest = max([shape.hidden * shape.mlp() / t] + [shape.embeddings(v) for s in mine if s == 0] +
+                  [shape.head(v) for s in mine if s == last])
+    return 2 * math.ceil(largest / n) * weight_bytes
+
+
 def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float], pieces: Pieces,
                stages: tuple[list[range], list[int]], sizes: tuple[float, float], backend: str, workspace: float,
                crowded: bool) -> Peak:
@@ -444,7 +555,9 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     and the rules its data mode and messages follow; ``sizes``: bytes of a gradient and of autocast's copy of a weight
     (0 without autocast); the rest `estimate`'s arguments."""
     (ranges, per_stage), (grad_bytes, cast_bytes) = stages, sizes
-    matmuls = math.ceil(shape.block()[0] / plan.tp)  # a block's weights autocast copies (tp's slice)
+    # a block's weights autocast copies (tp's slice); none under recompute, whose forward saves nothing. The head is
+    # not recomputed.
+    matmuls = 0 if plan.ac else math.ceil(shape.block()[0] / plan.tp)
     head = shape.vocab // _vocab_split(plan) * shape.hidden
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1

@@ -5,17 +5,19 @@ action: the schedule's table under pipeline parallel, else one forward and one b
 micro-step (the accumulation window's micro-steps one after the other, the table once per micro-step under pp):
 
 - **activations** saved for backward, per (chunk, microbatch), from its forward to its backward (`Pieces.saved`),
-  counted tensor by tensor for the block the estimator models (the demo GPT's: pre-norm, fused qkv, SDPA, a 4h GELU
-  MLP, no dropout masks), in units of one microbatch's hidden states u = b·s·h: per block 4 + 12/t (two norms' and
-  two residual adds' outputs whole, qkv 3/t, attention 1/t, fc 4/t, GELU 4/t), with sequence parallel 2 + 14/t (the
-  two gathered inputs of the column-parallel layers whole, the rest split), with recompute (``ac``) only its input;
-  the first chunk also the embedding's output, the last the final norm's output and the log-softmax (V/h), and each
-  chunk its input (received from the previous stage: kept until its backward). A stage's output is its last block's
-  residual add, counted with that block.
-- **temporaries**, the rest beyond the states: the loss's and a block backward's working set (the incoming gradient,
-  the MLP's input gradient, one weight gradient before it is accumulated), the block rebuilt by recompute, ZeRO-3's
-  gathered blocks (the current one and the one prefetched), gradients ZeRO-2/3 keep whole across the backwards of a
-  step that are not its last (under pp, or accumulation: they are reduce-scattered only in the last), the messages a
+  counted tensor by tensor for the block the estimator models (`estimate.step_pieces`; the demo GPT's: pre-norm, fused
+  qkv, SDPA, a 4h GELU MLP, no dropout masks), in units of one microbatch's hidden states u = b·s·h: per block
+  4 + 12/t (two norms' and two residual adds' outputs whole, qkv 3/t, attention 1/t, fc 4/t, GELU 4/t), with sequence
+  parallel 2 + 14/t (the two gathered inputs of the column-parallel layers whole, the rest split), with recompute
+  (``ac``) only its input; the first chunk also the embedding's output, the last the final norm's output and the
+  log-softmax (V/h), and each chunk its input (received from the previous stage: kept until its backward). A stage's
+  output is its last block's residual add, counted with that block.
+- **temporaries**, the rest beyond the states: the loss's (the logits beside their log-softmax, under autocast the
+  half ones too; the gradient of the logits and of the output layer's weight) and a block backward's working set (the
+  incoming gradient, the MLP's input gradient, one weight gradient before it is accumulated), the embedding's fresh
+  gradient, the block rebuilt by recompute, ZeRO-3's gathered blocks (the current one and the one prefetched; at the
+  loss the output layer's and a block's), gradients ZeRO-2/3 keep whole across the backwards of a step that are not
+  its last (under pp, or accumulation: they are reduce-scattered only in the last), the messages a
   program in rounds receives ahead of use (the runner lets go of a send once it has completed, before its next action:
   no send is counted as held), and two costs of the machine: the communication backend's working memory (gloo copies a
   reduce-scatter's input and gathers through a buffer the size of the output; NCCL does neither) and the matrix
@@ -58,6 +60,12 @@ class Pieces:
     gathers: float = 0.0  # ZeRO-3: what the backend holds while the prefetch gathers (gloo: its output's size)
     stash: float = 0.0  # split backwards: what B keeps per block for W, each linear's input and output gradient
     #                     (the head's weight gradient is made in B: nothing kept for it)
+    loss: float | None = None  # the loss's logits beside their log-softmax at the forward's end (default ``logits``;
+    #                            under autocast, or in Hugging Face's loss, half logits cast up to float32: both)
+    head_unit: float = 0.0  # ZeRO-3: the output layer gathered (its own unit: at the loss, beside the last block's)
+    vocab_grad: float = 0.0  # the token embedding's or the output layer's fresh gradient (a vocabulary by the width),
+    #                          made whole before it is accumulated: at the end of the first chunk's backward, and of
+    #                          the head's beside the logits' gradient
 
     def saved(self, blocks: int, first: bool, last: bool) -> float:
         """Activations a chunk of ``blocks`` blocks saves for one microbatch."""
@@ -125,7 +133,9 @@ class Rules:
 # coefficients (`_compile`), which record each point it compares as a row of coefficients; a plan's peak is then the
 # largest row times its byte counts. The planner walks some 30,000 ranks of a few hundred actions each, with about
 # 600 structures among them.
-_GLOBAL = ("boundary", "recompute", "head", "logits", "backward", "weight", "workspace", "zero3", "release",
+_GLOBAL = ("boundary", "recompute", "head", "logits", "loss", "backward", "weight", "vocab_grad", "workspace", "zero3",
+           "head_zero3",
+           "release",
            "release_start", "flats", "flats_top")
 _PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
@@ -156,7 +166,8 @@ def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], worksp
 def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: Rules) -> np.ndarray:
     """The byte counts the compiled rows multiply, in `_GLOBAL` then `_PER_CHUNK` order (chunks by stage)."""
     p, r = pieces, rules
-    out = [p.boundary, p.recompute, p.head, p.logits, p.backward, p.weight, workspace, 2 * p.unit + p.gathers,
+    out = [p.boundary, p.recompute, p.head, p.logits, p.logits if p.loss is None else p.loss, p.backward, p.weight,
+           p.vocab_grad, workspace, 2 * p.unit + p.gathers, p.head_unit + p.unit + p.gathers,
            r.release, r.release if r.release_at_start else 0.0, r.flats,
            r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)]
     for s in sorted(chunks):
@@ -203,10 +214,13 @@ class _Terms:
     recompute: int = 0
     head: int = 0
     logits: int = 0
+    loss: int = 0
     backward: int = 0
     weight: int = 0
+    vocab_grad: int = 0
     workspace: int = 0
     zero3: int = 0
+    head_zero3: int = 0  # ZeRO-3's units at the loss: the output layer's and a block's
     release: int = 0
     release_start: int = 0  # what is released before the first action: ``release`` or nothing
     flats: int = 0
@@ -247,8 +261,8 @@ class _Walk:
     def forward(self, action: Action, chunk: _Terms, ahead: int) -> None:
         self.saved += chunk.saved
         # At the forward's end: the last chunk's logits beside their log-softmax.
-        logits = self.q.logits if chunk.last else 0
-        self.consider(self.saved + self.stash, self.held + ahead + self.q.zero3 + logits, action)
+        logits, zero3 = (self.q.loss, self.q.head_zero3) if chunk.last else (0, self.q.zero3)
+        self.consider(self.saved + self.stash, self.held + ahead + zero3 + logits, action)
 
     def backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
         q, reducing = self.q, action is self.reducing[0]
@@ -260,6 +274,7 @@ class _Walk:
         self._working(action, chunk, ahead, top)
         self.held += q.flats if reducing else 0
         self.saved -= chunk.saved
+        self._embedding(action, chunk, ahead)
         self._gradients(action, chunk, ahead)
 
     def input_backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
@@ -273,6 +288,7 @@ class _Walk:
         self.saved -= chunk.saved
         self.stash += chunk.stashed
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
+        self._embedding(action, chunk, ahead)
 
     def weight_backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
@@ -288,11 +304,18 @@ class _Walk:
         """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first."""
         q = self.q
         self.released = q.release
-        if chunk.last:  # the loss's gradient (two logits-sized tensors), then the last block's, its head freed
-            self.consider(self.saved + self.stash, self.held + ahead + 2 * q.logits, action)
+        if chunk.last:  # the loss's gradient (two logits-sized tensors) beside ZeRO-3's units (the head's, the last
+            # block's prefetched), then the last block's, its head freed
+            self.consider(self.saved + self.stash, self.held + ahead + q.head_zero3 + 2 * q.logits, action)
+            self.consider(self.saved + self.stash, self.held + ahead + q.head_zero3 + q.logits + q.vocab_grad, action)
             self.consider(self.saved + self.stash - q.head, self.held + top, action)
         else:
             self.consider(self.saved + self.stash, self.held + top, action)
+
+    def _embedding(self, action: Action, chunk: _Terms, ahead: int) -> None:
+        """The end of the first chunk's backward: the embedding's fresh gradient, its activations freed."""
+        if chunk.first:
+            self.consider(self.saved + self.stash, self.held + ahead + self.q.zero3 + self.q.vocab_grad, action)
 
     def _gradients(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """The gradients a backward (or W) leaves: kept whole until the chunk's last, which reduces them."""

@@ -79,7 +79,9 @@ def _gpt(layers: int, hidden: int, heads: int, batch: int) -> ModelShape:
 
 
 def _llama405(seq: int, batch: int) -> ModelShape:
-    return ModelShape(layers=126, hidden=16384, heads=128, seq=seq, vocab=128256, batch=batch)
+    """Llama 3 405B's own block (`ModelShape.family`: grouped keys, the gated MLP), as `demos.sizes` builds it."""
+    return ModelShape(layers=126, hidden=16384, heads=128, seq=seq, vocab=128256, batch=batch, family="llama",
+                      ffn=53248, kv_heads=8)
 
 
 MEGATRON = "Megatron-LM Table 1"

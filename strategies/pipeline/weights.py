@@ -100,9 +100,11 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightStore,
                 param: list[Tensor]) -> Tensor:
         ctx.param = param[0]  # the parameter itself (``weight`` is it detached): W accumulates into it
-        autocast = x.device.type != "meta"  # (a rehearsal's meta tensors: autocast has no such device)
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast and torch.is_autocast_enabled(x.device.type) \
-            else None
+        # A rehearsal's meta tensors follow the host's autocast, as `tensors.MetaAutocast` makes F.linear do (autocast
+        # has no meta device)
+        autocast = x.device.type != "meta"
+        host = x.device.type if autocast else "cpu"
+        dtype = torch.get_autocast_dtype(host) if torch.is_autocast_enabled(host) else None
         if dtype is not None:  # what autocast does to F.linear: compute in its dtype
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
