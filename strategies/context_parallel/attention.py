@@ -66,9 +66,15 @@ class RingRoute:
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False) -> torch.Tensor:
         _check_call(attn_mask, dropout_p, is_causal, query)
-        if enable_gqa and key.shape[-3] != query.shape[-3]:  # SDPA's grouped heads: each k/v head serves a group
-            groups = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+        # As autocast runs SDPA (in its half dtype), which it cannot see run here: a Hugging Face Llama's rotated q and k
+        # are float32 beside a half v (a rehearsal's meta tensors follow the host's autocast)
+        host = "cpu" if query.device.type == "meta" else query.device.type
+        if torch.is_autocast_enabled(host):
+            dtype = torch.get_autocast_dtype(host)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        if key.shape[-3] != query.shape[-3] and not enable_gqa:
+            raise ValueError(f"context parallel: scaled_dot_product_attention was called with {key.shape[-3]} key "
+                             f"heads for {query.shape[-3]} query heads but without enable_gqa=True")
         self.calls += 1
         return ring_attention(query, key, value, self.axis, scale)
 

@@ -13,7 +13,10 @@ so the result is softmax(QKᵀ / sqrt(d) + causal mask) V over the whole sequenc
 same ring: each block's dK and dV accumulate while the block travels, P = exp(S - lse) recomputed from the forward's
 merged lse (the flash-attention backward), dS = P (dP - rowsum(dO O)); after N steps each accumulator is back with
 the rank that owns the block. Bytes per rank and call: (N-1) K/V blocks forward; (N-1) K/V blocks and N float32
-dK/dV accumulators backward.
+dK/dV accumulators backward. Grouped keys and values (fewer k/v heads than query heads, each serving a group of
+consecutive query heads, as SDPA's ``enable_gqa``) travel grouped and are repeated only where a block is attended:
+the ring sends heads/kv_heads times fewer bytes than it would repeated (Llama 3's 128 over 8: 16), and each dK/dV
+accumulator is summed over its group before it moves on.
 
 The block kernel is a small portable one (matmuls and accumulators in float32, float64 for float64 inputs, and an
 explicit mask), so the same code runs on CPU here and on GPU; it holds a (chunk x chunk) score matrix per head at a
@@ -34,10 +37,13 @@ from strategies.context_parallel.layout import chunks_of
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis,
                    scale: float | None = None) -> torch.Tensor:
     """Causal attention of ``q`` over the whole sequence whose ``k``/``v`` the ranks of ``axis`` hold. Every tensor
-    is ``(batch, heads, local length, head dim)``, this rank's two chunks; ``scale`` defaults to 1/sqrt(head dim)."""
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"ring attention takes q, k and v of one (batch, heads, tokens, head dim) shape (repeat "
-                         f"grouped key/value heads first); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    is ``(batch, heads, local length, head dim)``, this rank's two chunks, ``k`` and ``v`` with as many heads as ``q``
+    or a divisor of them (grouped); ``scale`` defaults to 1/sqrt(head dim)."""
+    grouped = k.shape[:1] + k.shape[2:] == q.shape[:1] + q.shape[2:] and k.shape[1] and q.shape[1] % k.shape[1] == 0
+    if q.dim() != 4 or v.shape != k.shape or not grouped:
+        raise ValueError(f"ring attention takes q, k and v of one (batch, heads, tokens, head dim) shape, k and v with "
+                         f"q's heads or a divisor of them (grouped); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: the local sequence holds two equal chunks, but it has {q.shape[-2]} tokens")
     return _RingAttention.apply(q, k, v, axis, q.shape[-1] ** -0.5 if scale is None else scale)
@@ -64,7 +70,8 @@ class _RingAttention(torch.autograd.Function):
         for s in range(n):
             moving = _rotate(kv, axis, f"kv{s}") if s < n - 1 else None
             for qi, ki, causal in _pairs(r, (r - s) % n, n):
-                block_out, block_lse = _attend(_half(q, qi), _half(kv[0], ki), _half(kv[1], ki), scale, causal)
+                k_block, v_block = (_repeat(_half(t, ki), q) for t in kv)
+                block_out, block_lse = _attend(_half(q, qi), k_block, v_block, scale, causal)
                 _merge(_half(out, qi), _half(lse, qi), block_out, block_lse)
             if moving is not None:
                 kv = _arrived(moving)
@@ -85,11 +92,12 @@ class _RingAttention(torch.autograd.Function):
         for s in range(n):
             moving = _rotate(kv, axis, f"bkv{s}") if s < n - 1 else None
             for qi, ki, causal in _pairs(r, (r - s) % n, n):
-                grads = _attend_backward(_half(q, qi), _half(kv[0], ki), _half(kv[1], ki), _half(dout, qi),
-                                         _half(lse, qi), _half(delta, qi), scale, causal)
+                k_block, v_block = (_repeat(_half(t, ki), q) for t in kv)
+                grads = _attend_backward(_half(q, qi), k_block, v_block, _half(dout, qi), _half(lse, qi),
+                                         _half(delta, qi), scale, causal)
                 _half(dq, qi).add_(grads[0])
-                _half(dkv[0], ki).add_(grads[1])
-                _half(dkv[1], ki).add_(grads[2])
+                _half(dkv[0], ki).add_(_group_sum(grads[1], k))
+                _half(dkv[1], ki).add_(_group_sum(grads[2], k))
             if n > 1:  # the block's accumulator goes on with it; the last step's reaches the block's owner
                 returning = _rotate(dkv, axis, f"dkv{s}")
             if moving is not None:
@@ -117,6 +125,18 @@ def _pairs(rank: int, owner: int, size: int) -> list[tuple[int, int, bool]]:
     causal attention reads: a key chunk before the query chunk in full, the same chunk causally, a later one not."""
     mine, theirs = chunks_of(rank, size), chunks_of(owner, size)
     return [(qi, ki, qc == kc) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs) if kc <= qc]
+
+
+def _repeat(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped keys or values repeated to ``q``'s heads (key head i serves query heads i·g .. i·g + g - 1)."""
+    groups = q.shape[1] // kv.shape[1]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _group_sum(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """A repeated block's gradient summed back over each group of query heads, to ``kv``'s heads."""
+    b, h, t, d = grad.shape
+    return grad if h == kv.shape[1] else grad.view(b, kv.shape[1], h // kv.shape[1], t, d).sum(2)
 
 
 def _half(x: torch.Tensor, which: int) -> torch.Tensor:

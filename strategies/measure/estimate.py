@@ -470,7 +470,7 @@ def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float,
     for every sample, forward and (again under recompute) backward, where the dK/dV accumulators (fp32) go round too
     (`context_parallel.ring.ring_bytes`); and each training_step's loss, averaged over cp (one all-reduce)."""
     n = plan.cp
-    local = shape.seq / n * shape.hidden / plan.tp  # one sample's q (or k, or v) elements on this rank
+    local = shape.seq / n * shape.hidden * shape.groups() / plan.tp  # one sample's k (or v) elements on this rank
     forward = (n - 1) * 2 * local * act_bytes
     backward = forward + n * 2 * local * 4
     ring = blocks * shape.batch * ((2 if plan.ac else 1) * forward + backward)

@@ -103,7 +103,7 @@ def test_under_autocast_tp_sends_what_the_estimator_predicts(tmp_path, plan: str
 
 LLAMA = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--workload", "llama3-8b", "--n-layer", "4",
          "--seq-len", "256", "--optimizer", "adamw")
-PEAKS = [("tp2_pp2_gpipe_mb1", 4, 0, 1), ("pp2_zbv_mb4", 2, 1, 4), ("zero2_ac", 2, 0, 2)]
+PEAKS = [("tp2_pp2_gpipe_mb1", 4, 0, 1), ("pp2_zbv_mb4", 2, 1, 4), ("zero2_ac", 2, 0, 2), ("cp2", 2, 0, 1)]
 
 
 @pytest.mark.parametrize("plan,world,rank,batch", PEAKS, ids=[f"{p}@{w}" for p, w, _, _ in PEAKS])
@@ -112,7 +112,10 @@ def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path, plan: str, world:
     (its Llama family), within 2%. The first stage of `tp2_pp2_gpipe_mb1` peaks in the optimizer's step (CUDA's foreach
     kernels: a temporary as large as its parameters, beside every gradient; the estimator once left the step out, 26%
     low); ZB-V's deferred linears run under autocast as on the device (a rehearsal once ran them in float32); `ac`
-    with Hugging Face's key/value cache turned off (`activation_checkpoint.caches_off`)."""
+    with Hugging Face's key/value cache turned off (`activation_checkpoint.caches_off`); cp's ring passes the grouped
+    keys and values, in autocast's dtype as SDPA would take them (they went repeated to every query head, and in
+    float32: the rotated k is). Rank 0 also sends what the estimator predicts, per collective: tp's five input
+    gradients per block among them."""
     out = tmp_path / "rehearsal.json"
     cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", str(rank),
            "--batch-size", str(batch), "--out", str(out), "--runs-dir", str(tmp_path / "runs"), "--wandb", "off",
@@ -123,6 +126,9 @@ def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path, plan: str, world:
     predicted = r["predicted"]["memory"][rank]
     expected = sum(v for k, v in predicted.items() if k != "host")
     assert r["device_peak"] == pytest.approx(expected, rel=0.02), (plan, r["device_peak"] / 2**20, expected / 2**20)
+    if rank == 0:  # and sends what it predicts, collective by collective (rank 0's)
+        sent = {k: v["bytes_sent"] for k, v in r["comm_per_step"].items() if v["bytes_sent"]}
+        assert sent == pytest.approx(r["predicted"]["comm"], rel=1e-4), plan  # (pp: a few bytes of loss go back)
     stage = ParallelPlan.parse(plan).resolve(world).coordinates(rank)["pp"]
     if plan == "tp2_pp2_gpipe_mb1":
         assert r["predicted"]["peak_at"][stage] == "step"

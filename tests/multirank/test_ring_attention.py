@@ -16,7 +16,7 @@ from strategies.context_parallel.technique import ContextParallel
 from strategies.testing import run_ranks
 from tests.models import zoo
 
-MODELS = ("gpt", "llama", "gpt2")
+MODELS = ("gpt", "llama", "gpt2", "llama_gqa")
 
 
 def _ring(rank: int, world: int) -> dict:
@@ -37,6 +37,25 @@ def _ring(rank: int, world: int) -> dict:
     merged = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
     return {"errors": errors, "sent": sent, "formula": ring_bytes(tuple(mine[0].shape), torch.float64, world),
             "merged_is_view": merged.data_ptr() == out.data_ptr() and merged._base is not None}
+
+
+def _grouped(rank: int, world: int) -> dict:
+    """Grouped keys and values (6 query heads over 2 k/v heads, SDPA's ``enable_gqa``): they travel grouped, so the
+    ring sends a third of what repeated ones would, and their gradients come back summed over each group."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 8 * world, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 8 * world, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    axis = Axis.of_group("cp", dist.group.WORLD, CommStats())
+    mine = [layout.shard(t.detach(), 2, rank, world).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, axis)
+    out.backward(layout.shard(grad, 2, rank, world))
+    errors = [(out - layout.shard(ref, 2, rank, world)).abs().max().item()]
+    errors += [(t.grad - layout.shard(r.grad, 2, rank, world)).abs().max().item() for t, r in zip(mine, (q, k, v))]
+    sent = axis.stats.total(Op.SEND, "cp").bytes_sent
+    return {"errors": errors, "sent": sent, "formula": sum(ring_bytes(tuple(mine[1].shape), torch.float64, world))}
 
 
 def _model(kind: str):
@@ -71,7 +90,8 @@ def _equal(rank: int, world: int, kind: str) -> dict:
 
 
 def _all(rank: int, world: int, kinds: tuple[str, ...]) -> dict:
-    return {"ring": _ring(rank, world), **{kind: _equal(rank, world, kind) for kind in kinds}}
+    return {"ring": _ring(rank, world), "grouped": _grouped(rank, world),
+            **{kind: _equal(rank, world, kind) for kind in kinds}}
 
 
 def test_ring_attention_and_models_equal_one_process_at_cp2_and_cp4():
@@ -80,6 +100,8 @@ def test_ring_attention_and_models_equal_one_process_at_cp2_and_cp4():
             assert max(got["ring"]["errors"]) < 1e-12, (world, rank, got["ring"])
             assert got["ring"]["sent"] == got["ring"]["formula"], (world, rank, got["ring"])
             assert got["ring"]["merged_is_view"], "attention's output merges its heads by a copy"
+            assert max(got["grouped"]["errors"]) < 1e-12 and got["grouped"]["sent"] == got["grouped"]["formula"], \
+                (world, rank, got["grouped"])
             for kind in kinds:
                 assert got[kind]["loss"] < 1e-6 and got[kind]["grad"] < 1e-5, (world, rank, kind, got[kind])
         assert got["llama"]["sources"] == ["model.model.rotary_emb"] and got["gpt"]["sources"] == ["pos_emb"]
