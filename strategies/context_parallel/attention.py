@@ -66,8 +66,8 @@ class RingRoute:
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False) -> torch.Tensor:
         _check_call(attn_mask, dropout_p, is_causal, query)
-        # As autocast runs SDPA (in its half dtype), which it cannot see run here: a Hugging Face Llama's rotated q and k
-        # are float32 beside a half v (a rehearsal's meta tensors follow the host's autocast)
+        # As autocast runs SDPA (in its half dtype), which it cannot see run here: a Hugging Face Llama's rotated q
+        # and k are float32 beside a half v (a rehearsal's meta tensors follow the host's autocast)
         host = "cpu" if query.device.type == "meta" else query.device.type
         if torch.is_autocast_enabled(host):
             dtype = torch.get_autocast_dtype(host)
