@@ -69,9 +69,9 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
         for s in range(n):
             moving = _rotate(kv, axis, f"kv{s}") if s < n - 1 else None
+            keys, values = _repeat(kv, q.shape[1])  # once per step: a key half serves both query halves
             for qi, ki, causal in _pairs(r, (r - s) % n, n):
-                k_block, v_block = (_repeat(_half(t, ki), q) for t in kv)
-                block_out, block_lse = _attend(_half(q, qi), k_block, v_block, scale, causal)
+                block_out, block_lse = _attend(_half(q, qi), _half(keys, ki), _half(values, ki), scale, causal)
                 _merge(_half(out, qi), _half(lse, qi), block_out, block_lse)
             if moving is not None:
                 kv = _arrived(moving)
@@ -91,10 +91,10 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=_acc(q.dtype), device=q.device)  # block (r - s)'s dK, dV so far
         for s in range(n):
             moving = _rotate(kv, axis, f"bkv{s}") if s < n - 1 else None
+            keys, values = _repeat(kv, q.shape[1])
             for qi, ki, causal in _pairs(r, (r - s) % n, n):
-                k_block, v_block = (_repeat(_half(t, ki), q) for t in kv)
-                grads = _attend_backward(_half(q, qi), k_block, v_block, _half(dout, qi), _half(lse, qi),
-                                         _half(delta, qi), scale, causal)
+                grads = _attend_backward(_half(q, qi), _half(keys, ki), _half(values, ki), _half(dout, qi),
+                                         _half(lse, qi), _half(delta, qi), scale, causal)
                 _half(dq, qi).add_(grads[0])
                 _half(dkv[0], ki).add_(_group_sum(grads[1], k))
                 _half(dkv[1], ki).add_(_group_sum(grads[2], k))
@@ -127,10 +127,11 @@ def _pairs(rank: int, owner: int, size: int) -> list[tuple[int, int, bool]]:
     return [(qi, ki, qc == kc) for qi, qc in enumerate(mine) for ki, kc in enumerate(theirs) if kc <= qc]
 
 
-def _repeat(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Grouped keys or values repeated to ``q``'s heads (key head i serves query heads i·g .. i·g + g - 1)."""
-    groups = q.shape[1] // kv.shape[1]
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+def _repeat(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Stacked grouped keys and values, (2, batch, k/v heads, tokens, head dim), repeated to ``heads`` query heads
+    (key head i serves query heads i·g .. i·g + g - 1)."""
+    groups = heads // kv.shape[-3]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
 
 
 def _group_sum(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

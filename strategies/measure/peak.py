@@ -134,9 +134,7 @@ class Rules:
 # largest row times its byte counts. The planner walks some 30,000 ranks of a few hundred actions each, with about
 # 600 structures among them.
 _GLOBAL = ("boundary", "recompute", "head", "logits", "loss", "backward", "weight", "vocab_grad", "workspace", "zero3",
-           "head_zero3",
-           "release",
-           "release_start", "flats", "flats_top")
+           "head_zero3", "release", "release_start", "flats", "flats_top")
 _PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
