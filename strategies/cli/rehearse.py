@@ -16,6 +16,7 @@ measured here; ``--target cuda`` a GPU job's NCCL ranks (no backend buffers, no 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,19 +28,19 @@ MiB = 2**20
 CATEGORIES = ("params", "grads", "optimizer", "host", "activations")  # the estimator's names (`runs.MEMORY_CATEGORIES`)
 
 
-def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") -> dict[str, Any]:
+def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", real: bool = False) -> dict[str, Any]:
     """Rehearse rank ``rank`` of a ``world_size``-rank run of ``config`` (a `train.RunConfig`; the model is built in
     configure_model, on meta): this rank's memory figures as the monitor reads them, its communication per step, and
-    the estimator's figures for the same run."""
+    the estimator's figures for the same run. ``real``: the rank's compute on real tensors of ``target``'s device
+    (its allocator's peak, its step time), not on meta."""
     import warnings
 
     import lightning as L
 
     from strategies.cli.train import _loader, _model_config
     from strategies.cli.workload import find_workload
-    from strategies.lightning.rehearsal import leave_fake_world, target_kernels
+    from strategies.lightning.rehearsal import leave_fake_world
     from strategies.measure.predict import predict_run
-    from strategies.tensors import MetaAutocast
 
     config = replace(config, configure_model=True, devices=world_size, num_nodes=1)
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -48,45 +49,68 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu") 
     predicted = predict_run(config.strategy, world_size, model, config.batch_size, config.accumulate,
                             config.precision, "cpu" if target == "cpu" else "gpu", optimizer=config.optimizer,
                             deferred=True)
-    trainer, monitor, heap = _trainer(config, rank, world_size, target)
+    trainer, monitor, heap = _trainer(config, rank, world_size, target, real)
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), target_kernels(target), heap.tracking(), MetaAutocast():
+        with warnings.catch_warnings(), _running(heap, target, real):
             warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
             trainer.fit(module, _loader(config, dataset))
     finally:
         leave_fake_world()
+    summary = monitor.summary
     return {"rank": rank, "world_size": world_size, "label": config.strategy,
-            "plan": str(trainer.strategy.resolved_plan), "target": target, "config": asdict(config), "model": model,
-            "predicted": predicted, "seconds": time.perf_counter() - start,
+            "plan": str(trainer.strategy.resolved_plan), "target": target, "real": real, "config": asdict(config),
+            "model": model, "predicted": predicted, "seconds": time.perf_counter() - start,
             "num_params": getattr(trainer.strategy, "built_num_params", None),
-            "memory_bytes": monitor.summary["memory_bytes"], "comm_per_step": monitor.summary["comm_per_step"],
-            "device_peak": _device_peak(monitor.summary["memory_bytes"], target)}
+            "memory_bytes": summary["memory_bytes"], "comm_per_step": summary["comm_per_step"],
+            "device_peak": _device_peak(summary["memory_bytes"], target, real),
+            **({k: summary.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")} if real else {})}
 
 
-def _device_peak(memory: dict[str, int], target: str) -> int:
-    """The steady peak on the device: on a GPU less what offload keeps in host memory (one pool on a CPU)."""
-    return memory.get("heap_peak", 0) - (memory.get("host", 0) if target == "cuda" else 0)
+def _device_peak(memory: dict[str, int], target: str, real: bool = False) -> int:
+    """The steady peak on the device: on a GPU less what offload keeps in host memory (one pool on a CPU; a GPU's
+    allocator, read in a real-tensor rehearsal, holds the device's alone)."""
+    return memory.get("heap_peak", 0) - (memory.get("host", 0) if target == "cuda" and not real else 0)
 
 
-def _trainer(config: Any, rank: int, world_size: int, target: str) -> tuple[Any, Any, Any]:
-    """A Trainer for the rehearsal of ``rank``, its monitor, and the monitor's heap (`meta_heap.MetaHeap`)."""
+def _running(heap: Any, target: str, real: bool) -> contextlib.AbstractContextManager:
+    """Around the rehearsal's fit on meta: attention and the optimizers as ``target``'s kernels would run them,
+    every storage counted (`meta_heap`), autocast on meta. (On real tensors: nothing.)"""
+    from strategies.lightning.rehearsal import target_kernels
+    from strategies.tensors import MetaAutocast
+
+    stack = contextlib.ExitStack()
+    if not real:
+        for context in (target_kernels(target), heap.tracking(), MetaAutocast()):
+            stack.enter_context(context)
+    return stack
+
+
+def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = False) -> tuple[Any, Any, Any]:
+    """A Trainer for the rehearsal of ``rank``, its monitor, and the monitor's heap: on meta `meta_heap.MetaHeap`;
+    on real tensors the CUDA allocator's counters (`memory.CudaHeap`) or this CPU's heap, sampled (`HeapSampler`),
+    with the first step left out of the step time (it cuts a pipeline)."""
     import lightning as L
 
     from strategies.lightning.rehearsal import RehearsalStrategy
+    from strategies.measure.memory import CudaHeap
     from strategies.measure.meta_heap import MetaHeap
     from strategies.measure.monitor import StrategyMonitor
 
-    heap = MetaHeap(workspace=_cpu_workspace(world_size) if target == "cpu" else None)
-    monitor = StrategyMonitor(warmup_steps=0, store=False, label=config.strategy, heap=heap)
+    if not real:
+        heap: Any = MetaHeap(workspace=_cpu_workspace(world_size) if target == "cpu" else None)
+    else:
+        heap = CudaHeap() if target == "cuda" else True
+    monitor = StrategyMonitor(warmup_steps=int(real), store=False, label=config.strategy, heap=heap)
     strategy = RehearsalStrategy(config.strategy, rank=rank, world_size=world_size,
-                                 backend="gloo" if target == "cpu" else "nccl")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=config.steps,
-                        accumulate_grad_batches=config.accumulate, precision=config.precision,
-                        gradient_clip_val=config.gradient_clip_val, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
-                        limit_val_batches=0)
-    return trainer, monitor, heap
+                                 backend="gloo" if target == "cpu" else "nccl",
+                                 device=({"cuda": "cuda:0"}.get(target, target) if real else None))
+    trainer = L.Trainer(accelerator="cuda" if real and target == "cuda" else "cpu", devices=1, strategy=strategy,
+                        max_steps=config.steps, accumulate_grad_batches=config.accumulate,
+                        precision=config.precision, gradient_clip_val=config.gradient_clip_val, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[monitor], limit_val_batches=0)
+    return trainer, monitor, (heap if heap is not True else None)
 
 
 def _cpu_workspace(world_size: int):
@@ -142,12 +166,16 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     rows = [(key, memory.get(key if key != "activations" else "activations_peak", 0), mine.get(key, 0))
             for key in (*CATEGORIES, "temporaries")]
     rows += [("steady peak", memory.get("heap_peak", 0), peak), ("set-up peak", memory.get("setup_peak", 0), setup)]
-    lines = [f"rank {r['rank']} of {r['world_size']}, {r['plan']} ({r['target']}): rehearsed in {r['seconds']:.1f} s",
+    how = f"{r['target']}, real tensors" if r.get("real") else r["target"]
+    lines = [f"rank {r['rank']} of {r['world_size']}, {r['plan']} ({how}): rehearsed in {r['seconds']:.1f} s",
              "  MiB            rehearsed  estimator"]
     lines += [f"  {name:<14} {got / MiB:>10.2f} {expected / MiB:>10.2f}" for name, got, expected in rows]
     for key, rec in sorted(r["comm_per_step"].items()):
         moved = rec["bytes_sent"] or rec["bytes_recv"]
         lines.append(f"  {key:<20} {moved / MiB:>10.3f} MiB per step in {rec['calls']:g} calls")
+    if r.get("real"):
+        mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") else ""
+        lines.append(f"  step time {r['step_time_s']:.3f} s: this rank's compute, nothing sent{mfu}")
     if r.get("rounds") is not None:
         lines.append(f"  pipeline programs: checked under NCCL's rules ({r['rounds']} rounds)")
     return lines
@@ -166,7 +194,7 @@ def store_rehearsal(results: list[dict[str, Any]], root: str | None, comparison:
     first, world = results[0], results[0]["world_size"]
     run_id = runs.new_run_id(f"{first['label']}-rehearsal")
     rehearsal = {"ranks": [r["rank"] for r in results], "target": first["target"],
-                 "worst_rank": max(results, key=lambda r: r["device_peak"])["rank"]}
+                 "worst_rank": max(results, key=lambda r: r["device_peak"])["rank"], "real": bool(first.get("real"))}
     meta = runs.run_meta(run_id=run_id, label=first["label"], comparison=comparison, world_size=world,
                          devices=[f"{first['target']} (rehearsed)"], plan=ParallelPlan.parse(first["plan"]),
                          model=first["model"], num_params=first["num_params"], kind="rehearsal", rehearsal=rehearsal,
@@ -282,6 +310,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="one rank of each role (each stage's first and last rank); the worst is named")
     p.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
                    help="the ranks rehearsed: this host's gloo ranks (cpu), or a GPU job's NCCL ranks (cuda)")
+    p.add_argument("--real", action="store_true",
+                   help="the rank's compute on real tensors of --target's device (cuda: a GPU), not on meta: its "
+                        "allocator's peak and step time are real; the rank's share must fit the device")
     p.add_argument("--out", default=None, help="write every rank's figures as JSON here")
     p.add_argument("--matrix", action="store_true",
                    help="rehearse the real-size matrix instead (Llama 3 8B to 405B, 8 to 1,024 ranks; PLAN and "
@@ -294,13 +325,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def command(args: argparse.Namespace) -> int:
     from strategies.cli.train import HEAP_ENV, config_from
 
-    if args.target == "cpu" and any(os.environ.get(k) != v for k, v in HEAP_ENV.items()):
+    env = dict(HEAP_ENV) if args.target == "cpu" else {}
+    if args.real and args.target == "cpu" and args.world_size and "OMP_NUM_THREADS" not in os.environ:
+        # the threads a real run's rank gets (Lightning: the cores over the ranks), before torch starts its pool:
+        # MKL's workspace per thread is in the heap (set later, 2 threads' stayed: +4.3 MiB at 4 x 128)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.world_size))
+    if any(os.environ.get(k) != v for k, v in env.items()):
         # as `stratpack train --heap`: MKL's workspace is measured, and read as the real run's heap reads it
-        os.environ.update(HEAP_ENV)
+        os.environ.update(env)
         os.execv(sys.executable, sys.orig_argv)
     config = config_from(args, args.plan)
     if args.matrix:
         return run_matrix(args, replace(config, seq_len=8192, precision="bf16-mixed", optimizer="adamw"))
+    if args.real and args.target == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("stratpack rehearse --real --target cuda: this machine has no GPU. --real --target cpu "
+                             "runs the rank's compute on this CPU; without --real it is rehearsed on meta")
     if args.world_size is None:
         raise SystemExit("stratpack rehearse: give the job's ranks, --world-size N (or --matrix)")
     ranks = roles(args.plan, args.world_size) if args.all_roles else [int(r) for r in args.rank.split(",")]
@@ -308,7 +350,7 @@ def command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--rank: a rank of the job is 0..{args.world_size - 1}, got {args.rank}")
     results = []
     for rank in ranks:
-        result = rehearse_rank(config, rank, args.world_size, args.target)
+        result = rehearse_rank(config, rank, args.world_size, args.target, args.real)
         result["rounds"] = checked_programs(result["plan"])
         results.append(result)
     print(report(results))

@@ -83,22 +83,22 @@ _backend = ["nccl"]  # the backend a rehearsal stands in for
 
 def set_rehearsal(on: bool, backend: str = "nccl") -> None:
     """Rehearsal mode: one rank of a job runs alone (over torch's fake process group). Every call is counted as in a
-    real run, and none is sent: meta tensors (the model's compute) need nothing but the buffers ``backend`` would
-    hold meanwhile (`_backend_buffers`), and a real tensor (Lightning's control values, the monitor's figures) gets
-    what every rank alike would give (`_alike`)."""
+    real run, and none is sent: every call holds the buffers ``backend`` would hold meanwhile (`_backend_buffers`);
+    meta tensors (the model's compute) need nothing more, and a real tensor (Lightning's control values, the
+    monitor's figures, the compute of a real-tensor rehearsal) gets what every rank alike would give (`_alike`)."""
     _rehearsing[0], _backend[0] = on, backend
 
 
 def _backend_buffers(op: Op, axis: Axis, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """Meta stand-ins for what the backend holds during ``op`` beyond its tensors, as measured on gloo (the
-    estimator's model, `measure.estimate._chunk`): a reduce-scatter copies its input and holds 1/N more, an
-    all-gather works through a buffer the size of its output, an all-reduce holds 1/N. NCCL works in place: none."""
+    """Stand-ins, on the tensors' device, for what the backend holds during ``op`` beyond its tensors, as measured on
+    gloo (the estimator's model, `measure.estimate._chunk`): a reduce-scatter copies its input and holds 1/N more,
+    an all-gather works through a buffer the size of its output, an all-reduce holds 1/N. NCCL works in place."""
     if _backend[0] != "gloo" or not tensors:
         return []
     n, first = axis.size, tensors[0]
     size = {Op.REDUCE_SCATTER: tensors[-1].numel() * (n + 1) // n, Op.ALL_GATHER: first.numel(),
             Op.ALL_REDUCE: first.numel() // n}.get(op, 0)
-    return [torch.empty(size, dtype=first.dtype, device="meta")] if size else []
+    return [torch.empty(size, dtype=first.dtype, device=first.device)] if size else []
 
 
 def rehearsing() -> bool:
@@ -112,17 +112,20 @@ def backend_of(axis: Axis) -> str:
 
 def _alike(op: Op, axis: Axis, tensors: tuple[torch.Tensor, ...], reduce: ReduceOp | None) -> None:
     """What ``op`` leaves in real ``tensors`` when every rank of ``axis`` holds the same values: a sum is N times
-    the value (max, min and average the value itself), a gather N copies, a reduce-scatter this rank's chunk."""
+    the value (max, min and average the value itself), a gather N copies, a reduce-scatter this rank's chunk. In
+    place, with no temporary: a real-tensor rehearsal measures the memory of the rank's compute around these."""
     n = axis.size
     with torch.no_grad():
         if op is Op.ALL_REDUCE and reduce == ReduceOp.SUM:
             tensors[0].mul_(n)
         elif op is Op.REDUCE_SCATTER:
             out, whole = tensors
-            out.copy_(whole.reshape(n, -1)[axis.index].view_as(out) * (n if reduce == ReduceOp.SUM else 1))
+            out.copy_(whole.reshape(n, -1)[axis.index].view_as(out))
+            if reduce == ReduceOp.SUM:
+                out.mul_(n)
         elif op is Op.ALL_GATHER:
-            out, part = tensors
-            out.copy_(part.reshape(1, -1).expand(n, -1).reshape(out.shape))
+            out, part = tensors  # (the collectives' outputs are contiguous)
+            out.view(n, -1).copy_(part.reshape(1, -1).expand(n, -1))
 
 
 @torch.compiler.disable  # under torch.compile: a clean graph break here, every call counted and logged eagerly
@@ -135,10 +138,10 @@ def _run(op: Op, axis: Axis, call: Callable[[], Any], sent: float, recv: float, 
     meta = any(t.device.type == "meta" for t in tensors)
     if _rehearsing[0] or meta:
         held = None
-        if _rehearsing[0] and meta:
+        if _rehearsing[0]:
             held = _backend_buffers(op, axis, tensors)
-        elif _rehearsing[0]:
-            _alike(op, axis, tensors, reduce)
+            if not meta:
+                _alike(op, axis, tensors, reduce)
         return Handle(None, axis, op, held=held) if async_op else None
     record = RECORDER.start(op, axis, tensors, peer)
     if op not in (Op.SEND, Op.RECV) and os.environ.get(DEBUG_ENV, "") not in ("", "0"):

@@ -108,7 +108,10 @@ _outstanding: dict[str, list[GroupHandle]] = {}  # strict mode: per axis, this r
 def exchange(ops: list[P2P], axis: Axis) -> GroupHandle:
     """Issue ``ops`` as one group on ``axis`` (one ``batch_isend_irecv``); wait on the handle before reading a
     received tensor or changing a sent one. Each message is counted (send, recv) and logged like every call."""
-    if ops and axis.size > 1 and rehearsing():  # counted, not sent: the receives keep what they hold (meta: shapes)
+    if ops and axis.size > 1 and rehearsing():  # counted, not sent: a real receive reads zeros (finite), meta shapes
+        for op in ops:
+            if not op.send and op.tensor.device.type != "meta":
+                op.tensor.zero_()
         return GroupHandle([], _count(ops, axis), [], axis, Op.RECV if any(not op.send for op in ops) else Op.SEND)
     limit = strict_seconds()
     strict = limit is not None

@@ -78,20 +78,26 @@ def leave_fake_world() -> None:
 
 class RehearsalStrategy(PlanStrategy):
     """`PlanStrategy` for rank ``rank`` of ``world_size``, rehearsed (see the module's docstring). The model must be
-    built on meta (``configure_model``, ``trainer.init_module(empty_init=True)``): a rehearsal never makes values."""
+    built on meta (``configure_model``, ``trainer.init_module(empty_init=True)``): the rank makes its own slice only.
+
+    ``device``: where the rank's compute runs for real, with real tensors (a GPU, or this CPU), so that its
+    allocator's peak and its kernels' time are real; nothing is sent still, a receive reads zeros and a collective
+    leaves what every rank alike would give (`comm.set_rehearsal`). None (the default): on meta, no values at all."""
 
     strategy_name = "rehearsal"
 
-    def __init__(self, plan: str, *, rank: int, world_size: int, backend: str = "nccl", **options: Any) -> None:
+    def __init__(self, plan: str, *, rank: int, world_size: int, backend: str = "nccl",
+                 device: torch.device | str | None = None, **options: Any) -> None:
         options.setdefault("check_first_batch", False)  # it needs the whole model's values
-        super().__init__(plan, parallel_devices=[torch.device("cpu")],
+        self.real = torch.device(device) if device is not None else None
+        super().__init__(plan, parallel_devices=[self.real or torch.device("cpu")],
                          cluster_environment=RehearsalEnvironment(rank, world_size), **options)
         self.backend = backend  # whose buffers the collectives hold (`comm.set_rehearsal`): gloo, nccl
 
     @property
     @override
     def compute_device(self) -> torch.device:
-        return META
+        return self.root_device if self.real is not None else META
 
     @override
     def setup_environment(self) -> None:
@@ -127,7 +133,7 @@ class RehearsalStrategy(PlanStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        return super().batch_to_device(batch, META, dataloader_idx)
+        return super().batch_to_device(batch, self.compute_device, dataloader_idx)
 
     @override
     def teardown(self) -> None:

@@ -213,6 +213,49 @@ class HeapSampler:
         return self.peak - self.start
 
 
+class CudaHeap:
+    """`HeapSampler`'s interface over the CUDA caching allocator's counters (bytes allocated and their peak): exact,
+    nothing sampled, and only the device's memory (a host copy, offload's, is not in it). For the monitor's ``heap``
+    on a GPU, where there is no C heap to sample: a real-tensor rehearsal (`stratpack rehearse --real`)."""
+
+    device = "cuda"  # the tensors it counts
+
+    def __init__(self, index: int | None = None) -> None:
+        self.index = torch.cuda.current_device() if index is None else index
+        self.start = 0
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def in_use(self) -> int:
+        return torch.cuda.memory_allocated(self.index)
+
+    @property
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.index)
+
+    def sample(self) -> None:  # the allocator keeps its own peak
+        pass
+
+    def restart(self) -> tuple[int, int]:
+        before = self.peak
+        torch.cuda.reset_peak_memory_stats(self.index)
+        return before, self.in_use()
+
+    def __enter__(self) -> "CudaHeap":
+        torch.cuda.reset_peak_memory_stats(self.index)
+        self.start = self.in_use()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @property
+    def peak_above_start(self) -> int:
+        return self.peak - self.start
+
+
 @functools.cache
 def _mallinfo():
     """A function returning glibc's bytes in use (arenas + mmapped), or None where there is no mallinfo2."""

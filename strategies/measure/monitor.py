@@ -192,10 +192,10 @@ class StrategyMonitor(L.Callback):
         """The most this rank held from set-up to the end of the first step: the allocator's peak on a GPU, else the
         heap's (with ``heap``) or the resident memory's growth."""
         device = trainer.strategy.root_device
+        if self._heap is not None:  # (on a GPU too: `memory.CudaHeap` restarts the allocator's peak at the start)
+            return int(max(self._heap_built, self._heap.peak) - self._heap_base)
         if device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(device))
-        if self._heap is not None:
-            return int(max(self._heap_built, self._heap.peak) - self._heap_base)
         return max(0, readings.peak_rss_bytes() - self._rss_base)
 
     def _heap_steady(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

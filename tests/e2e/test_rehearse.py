@@ -30,7 +30,7 @@ STATES = ("params", "grads", "optimizer", "host", "total")
 
 def rehearse(tmp_path, plan: str, world: int, run: tuple[str, ...] = RUN) -> list[dict]:
     """Every rank of ``plan`` at ``world`` rehearsed (`stratpack rehearse`), into the run store tmp_path/runs."""
-    out = tmp_path / f"rehearsal-{plan}.json"
+    out = tmp_path / f"rehearsal-{plan}{'-real' if '--real' in run else ''}.json"
     ranks = ",".join(str(r) for r in range(world))
     cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", ranks,
            "--out", str(out), "--runs-dir", str(tmp_path / "runs"), *COMMON, *run]
@@ -55,21 +55,29 @@ def real_comm(run_dir: str, rank: int) -> dict[str, dict[str, float]]:
 @pytest.mark.parametrize("plan,world", CASES, ids=[f"{p}@{w}" for p, w in CASES])
 def test_a_rehearsal_sends_and_holds_what_the_real_run_does(tmp_path, plan: str, world: int):
     real, _ = train_demo(tmp_path, plan, world, "--heap", "--warmup-steps", "0", *RUN)
-    rehearsed = rehearse(tmp_path, plan, world)
-    assert [r["rank"] for r in rehearsed] == list(range(world))
-    for r in rehearsed:
-        rank, measured, got = r["rank"], real["memory_bytes_per_rank"][r["rank"]], r["memory_bytes"]
-        comm = {k: {f: round(v[f] * STEPS) for f in ("calls", "bytes_sent", "bytes_recv")}
-                for k, v in r["comm_per_step"].items()}
-        assert comm == real_comm(real["run_dir"], rank), (plan, rank)
-        assert {k: got[k] for k in STATES} == {k: measured[k] for k in STATES}, (plan, rank)
-        assert abs(got["activations_peak"] - measured["activations_peak"]) <= 0.05 * measured["activations_peak"]
-        # The heap is sampled every 0.2 ms: a peak as short as one matmul's workspace can fall between two samples,
-        # so one rank's figure may fall short; what the heap reached is the highest of the ranks of its stage.
-        stage = ParallelPlan.parse(r["plan"]).coordinates(rank)["pp"]
-        reached = max(m["heap_peak"] for other, m in enumerate(real["memory_bytes_per_rank"])
-                      if ParallelPlan.parse(r["plan"]).coordinates(other)["pp"] == stage)
-        assert abs(got["heap_peak"] - reached) <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
+    # The 8-rank plan is also rehearsed on real tensors (`--real`: this CPU computes each rank's slice alone, its
+    # heap sampled as the real run's is), which must hold and send the same.
+    for how in ((), ("--real",)) if world == 8 else ((),):
+        rehearsed = rehearse(tmp_path, plan, world, (*RUN, *how))
+        assert [r["rank"] for r in rehearsed] == list(range(world))
+        assert all(r["real"] == bool(how) and (r.get("step_time_s", 0) > 0) == bool(how) for r in rehearsed)
+        for r in rehearsed:
+            holds_and_sends_what_the_real_rank_did(r, real)
+
+
+def holds_and_sends_what_the_real_rank_did(r: dict, real: dict) -> None:
+    rank, measured, got, plan = r["rank"], real["memory_bytes_per_rank"][r["rank"]], r["memory_bytes"], r["plan"]
+    comm = {k: {f: round(v[f] * STEPS) for f in ("calls", "bytes_sent", "bytes_recv")}
+            for k, v in r["comm_per_step"].items()}
+    assert comm == real_comm(real["run_dir"], rank), (plan, rank)
+    assert {k: got[k] for k in STATES} == {k: measured[k] for k in STATES}, (plan, rank)
+    assert abs(got["activations_peak"] - measured["activations_peak"]) <= 0.05 * measured["activations_peak"]
+    # The heap is sampled every 0.2 ms: a peak as short as one matmul's workspace can fall between two samples,
+    # so one rank's figure may fall short; what the heap reached is the highest of the ranks of its stage.
+    stage = ParallelPlan.parse(plan).coordinates(rank)["pp"]
+    reached = max(m["heap_peak"] for other, m in enumerate(real["memory_bytes_per_rank"])
+                  if ParallelPlan.parse(plan).coordinates(other)["pp"] == stage)
+    assert abs(got["heap_peak"] - reached) <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
 
 
 def test_a_rehearsal_is_stored_as_a_run_the_dashboard_shows_as_rehearsed(tmp_path):
