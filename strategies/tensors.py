@@ -27,6 +27,25 @@ def address(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), 0
 
 
+_HOST = [0]  # inside `host_memory` (nested)
+
+
+@contextlib.contextmanager
+def host_memory() -> Any:
+    """Inside, the storages made are host memory: offload's copies of a device's tensors. On a device they are made
+    on the CPU and say so; a rehearsal's are meta like the rest, and its heap (`measure.meta_heap`) counts them apart
+    from the device's while this is on (and what is computed from them alone: the optimizer's state and step)."""
+    _HOST[0] += 1
+    try:
+        yield
+    finally:
+        _HOST[0] -= 1
+
+
+def making_host_memory() -> bool:
+    return _HOST[0] > 0
+
+
 class MetaAutocast(torch.overrides.TorchFunctionMode):
     """Autocast for meta tensors, which torch's autocast leaves alone (it knows no meta device): while the host's
     autocast is on (Lightning's ``*-mixed`` precision turns it on around each step), a matmul or attention on meta

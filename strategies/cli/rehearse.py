@@ -63,14 +63,10 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
             "model": model, "predicted": predicted, "seconds": time.perf_counter() - start,
             "num_params": getattr(trainer.strategy, "built_num_params", None),
             "memory_bytes": summary["memory_bytes"], "comm_per_step": summary["comm_per_step"],
-            "device_peak": _device_peak(summary["memory_bytes"], target, real),
+            "device_peak": summary["memory_bytes"].get("heap_peak", 0),  # (a GPU's heap holds the device's alone)
             **({k: summary.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")} if real else {})}
 
 
-def _device_peak(memory: dict[str, int], target: str, real: bool = False) -> int:
-    """The steady peak on the device: on a GPU less what offload keeps in host memory (one pool on a CPU; a GPU's
-    allocator, read in a real-tensor rehearsal, holds the device's alone)."""
-    return memory.get("heap_peak", 0) - (memory.get("host", 0) if target == "cuda" and not real else 0)
 
 
 def _running(heap: Any, target: str, real: bool) -> contextlib.AbstractContextManager:
@@ -98,7 +94,9 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
     from strategies.measure.monitor import StrategyMonitor
 
     if not real:
-        heap: Any = MetaHeap(workspace=_cpu_workspace(world_size) if target == "cpu" else None)
+        # a GPU's heap holds the device's memory alone (offload's host copies counted apart), a CPU's all of it
+        heap: Any = MetaHeap(workspace=_cpu_workspace(world_size) if target == "cpu" else None,
+                             device_only=target == "cuda")
     else:
         heap = CudaHeap() if target == "cuda" else True
     monitor = StrategyMonitor(warmup_steps=int(real), store=False, label=config.strategy, heap=heap)
@@ -162,7 +160,7 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     memory, predicted = r["memory_bytes"], r["predicted"] or {}
     mine = (predicted.get("memory") or [{}] * r["world_size"])[r["rank"]]
     setup = (predicted.get("setup") or [0.0] * r["world_size"])[r["rank"]]
-    peak = sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries"))
+    peak = sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries") if k != "host" or r["target"] == "cpu")
     rows = [(key, memory.get(key if key != "activations" else "activations_peak", 0), mine.get(key, 0))
             for key in (*CATEGORIES, "temporaries")]
     rows += [("steady peak", memory.get("heap_peak", 0), peak), ("set-up peak", memory.get("setup_peak", 0), setup)]

@@ -136,6 +136,11 @@ class ModelShape:
         ``vocab_split``."""
         return self.norm() + (self.vocab * self.hidden + (0 if self.llama else self.vocab)) // vocab_split
 
+    def output_layer(self, vocab_split: int = 1, bias: bool = True) -> int:
+        """The output layer: its weight, and with ``bias`` the demo's bias (ZeRO-3's unit at the loss), its vocabulary
+        split over ``vocab_split``; without it the weight alone (its gradient, autocast's copy of it)."""
+        return self.head(vocab_split) - self.norm() if bias else self.vocab // vocab_split * self.hidden
+
     def total(self) -> int:
         split, whole = self.block()
         if self.params is not None:
@@ -314,8 +319,8 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   backward=boundary + (u if plan.sp else 0.0) + f * u / t, weight=h * shape.mlp() / t * weight_bytes,
                   mlp_grad=f * u / t,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
-                  head_unit=(shape.head(_vocab_split(plan)) - shape.norm()) * weight_bytes if unit else 0.0,
-                  vocab_grad=shape.vocab // _vocab_split(plan) * h * weight_bytes,  # (gradients: the weights' dtype)
+                  head_unit=shape.output_layer(_vocab_split(plan)) * weight_bytes if unit else 0.0,
+                  vocab_grad=shape.output_layer(_vocab_split(plan), bias=False) * weight_bytes,  # (the weights' dtype)
                   stash=saved.stash if plan.schedule.splits_backward else 0.0)
 
 
@@ -558,7 +563,7 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     # a block's weights autocast copies (tp's slice); none under recompute, whose forward saves nothing. The head is
     # not recomputed.
     matmuls = 0 if plan.ac else math.ceil(shape.block()[0] / plan.tp)
-    head = shape.vocab // _vocab_split(plan) * shape.hidden
+    head = shape.output_layer(_vocab_split(plan), bias=False)
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
     mine = [s for s, r in _placement(plan).items() if r == rank]
@@ -583,8 +588,7 @@ def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[ra
     first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
-    kept = shape.head(_vocab_split(plan)) - 2 * shape.hidden if plan.pp == 1 \
-        else math.ceil(split / plan.tp) + whole
+    kept = shape.output_layer(_vocab_split(plan)) if plan.pp == 1 else math.ceil(split / plan.tp) + whole
     return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes)
 
 

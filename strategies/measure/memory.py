@@ -219,6 +219,7 @@ class CudaHeap:
     on a GPU, where there is no C heap to sample: a real-tensor rehearsal (`stratpack rehearse --real`)."""
 
     device = "cuda"  # the tensors it counts
+    device_only = True  # offload's host copies are not in it
 
     def __init__(self, index: int | None = None) -> None:
         self.index = torch.cuda.current_device() if index is None else index

@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from strategies.tensors import making_host_memory
+
 _aten = torch.ops.aten
 _READS = {_aten._local_scalar_dense.default}
 _META = torch.device("meta")
@@ -37,10 +39,15 @@ class MetaHeap:
 
     device = "meta"  # the tensors it counts
 
-    def __init__(self, workspace: Callable[[int, int, int], float] | None = None) -> None:
+    def __init__(self, workspace: Callable[[int, int, int], float] | None = None, device_only: bool = False) -> None:
         self.live = self.peak = self.start = 0
         self.paused = 0  # inside `uncounted`
         self._sizes: dict[int, int] = {}  # storage (its C pointer) -> bytes counted
+        # Host memory (`tensors.host_memory`: offload's copies, and what is computed from them alone) is counted in
+        # ``host``; with ``device_only`` (a GPU rehearsed) it is not in ``live`` and ``peak``, which are the device's,
+        # as a GPU's allocator holds only its own (one pool on a CPU).
+        self.device_only, self.host = device_only, 0
+        self._host: set[int] = set()  # the host's storages
         # What the matrix library holds inside a (rows, inner) @ (inner, cols) matmul beyond its output, on the
         # device rehearsed (`calibrate.kernel_workspace` on a CPU: MKL's packing buffers); None: nothing
         self.workspace = workspace
@@ -92,19 +99,29 @@ class MetaHeap:
             _ACTIVE.remove(self)
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
-    def count(self, storage: torch.UntypedStorage) -> None:
+    def count(self, storage: torch.UntypedStorage, host: bool = False) -> None:
         key = storage._cdata
         if key in self._sizes or self.paused:
             return
         size = storage.nbytes()
         self._sizes[key] = size
-        self._change(size)
+        if host:
+            self._host.add(key)
+        self._change(size, key)
         weakref.finalize(storage, self._freed, key)
 
-    def _freed(self, key: int) -> None:
-        self._change(-self._sizes.pop(key, 0))
+    def on_host(self, storage: torch.UntypedStorage) -> bool:
+        return storage._cdata in self._host
 
-    def _change(self, delta: int) -> None:
+    def _freed(self, key: int) -> None:
+        self._change(-self._sizes.pop(key, 0), key)
+        self._host.discard(key)
+
+    def _change(self, delta: int, key: int | None = None) -> None:
+        if key is not None and key in self._host:
+            self.host += delta
+            if self.device_only:
+                return
         self.live += delta
         if self.live > self.peak:
             self.peak = self.live
@@ -116,7 +133,7 @@ class MetaHeap:
     def _resized(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
         if key in self._sizes:
-            self._change(storage.nbytes() - self._sizes[key])
+            self._change(storage.nbytes() - self._sizes[key], key)
             self._sizes[key] = storage.nbytes()
 
 
@@ -152,9 +169,11 @@ class _Counting(TorchDispatchMode):
                 kwargs.get("device") not in (None, _META):  # a logged value, moved to the CPU at the end
             return torch.ones(meta[0].shape, dtype=kwargs.get("dtype") or meta[0].dtype, device=kwargs["device"])
         out = func(*args, **kwargs)
+        # host memory: made inside `host_memory`, or computed from host tensors alone (the optimizer's state and step)
+        host = making_host_memory() or (bool(meta) and all(self.heap.on_host(t.untyped_storage()) for t in meta))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                self.heap.count(t.untyped_storage())
+                self.heap.count(t.untyped_storage(), host)
         if meta and func in _MATMULS and self.heap.workspace is not None:
             a, b = args[_MATMULS[func]], args[_MATMULS[func] + 1]
             self.heap.transient(self.heap.workspace(a.shape[0], a.shape[1], b.shape[1]))

@@ -124,7 +124,7 @@ class StrategyMonitor(L.Callback):
         self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
         self._split = StepSplit(_blocked_seconds(stats))
         if self._heap is not None:
-            held = readings.rank_memory(trainer, pl_module)["total"]
+            held = self._states_in_heap(readings.rank_memory(trainer, pl_module))
             self._heap_built, now = self._heap.restart()  # the peak of the set-up so far: the build, the splits
             self._heap_setup = now - self._heap_base - held
         if self.store:
@@ -206,10 +206,17 @@ class StrategyMonitor(L.Callback):
         message in flight, a thread's cache): read once, such a buffer made one rank's peak 0.42 MiB (2%) low."""
         if self.steps == 1:
             self._heap_first, now = self._heap.restart()
-            self._heap_floor = now - readings.rank_memory(trainer, pl_module)["total"]
+            self._heap_floor = now - self._states_in_heap(readings.rank_memory(trainer, pl_module))
         else:
             now = self._heap.in_use()
-            self._heap_floor = min(self._heap_floor, now - readings.rank_memory(trainer, pl_module)["total"])
+            states = self._states_in_heap(readings.rank_memory(trainer, pl_module))
+            self._heap_floor = min(self._heap_floor, now - states)
+
+    def _states_in_heap(self, memory: dict[str, float], heap: Any = None) -> float:
+        """The model states the heap holds: all of them, but a device's heap (``device_only``: a GPU's allocator, a GPU
+        rehearsed) holds none of offload's host copies."""
+        device_only = getattr(heap or self._heap, "device_only", False)
+        return memory["total"] - (memory.get("host", 0) if device_only else 0)
 
     def _heap_figures(self, memory: dict[str, int]) -> dict[str, int]:
         """Stop the sampler: the steady peak (one step: none) and what of it is neither ``memory``'s states nor its
@@ -218,7 +225,8 @@ class StrategyMonitor(L.Callback):
         heap.__exit__(None, None, None)
         out = {"heap_peak": heap.peak - self._heap_floor} if self.steps > 1 else {}
         if out:
-            out["temporaries"] = max(0, out["heap_peak"] - memory["total"] - memory.get("activations_peak", 0))
+            states = self._states_in_heap(memory, heap)
+            out["temporaries"] = max(0, out["heap_peak"] - states - memory.get("activations_peak", 0))
         first = self._heap_first if self.steps > 1 else heap.peak
         return {**out, "heap_first_step": first - self._heap_base, "heap_setup": self._heap_setup}
 

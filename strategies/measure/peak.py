@@ -34,7 +34,7 @@ and then reduces them as a full backward would.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -133,8 +133,8 @@ class Rules:
 # coefficients (`_compile`), which record each point it compares as a row of coefficients; a plan's peak is then the
 # largest row times its byte counts. The planner walks some 30,000 ranks of a few hundred actions each, with about
 # 600 structures among them.
-_GLOBAL = ("boundary", "recompute", "head", "logits", "loss", "backward", "weight", "vocab_grad", "workspace", "zero3",
-           "head_zero3", "release", "release_start", "flats", "flats_top")
+# Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
+# not a chunk's (`_PER_CHUNK`), in their order.
 _PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
@@ -164,14 +164,19 @@ def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], worksp
 def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: Rules) -> np.ndarray:
     """The byte counts the compiled rows multiply, in `_GLOBAL` then `_PER_CHUNK` order (chunks by stage)."""
     p, r = pieces, rules
-    out = [p.boundary, p.recompute, p.head, p.logits, p.logits if p.loss is None else p.loss, p.backward, p.weight,
-           p.vocab_grad, workspace, 2 * p.unit + p.gathers, p.head_unit + p.unit + p.gathers,
-           r.release, r.release if r.release_at_start else 0.0, r.flats,
-           r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)]
+    named = {"boundary": p.boundary, "recompute": p.recompute, "head": p.head, "logits": p.logits,
+             "loss": p.logits if p.loss is None else p.loss, "backward": p.backward, "weight": p.weight,
+             "vocab_grad": p.vocab_grad, "workspace": workspace, "zero3": 2 * p.unit + p.gathers,
+             "head_zero3": p.head_unit + p.unit + p.gathers, "release": r.release,
+             "release_start": r.release if r.release_at_start else 0.0, "flats": r.flats,
+             "flats_top": r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)}
+    out = [named[name] for name in _GLOBAL]
     for s in sorted(chunks):
         c = chunks[s]
-        out += [p.saved(c.blocks, c.first, c.last) + c.cast, p.stashed(c.blocks),
-                (c.blocks - 1) * max(p.stash - p.block, 0.0), c.grads, c.reduce, c.weights]
+        mine = {"saved": p.saved(c.blocks, c.first, c.last) + c.cast, "stashed": p.stashed(c.blocks),
+                "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
+                "weights": c.weights}
+        out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
 
 
@@ -232,6 +237,9 @@ class _Terms:
     weights: int = 0
     first: bool = False
     last: bool = False
+
+
+_GLOBAL = tuple(f.name for f in fields(_Terms) if f.name not in (*_PER_CHUNK, "first", "last"))
 
 
 class _Walk:

@@ -10,6 +10,7 @@ from torch import nn
 
 from strategies.comm import Axis
 from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB, plan_buckets
+from strategies.tensors import host_memory
 
 # Element-wise: a shard's update depends only on that shard's gradient and state.
 ELEMENTWISE_OPTIMIZERS = (
@@ -45,7 +46,8 @@ class FlatParam:
         self.grad_shard: torch.Tensor | None = None  # the reduce-scatter's output, from launch to `ZeroGradSync.finish`
         self.offload = offload
         host = "meta" if device.type == "meta" else "cpu"  # (a rehearsal's host copies are shapes too)
-        master = self.shard.detach().to(host, copy=True) if offload else self.shard
+        with host_memory():
+            master = self.shard.detach().to(host, copy=True) if offload else self.shard
         if offload and device.type == "cuda":
             master = master.pin_memory()  # async host<->device copies
         self.master = nn.Parameter(master)
@@ -72,7 +74,8 @@ def to_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
     """A copy of ``tensor`` on ``host``. From a GPU: into pinned memory (torch's caching host allocator, so no
     pinning per call) and without blocking the CPU, overlapped with the rest of backward; `host_copies_done` waits
     for them before the optimizer reads one. On CPU a plain copy."""
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=tensor.is_cuda)
+    with host_memory():
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=tensor.is_cuda)
     return out.copy_(tensor, non_blocking=tensor.is_cuda)
 
 
