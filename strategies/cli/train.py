@@ -97,7 +97,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     trainer, monitor, final = _trainer(config, predicted, params_out)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        trainer.fit(module, _loader(config, dataset), _validation(config, dataset), ckpt_path=config.resume)
+        trainer.fit(module, _loader(config, dataset), _validation(config, dataset), ckpt_path=_ckpt_path(config))
     _finish_wandb(trainer)
     result = {"config": asdict(config), "label": config.strategy, "rank": trainer.global_rank, **monitor.summary}
     mesh = getattr(trainer.strategy, "mesh", None)
@@ -132,6 +132,20 @@ def _is_plan(strategy: str) -> bool:
     return strategy != SINGLE and looks_like_plan(strategy)
 
 
+def _ckpt_path(config: RunConfig) -> str | None:
+    """What the fit resumes from: ``--resume``'s checkpoint; with ``--resume auto`` a plan's strategy finds the newest
+    complete one itself (`lightning.auto_resume`), and one process is given it here."""
+    if config.resume != "auto":
+        return config.resume
+    if not config.checkpoint_dir:
+        raise ValueError("--resume auto resumes from the newest complete checkpoint of --checkpoint-dir: give one")
+    if _is_plan(config.strategy):
+        return None
+    from strategies.lightning.auto_resume import resume_path
+
+    return resume_path(config.checkpoint_dir)
+
+
 def _strategy(config: RunConfig) -> Any:
     """The Trainer's strategy: a plan's (the class its name registers) with the run's options, the first-batch check
     and compile; Lightning's own strategies by name."""
@@ -143,7 +157,8 @@ def _strategy(config: RunConfig) -> Any:
 
     strategy = StrategyRegistry.get(config.strategy)
     # --heap measures memory: the check's copy of the model would sit in its set-up figure.
-    options = {"check_first_batch": config.check_first_batch and not config.heap}
+    options: dict[str, Any] = {"check_first_batch": config.check_first_batch and not config.heap,
+                               "resume": "auto" if config.resume == "auto" else None}
     if config.compile:
         options["compile"] = {"backend": config.compile}
     strategy.options = dataclasses.replace(strategy.options, **options)
@@ -352,7 +367,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=None,
                    help="with --checkpoint-dir: save every this many optimizer steps instead (mid-epoch resumes "
                         "continue with the next batch and the saved random state)")
-    p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file)")
+    p.add_argument("--resume", default=None,
+                   help="resume from this checkpoint (sharded directory or file); auto: the newest complete one in "
+                        "--checkpoint-dir, if any (a job restarted by torchrun --max-restarts or a SLURM requeue)")
     p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
     p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")

@@ -89,6 +89,10 @@ class PlanOptions:
     stop_on_nonfinite_loss: bool = True
     """A NaN or infinite loss ends the job with ``FloatingPointError`` naming the rank and step, instead of
     training on with parameters it would poison."""
+    resume: Literal["auto"] | None = None
+    """``"auto"``: a ``fit`` given no ``ckpt_path`` resumes from the newest complete checkpoint in the folder of the
+    Trainer's ModelCheckpoint (a save torn by a crash is passed over), or starts fresh when there is none, saying so:
+    what a job restarted by torchrun ``--max-restarts`` or a SLURM requeue needs (`checkpoint.newest`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -112,6 +116,7 @@ _RULES = {
     "process_group_backend": _rule(lambda v: v is None or isinstance(v, str) and v != "",
                                    "None or a backend name such as 'gloo' or 'nccl'"),
     "stop_on_nonfinite_loss": _BOOL,
+    "resume": _rule(lambda v: v is None or v == "auto", "None or 'auto'"),
     "check_first_batch": _BOOL,
     "deterministic": _BOOL,
     "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),

@@ -39,6 +39,7 @@ from strategies.comm import CommStats
 from strategies.deferred import Deferred, has_meta_parameters, leave_in_slices, refuse_left_in_slices
 from strategies.files import pack_version
 from strategies.lightning import assemble
+from strategies.lightning.auto_resume import AutoResume, agree
 from strategies.lightning.first_batch import FirstBatchCheck, Outcome
 from strategies.lightning.launcher import ExitingMultiProcessingLauncher
 from strategies.lightning.options import PlanOptions
@@ -153,6 +154,8 @@ class PlanStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ExitingMultiProcessingLauncher(self, start_method=self.options.start_method)
+        if self.options.resume == "auto":  # a fit given no ckpt_path takes the newest complete checkpoint
+            self._launcher = AutoResume(self._launcher)
 
     @override
     def setup_environment(self) -> None:
@@ -179,6 +182,9 @@ class PlanStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
         refuse_left_in_slices(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and isinstance(self._launcher, AutoResume) and self._launcher.chosen is not None:
+            chosen = self._launcher.chosen
+            agree(chosen, comm.broadcast_object(chosen, self.mesh.world), self.global_rank)
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)

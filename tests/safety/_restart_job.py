@@ -1,0 +1,67 @@
+"""A job that dies once and is restarted by torchrun: ``python -m torch.distributed.run --max-restarts 3
+--nproc_per_node N _restart_job.py PLAN FAULT RANK STEP CKPT_DIR PARAMS_OUT``.
+
+Eight optimizer steps of the demo GPT under ``PlanStrategy(PLAN, resume="auto", deterministic=True)``, a checkpoint
+every two steps into CKPT_DIR; at the end rank 0 saves the parameters (the single-device view) to PARAMS_OUT. In the
+first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), FAULT happens on rank RANK:
+
+- ``kill``: the rank SIGKILLs itself at the start of step STEP (after STEP optimizer steps);
+- ``torn``: rank 0 SIGKILLs itself as the save after step STEP is about to write its manifest: the save's folder
+  holds every part and no manifest (a save torn by the crash);
+- ``none``: nothing (the uninterrupted reference, run under torchrun too).
+"""
+
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from demos.gpt import GPTModule, make_demo
+from strategies import PlanStrategy
+from strategies.checkpoint import sharded
+from strategies.lightning.pretrained import full_state_blocks
+
+plan, fault, fault_rank, fault_step, ckpt_dir, params_out = sys.argv[1:7]
+fault_rank, fault_step = int(fault_rank), int(fault_step)
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+class Kill(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = (trainer.global_rank, trainer.global_step) == (fault_rank, fault_step)
+        if first_attempt and fault == "kill" and now:
+            print(f"rank {fault_rank} killed at step {fault_step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Final(Callback):
+    def on_train_end(self, trainer, pl_module):
+        kept = {k: v.detach().cpu() for block in full_state_blocks(pl_module) for k, v in block.items()}
+        if trainer.global_rank == 0:
+            torch.save(kept, params_out)
+
+
+if first_attempt and fault == "torn":
+    write = sharded.atomic_write
+
+    def atomic_write(path, fn, binary=False):
+        if os.path.basename(path) == sharded.MANIFEST and f"step={fault_step}." in path:
+            print(f"rank 0 killed before the manifest of {path}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(path, fn, binary)
+
+    sharded.atomic_write = atomic_write
+
+L.seed_everything(0, verbose=False)
+base, dataset = make_demo(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
+module = GPTModule(base.config)
+trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=8,
+                    strategy=PlanStrategy(plan, resume="auto", deterministic=True), logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    callbacks=[Kill(), Final(), ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2,
+                                                                save_top_k=-1)])
+trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=8, drop_last=True))
+print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)
