@@ -367,9 +367,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=None,
                    help="with --checkpoint-dir: save every this many optimizer steps instead (mid-epoch resumes "
                         "continue with the next batch and the saved random state)")
-    p.add_argument("--resume", default=None,
-                   help="resume from this checkpoint (sharded directory or file); auto: the newest complete one in "
-                        "--checkpoint-dir, if any (a job restarted by torchrun --max-restarts or a SLURM requeue)")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file); auto: "
+                   "the newest complete one in --checkpoint-dir, if any (a job restarted by torchrun, SLURM)")
     p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
     p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")

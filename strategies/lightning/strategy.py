@@ -41,7 +41,7 @@ from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.auto_resume import AutoResume, agree
 from strategies.lightning.first_batch import FirstBatchCheck, Outcome
-from strategies.lightning.launcher import ExitingMultiProcessingLauncher
+from strategies.lightning.launcher import ExitingMultiProcessingLauncher, elastic_store
 from strategies.lightning.options import PlanOptions
 from strategies.lightning.resume import resumable
 from strategies.lightning.steps import DirectSteps, PipelineSteps, check_finite, deferred_logs
@@ -170,7 +170,9 @@ class PlanStrategy(ParallelStrategy):
             for key, value in comm.recorder.nccl_environment(debug).items():
                 os.environ.setdefault(key, value)
             faulthandler.enable(all_threads=True)  # the watchdog's abort then prints where each thread was
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)
+        store = elastic_store(self.world_size, self.options.timeout)  # (a restarted torchrun attempt's own keys)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id,
+                              **({"store": store} if store is not None else {}))
         comm.RECORDER.timeout = self.options.timeout
         self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
         comm.set_ordered_sums(self.options.deterministic)  # for this run (teardown turns it off)

@@ -65,3 +65,5 @@ trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"
                                                                 save_top_k=-1)])
 trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=8, drop_last=True))
 print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)
+torch.distributed.barrier()  # all together, as `stratpack train` ends: an exit in C++ teardown can abort, which
+torch.distributed.destroy_process_group()  # torchrun would take for a failure and restart
