@@ -36,6 +36,8 @@ class AutoResume:
         self.launcher.kill(signum)
 
     def __getattr__(self, name: str) -> Any:  # the wrapped launcher's other attributes (Lightning reads a few)
+        if name == "launcher":  # not set yet (an unpickled copy, under spawn): no recursion
+            raise AttributeError(name)
         return getattr(self.launcher, name)
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
