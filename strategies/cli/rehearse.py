@@ -67,6 +67,9 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
             **({k: summary.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")} if real else {})}
 
 
+def _predicted_peak(mine: dict[str, float], target: str) -> float:
+    """The estimator's steady peak on the device for one rank's figures: on a GPU without offload's host memory."""
+    return sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries") if k != "host" or target == "cpu")
 
 
 def _running(heap: Any, target: str, real: bool) -> contextlib.AbstractContextManager:
@@ -89,7 +92,7 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
     import lightning as L
 
     from strategies.lightning.rehearsal import RehearsalStrategy
-    from strategies.measure.memory import CudaHeap
+    from strategies.measure.memory import CudaHeap, HeapSampler
     from strategies.measure.meta_heap import MetaHeap
     from strategies.measure.monitor import StrategyMonitor
 
@@ -98,7 +101,7 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
         heap: Any = MetaHeap(workspace=_cpu_workspace(world_size) if target == "cpu" else None,
                              device_only=target == "cuda")
     else:
-        heap = CudaHeap() if target == "cuda" else True
+        heap = CudaHeap() if target == "cuda" else HeapSampler()
     monitor = StrategyMonitor(warmup_steps=int(real), store=False, label=config.strategy, heap=heap)
     strategy = RehearsalStrategy(config.strategy, rank=rank, world_size=world_size,
                                  backend="gloo" if target == "cpu" else "nccl",
@@ -108,7 +111,7 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
                         precision=config.precision, gradient_clip_val=config.gradient_clip_val, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[monitor], limit_val_batches=0)
-    return trainer, monitor, (heap if heap is not True else None)
+    return trainer, monitor, heap
 
 
 def _cpu_workspace(world_size: int):
@@ -160,7 +163,7 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     memory, predicted = r["memory_bytes"], r["predicted"] or {}
     mine = (predicted.get("memory") or [{}] * r["world_size"])[r["rank"]]
     setup = (predicted.get("setup") or [0.0] * r["world_size"])[r["rank"]]
-    peak = sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries") if k != "host" or r["target"] == "cpu")
+    peak = _predicted_peak(mine, r["target"])
     rows = [(key, memory.get(key if key != "activations" else "activations_peak", 0), mine.get(key, 0))
             for key in (*CATEGORIES, "temporaries")]
     rows += [("steady peak", memory.get("heap_peak", 0), peak), ("set-up peak", memory.get("setup_peak", 0), setup)]
@@ -240,7 +243,7 @@ def rehearse_ends(config: Any, world: int, target: str = "cuda") -> dict[str, An
     return {"model": config.workload, "ranks": world, "plan": worst["plan"], "batch": config.batch_size,
             "rank": worst["rank"], "rehearsed": worst["device_peak"],
             "states": worst["memory_bytes"]["total"], "activations": worst["memory_bytes"]["activations_peak"],
-            "predicted": sum(mine.get(k, 0) for k in (*CATEGORIES, "temporaries") if k != "host" or target == "cpu"),
+            "predicted": _predicted_peak(mine, target),
             "predicted_states": sum(mine.get(k, 0) for k in CATEGORIES[:4]),
             "predicted_activations": mine.get("activations", 0), "seconds": time.perf_counter() - start}
 
