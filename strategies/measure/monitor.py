@@ -21,6 +21,7 @@ Rank 0 also logs the same figures to any WandbLogger of the Trainer (keys ``loss
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from strategies.measure import readings
 from strategies.measure.memory import LogitsMeter
 from strategies.measure.split import StepSplit
 from strategies.pipeline import schedules
+from strategies.runs.restarts import note_sigterm, restart_entry, stop_noting
 from strategies.tensor_parallel.families import vocab_layers
 
 
@@ -56,12 +58,14 @@ class StrategyMonitor(L.Callback):
             left in the heap beyond the model's states before training (process groups, Lightning's objects: not
             modelled). A sampling thread slows the run: off by default. Or a sampler of one's own with
             `HeapSampler`'s interface: a rehearsal's `meta_heap.MetaHeap`, read by the same rules.
+        continue_run: a fit resumed from a checkpoint this monitor saved goes on in the same run of the store, the
+            restart recorded (`runs.restarts`); False: each fit is a run of its own.
     """
 
     def __init__(self, warmup_steps: int = 3, tokens_per_sample: int | None = None, *,
                  runs_dir: str | os.PathLike | None = None, store: bool = True, run_id: str | None = None,
                  comparison: str | None = None, label: str | None = None, meta: dict | None = None,
-                 full_steps: int = 1000, heap: Any = False) -> None:
+                 full_steps: int = 1000, heap: Any = False, continue_run: bool = True) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if full_steps < 1:
@@ -84,7 +88,10 @@ class StrategyMonitor(L.Callback):
         self._last_comm: dict[str, dict[str, float]] = {}
         self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
         self.summary: dict[str, Any] = {}
-        self.heap = heap
+        self.heap, self.continue_run = heap, continue_run
+        self._resumed: dict[str, Any] | None = None  # the monitor's state in the checkpoint a fit resumed from
+        self.attempt, self._redo_until = 1, 0  # this attempt of the run; the last step an earlier one recorded
+        self._sigterm: Any = None  # where a SIGTERM leaves its mark (`runs.restarts.note_sigterm`)
         self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
         self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
         self._rss_base = self._setup_peak = 0  # resident memory before the model was built; the set-up's peak
@@ -128,12 +135,52 @@ class StrategyMonitor(L.Callback):
             self._heap_built, now = self._heap.restart()  # the peak of the set-up so far: the build, the splits
             self._heap_setup = now - self._heap_base - held
         if self.store:
-            label = self.label or _strategy_label(trainer)
-            run_id = self._given_run_id or (runs.new_run_id(label) if trainer.global_rank == 0 else None)
-            self.run_id = trainer.strategy.broadcast(run_id, src=0) if trainer.world_size > 1 else run_id
-            self.writer = runs.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
-            if trainer.global_rank == 0:
-                self.writer.write_meta(self._meta(trainer, pl_module, label))
+            self._open_run(trainer, pl_module)
+
+    def _open_run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """This rank's writer: a new run, or, resumed from a checkpoint of a run in the store, that run going on
+        (`runs.restarts`): rank 0 decides, and records the restart."""
+        label = self.label or _strategy_label(trainer)
+        run_id, restart = None, None
+        if trainer.global_rank == 0:
+            restart = self._restart(trainer)
+            run_id = restart[0] if restart else self._given_run_id or runs.new_run_id(label)
+        if trainer.world_size > 1:
+            run_id, restart = trainer.strategy.broadcast((run_id, restart), src=0)
+        self.run_id, entry = run_id, restart[1] if restart else None
+        self.attempt = entry["attempt"] if entry else 1
+        self._redo_until = (entry["redone"] or [0, 0])[1] if entry else 0
+        self.writer = runs.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
+        self._sigterm = note_sigterm(self.writer.path, trainer.global_rank, self.attempt)
+        if trainer.global_rank == 0 and entry:
+            self.writer.add_restart(entry)
+            print(f"[stratpack] run {self.run_id} goes on: attempt {entry['attempt']} from step "
+                  f"{entry['resumed_step']}; the last stopped because {entry['cause']}", file=sys.stderr, flush=True)
+        elif trainer.global_rank == 0:
+            self.writer.write_meta(self._meta(trainer, pl_module, label))
+
+    def _restart(self, trainer: L.Trainer) -> tuple[str, dict[str, Any]] | None:
+        """Rank 0: (the run, its restart entry) where this fit resumed from a checkpoint of a run in the store (and the
+        caller named no other run); else None."""
+        resumed, self._resumed = self._resumed, None
+        run_id = (resumed or {}).get("run_id")
+        if not run_id or self._given_run_id not in (None, run_id) or not self.continue_run:
+            return None
+        path = runs.runs_dir(self.runs_dir) / run_id
+        try:
+            run = runs.read_run(path)
+        except (runs.RunError, OSError):
+            return None  # not in this store (moved, another machine's): a new run
+        return run_id, restart_entry(run, trainer.global_step, checkpoint=str(trainer.ckpt_path or "") or None)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # A checkpoint names its run: a fit resumed from it goes on in the same run of the store (`_restart`).
+        return {"run_id": self.run_id} if self.store and self.run_id else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = dict(state_dict)
 
     # -- each step ----------------------------------------------------------------------------------------
 
@@ -262,7 +309,14 @@ class StrategyMonitor(L.Callback):
             "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
             "split": self._split.take(covered),  # seconds per step by phase (`measure.split`)
+            **self._attempt_fields(trainer.global_step),
         }
+
+    def _attempt_fields(self, step: int) -> dict[str, Any]:
+        """After a restart: the attempt, and whether the step was recorded by an earlier one (`runs.restarts`)."""
+        if self.attempt == 1:
+            return {}
+        return {"attempt": self.attempt, **({"redone": True} if step <= self._redo_until else {})}
 
     def _comm_delta(self, trainer: L.Trainer, steps: int) -> dict[str, dict[str, float]]:
         """Per step, over the ``steps`` since the last record."""
@@ -298,7 +352,8 @@ class StrategyMonitor(L.Callback):
         if self._logits is not None:
             self._logits.remove()
         self.summary = {
-            "steps": steps,
+            "steps": steps,  # this attempt's (a run that went on after a restart: `runs.restarts`)
+            "attempt": self.attempt,
             "world_size": trainer.world_size,
             "losses": [float(x) for x in losses],  # the recorded steps' (`keep_record`), as the records
             "step_time_s": seconds / timed_steps if timed_steps > 0 else float("nan"),
@@ -312,6 +367,8 @@ class StrategyMonitor(L.Callback):
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
             self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
+        stop_noting(self._sigterm)
+        self._sigterm = None
         if self.writer is not None:
             self.writer.finish(self.summary if trainer.global_rank == 0 else None)
             self.summary["run_dir"] = str(self.writer.path)
@@ -326,7 +383,9 @@ class StrategyMonitor(L.Callback):
             from strategies.comm.recorder import RECORDER
 
             self.writer.append({"error": f"{type(exception).__name__}: {exception}"[-4000:],
-                                "last_calls": [f"{c.describe()} ({c.state})" for c in RECORDER.calls]})
+                                "last_calls": [f"{c.describe()} ({c.state})" for c in RECORDER.calls],
+                                "time": time.time(), "step": trainer.global_step,
+                                **({"attempt": self.attempt} if self.attempt > 1 else {})})
             self.writer.finish(None)
             self.writer = None
 

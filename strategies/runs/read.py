@@ -14,6 +14,8 @@ from strategies.runs.schema import (
     META,
     META_SHAPE,
     RECORD_SHAPE,
+    RESTART_SHAPE,
+    RESTARTS,
     SCHEMA,
     SUMMARY,
     SUMMARY_SHAPE,
@@ -69,9 +71,10 @@ def _json(data: bytes, run: str, name: str) -> Any:
         raise RunError(f"{run}: {name} is not JSON a reader takes (nested too deeply)") from None
 
 
-def _records(data: bytes) -> tuple[list[dict[str, Any]], list[str], bool]:
-    """One rank's log: its records, what is wrong with each line that is not a record of this schema, and whether
-    it ends in half a line (a run being written, or one cut by a crash: readers take complete lines only)."""
+def _records(data: bytes, shape: dict = RECORD_SHAPE) -> tuple[list[dict[str, Any]], list[str], bool]:
+    """One rank's log (or the run's restarts, ``shape`` theirs): its records, what is wrong with each line that is
+    not a record of this schema, and whether it ends in half a line (a run being written, or one cut by a crash:
+    readers take complete lines only)."""
     lines = data.split(b"\n")
     partial = lines.pop() != b""
     out, bad = [], []
@@ -84,7 +87,7 @@ def _records(data: bytes) -> tuple[list[dict[str, Any]], list[str], bool]:
             bad.append(f"line {number} is not JSON")
             continue
         wrong = f"it is {kind_of(record)}, not an object" if not isinstance(record, dict) else \
-            misfit(record, RECORD_SHAPE) or (f"schema {record['schema']}" if record["schema"] != SCHEMA else None)
+            misfit(record, shape) or (f"schema {record['schema']}" if record["schema"] != SCHEMA else None)
         if wrong:
             bad.append(f"line {number}: {wrong}")
         else:
@@ -129,7 +132,10 @@ def _read_run(folder: int, path: Path, max_bytes: int | None) -> dict[str, Any]:
             problems.append(f"{run}: {', '.join(partial)} end(s) in half a line (cut by a copy or a full disk?): "
                             "that line is left out")
     records, errors = _split_errors(records)
-    return {"meta": meta, "records": records, "summary": summary, "problems": problems,
+    restarts, bad, _ = _records(_read(folder, run, RESTARTS, max_bytes) or b"", RESTART_SHAPE)
+    if bad:
+        problems.append(f"{run}: {RESTARTS}: {len(bad)} line(s) left out ({bad[0]})")
+    return {"meta": meta, "records": records, "summary": summary, "problems": problems, "restarts": restarts,
             "status": "complete" if raw is not None else "incomplete", "path": str(path), "errors": errors}
 
 

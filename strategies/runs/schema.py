@@ -8,7 +8,7 @@ from typing import Any
 
 SCHEMA = 1
 RUNS_ENV = "STRATPACK_RUNS"
-META, SUMMARY = "meta.json", "summary.json"
+META, SUMMARY, RESTARTS = "meta.json", "summary.json", "restarts.jsonl"
 
 MODEL_STATE = ("params", "grads", "optimizer", "host")
 """What a rank holds of the model's state, by memory category (measured from its tensors, and predicted)."""
@@ -31,13 +31,18 @@ META_SHAPE = {
 }
 RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time": _NUM, "step_time_s": _NUM,
                 "loss": _NUM, "tokens_per_s": _NUM, "memory": (_MEMORY, None), "split": ({"*": _NUM}, None),
-                "error": ("str", None), "last_calls": (["str"], None)}  # a rank's last line when it failed
+                "error": ("str", None), "last_calls": (["str"], None),  # a rank's last line when it failed
+                "attempt": "int", "redone": "bool"}  # after a restart (`runs.restarts`)
+RESTART_SHAPE = {"!": ("schema", "attempt", "time", "resumed_step"), "schema": "int", "attempt": "int", "time": "num",
+                 "resumed_step": "int", "redone": ([("int", None), ("int", None)], None), "cause": "str",
+                 "ranks": ["int"], "time_lost_s": _NUM, "downtime_s": _NUM, "checkpoint": ("str", None)}
 SUMMARY_SHAPE = {
     "losses": [_NUM], "tokens_per_s": _NUM, "mfu": _NUM, "comm_per_step": {"*": {"bytes_sent": _NUM, "wait_s": _NUM}},
     "pipeline": ({"bubble_ideal": _NUM, "bubble_measured": _NUM, "partition": ["str"], "timeline": [_EVENT],
                   "timelines": {"*": [_EVENT]}, "ideal": {"*": [(["str", "num", "num"], ["str", "num"])]}}, None),
 }
-_NAMES = {"int": "an integer", "num": "a number", "str": "a string", None: "null", list: "a list", dict: "an object"}
+_NAMES = {"int": "an integer", "num": "a number", "str": "a string", "bool": "true/false", None: "null", list: "a list",
+          dict: "an object"}
 
 
 def kind_of(value: Any) -> str:
@@ -56,9 +61,11 @@ def _fits(value: Any, shape: Any) -> bool:
     """``value`` is of ``shape``'s kind, outside only (`misfit` looks inside)."""
     if shape is None or shape == "str":
         return value is None if shape is None else isinstance(value, str)
+    if shape == "bool" or isinstance(value, bool):
+        return shape == "bool" and isinstance(value, bool)
     if isinstance(shape, (list, dict)):
         return isinstance(value, type(shape))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not isinstance(value, (int, float)):
         return False
     if isinstance(value, int):
         return abs(value) < 2**63  # an int64: a bigger one counts nothing a run measures

@@ -13,7 +13,7 @@ from typing import Any
 
 from strategies.files import atomic_write, pack_version, package_version
 from strategies.plan import ParallelPlan
-from strategies.runs.schema import META, RUNS_ENV, SCHEMA, SUMMARY
+from strategies.runs.schema import META, RESTARTS, RUNS_ENV, SCHEMA, SUMMARY
 
 
 def runs_dir(path: str | os.PathLike | None = None) -> Path:
@@ -61,7 +61,7 @@ class RunWriter:
         self.path = runs_dir(root) / run_id
         self.rank = rank
         self.path.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.path / f"rank{rank:05d}.jsonl", "a")
+        self._log = _append_to(self.path / f"rank{rank:05d}.jsonl")
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         write_json(self.path / META, {"schema": SCHEMA, **meta})
@@ -70,12 +70,28 @@ class RunWriter:
         self._log.write(json.dumps(_clean({"schema": SCHEMA, "rank": self.rank, **record}), allow_nan=False) + "\n")
         self._log.flush()
 
+    def add_restart(self, entry: dict[str, Any]) -> None:
+        """Rank 0, as a restarted attempt starts: its entry in the run's restarts (`runs.restarts`)."""
+        with _append_to(self.path / RESTARTS) as f:
+            f.write(json.dumps(_clean(entry), allow_nan=False) + "\n")
+
     def finish(self, summary: dict[str, Any] | None) -> None:
         """Close this rank's log; rank 0 also writes the summary that marks the run complete."""
         self._log.close()
         if summary is not None:
             write_json(self.path / SUMMARY, {"schema": SCHEMA, "status": "complete", "finished": time.time(),
                                              **summary})
+
+
+def _append_to(path: Path):
+    """``path`` opened to append lines: a file that a killed process left in half a line first gets its line ended
+    (the half line is then one bad line readers leave out, not the start of the next record)."""
+    log = open(path, "a+")
+    if log.tell():
+        log.seek(log.tell() - 1)
+        if log.read(1) != "\n":
+            log.write("\n")
+    return log
 
 
 def run_meta(*, run_id: str, label: str, comparison: str | None, world_size: int, devices: list[str],

@@ -2,8 +2,9 @@
 --nproc_per_node N _restart_job.py PLAN FAULT RANK STEP CKPT_DIR PARAMS_OUT``.
 
 Eight optimizer steps of the demo GPT under ``PlanStrategy(PLAN, resume="auto", deterministic=True)``, a checkpoint
-every two steps into CKPT_DIR; at the end rank 0 saves the parameters (the single-device view) to PARAMS_OUT. In the
-first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), FAULT happens on rank RANK:
+every two steps into CKPT_DIR, the run recorded in ``$STRATPACK_RUNS``; at the end rank 0 saves the parameters (the
+single-device view) to PARAMS_OUT. In the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), FAULT happens on
+rank RANK:
 
 - ``kill``: the rank SIGKILLs itself at the start of step STEP (after STEP optimizer steps);
 - ``torn``: rank 0 SIGKILLs itself as the save after step STEP is about to write its manifest: the save's folder
@@ -23,6 +24,7 @@ from demos.gpt import GPTModule, make_demo
 from strategies import PlanStrategy
 from strategies.checkpoint import sharded
 from strategies.lightning.pretrained import full_state_blocks
+from strategies.measure.monitor import StrategyMonitor
 
 plan, fault, fault_rank, fault_step, ckpt_dir, params_out = sys.argv[1:7]
 fault_rank, fault_step = int(fault_rank), int(fault_step)
@@ -61,8 +63,8 @@ module = GPTModule(base.config)
 trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=8,
                     strategy=PlanStrategy(plan, resume="auto", deterministic=True), logger=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    callbacks=[Kill(), Final(), ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2,
-                                                                save_top_k=-1)])
+                    callbacks=[StrategyMonitor(warmup_steps=1), Kill(), Final(),
+                               ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)])
 trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=8, drop_last=True))
 print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)
 torch.distributed.barrier()  # all together, as `stratpack train` ends: an exit in C++ teardown can abort, which

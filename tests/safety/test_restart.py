@@ -1,10 +1,13 @@
 """A job that dies and is restarted by torchrun (``--max-restarts``) resumes by itself (``resume="auto"``) from the
 newest complete checkpoint, and ends with the parameters of a run that never stopped, bit for bit
-(``deterministic=True``). The job is `_restart_job.py`: the demo GPT, eight steps, a checkpoint every two.
+(``deterministic=True``); the run store holds one run: every step once, the steps done again after the restart
+marked, and the restart itself (`runs.restarts`). The job is `_restart_job.py`: the demo GPT, eight steps, a
+checkpoint every two.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -14,40 +17,75 @@ import sys
 import pytest
 import torch
 
+from strategies.runs import list_runs, read_run
+
 JOB = os.path.join(os.path.dirname(__file__), "_restart_job.py")
 
 
-def _torchrun(tmp_path, name: str, plan: str, world: int, fault: str, rank: int, step: int):
+def _torchrun(folder, plan: str, world: int, fault: str, rank: int, step: int):
     """The job under torchrun, restarted up to 3 times: (torchrun's exit, its output, the final parameters)."""
+    os.makedirs(folder, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    params = tmp_path / f"{name}.pt"
+    params = os.path.join(folder, "params.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--max-restarts", "3",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", JOB, plan, fault, str(rank), str(step),
-           str(tmp_path / f"{name}-checkpoints"), str(params)]
-    env = {**os.environ, "STRATPACK_TIMEOUT": "60", "STRATPACK_RUNS": str(tmp_path / "runs")}
+           os.path.join(folder, "checkpoints"), params]
+    env = {**os.environ, "STRATPACK_TIMEOUT": "60", "STRATPACK_RUNS": os.path.join(folder, "runs")}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env,
-                          cwd=tmp_path)
-    return proc.returncode, proc.stdout, torch.load(params) if params.exists() else None
+                          cwd=folder)
+    return proc.returncode, proc.stdout, torch.load(params) if os.path.exists(params) else None
 
 
-CASES = [("dp", 2, "kill"), ("dp", 2, "torn")]
-
-
-@pytest.mark.parametrize("plan,world,fault", CASES, ids=[f"{p}@{w}-{f}" for p, w, f in CASES])
-def test_a_job_restarted_by_torchrun_resumes_by_itself_and_ends_as_if_never_stopped(tmp_path, plan, world, fault):
-    draw = random.Random(f"{plan}-{fault}")  # a rank and a step of their own for each case
-    rank, step = (draw.randrange(world), draw.randrange(3, 8)) if fault == "kill" else (0, 4)
-    code, log, reference = _torchrun(tmp_path, "reference", plan, world, "none", rank, step)
+@functools.cache
+def _reference(plan: str, world: int, folder: str):
+    """The uninterrupted run's final parameters, once per plan."""
+    code, log, params = _torchrun(os.path.join(folder, f"reference-{plan}"), plan, world, "none", 0, 0)
     assert code == 0 and "no complete checkpoint" in log, log[-3000:]
-    code, log, got = _torchrun(tmp_path, "restarted", plan, world, fault, rank, step)
+    return params
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("restart"))
+    return lambda plan, world: _reference(plan, world, folder)
+
+
+_DRAW = random.Random(47)  # a rank and a step of their own for each kill, drawn in CASES' order
+CASES = [("dp", 2, "kill", _DRAW.randrange(2), _DRAW.randrange(3, 8)), ("dp", 2, "torn", 0, 4),
+         ("zero3_tp2_pp2", 8, "kill", _DRAW.randrange(8), _DRAW.randrange(3, 8))]
+
+
+@pytest.mark.parametrize("plan,world,fault,rank,step", CASES, ids=[f"{c[0]}@{c[1]}-{c[2]}" for c in CASES])
+def test_a_job_restarted_by_torchrun_resumes_by_itself_and_ends_as_if_never_stopped(tmp_path, reference, plan, world,
+                                                                                    fault, rank, step):
+    code, log, got = _torchrun(tmp_path, plan, world, fault, rank, step)
     assert code == 0, log[-4000:]
     assert ("killed at step" if fault == "kill" else "killed before the manifest") in log
     # the second attempt resumed from the newest complete checkpoint: the last save before the fault
-    newest = f"step={(step // 2) * 2}" if fault == "kill" else f"step={step - 2}"
-    assert f"resuming from {tmp_path / 'restarted-checkpoints'}" in log and newest in log.split("resuming from")[1]
+    saved = (step // 2) * 2 if fault == "kill" else step - 2
+    assert f"resuming from {tmp_path / 'checkpoints'}" in log and f"step={saved}" in log.split("resuming from")[1]
     if fault == "torn":
-        assert f"passed over {tmp_path / 'restarted-checkpoints'}" in log  # the torn save, named
-    assert got.keys() == reference.keys()
-    assert all(torch.equal(got[k], reference[k]) for k in reference), plan
+        assert f"passed over {tmp_path / 'checkpoints'}" in log  # the torn save, named
+    expected = reference(plan, world)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected), plan
+    _one_run_with_the_restart_marked(tmp_path / "runs", world, saved, step, rank if fault == "kill" else 0)
+
+
+def _one_run_with_the_restart_marked(store, world: int, saved: int, last: int, killed: int) -> None:
+    """One run in the store, complete: each rank has every step once unmarked plus the redone ones marked, and the
+    restart names the killed rank and the steps done again."""
+    (path,) = list_runs(store)
+    run = read_run(path)
+    assert run["status"] == "complete" and not run["problems"], run["problems"]
+    (restart,) = run["restarts"]
+    assert restart["attempt"] == 2 and restart["resumed_step"] == saved
+    assert restart["redone"] == ([saved + 1, last] if last > saved else None)
+    assert restart["ranks"] == [killed] and f"rank {killed} stopped without an error" in restart["cause"]
+    assert restart["time_lost_s"] > 0 and restart["checkpoint"].endswith(f"step={saved}.ckpt")
+    for rank in range(world):
+        steps = [r["step"] for r in run["records"][rank] if not r.get("redone")]
+        redone = [r["step"] for r in run["records"][rank] if r.get("redone")]
+        assert sorted(steps) == list(range(1, 9)) and redone == list(range(saved + 1, last + 1)), (rank, steps, redone)
