@@ -134,7 +134,9 @@ def _shown(runs: list[dict], problems: list[str]) -> list[dict]:
                    + _plain(", ".join(incomplete)))
     for run in runs:
         for rank, error in sorted((run.get("errors") or {}).items()):
-            with st.expander(_plain(f"{run['id']} failed on rank {rank}: {error.get('error', '')}"[:300])):
+            went_on = run.get("restarts")
+            attempt = f" in attempt {error.get('attempt', 1)} (it went on after a restart)" if went_on else ""
+            with st.expander(_plain(f"{run['id']} failed on rank {rank}{attempt}: {error.get('error', '')}"[:300])):
                 st.text("\n".join([str(error.get("error")), "last calls:", *map(str, error.get("last_calls") or [])]))
     return runs
 
@@ -175,7 +177,7 @@ def page_compare(runs: list[dict], rows: list[dict]) -> None:
     if differences:
         _chart(charts.loss_difference_figure(differences, answer.LOSS_RTOL), "loss-difference")
     else:
-        _chart(charts.loss_figure(data.loss_rows(runs)), "loss")
+        _chart(charts.loss_figure(data.loss_rows(runs), restarts=data.restart_rows(runs)), "loss")
 
 
 def page_memory(runs: list[dict], rows: list[dict]) -> None:
@@ -207,6 +209,20 @@ def page_throughput(runs: list[dict], rows: list[dict]) -> None:
         _chart(scaling, "scaling")
     else:
         st.caption("Scaling curves appear when a strategy has runs at several world sizes.")
+    _restarts(runs)
+
+
+def _restarts(runs: list[dict]) -> None:
+    """Runs that went on after a restart: each restart, and tokens/s per step with the restarts on it."""
+    restarts = data.restart_rows(runs)
+    if not restarts:
+        return
+    st.subheader("Restarts")
+    st.caption("A run resumed from its own checkpoint goes on in the same run: the steps after the checkpoint are "
+               "done again (hollow markers); time lost runs from the checkpoint's step to the restart.")
+    st.dataframe(restarts, width="stretch")
+    picked = [r for r in runs if r.get("restarts")]
+    _chart(charts.step_throughput_figure(data.step_throughput_rows(picked), restarts), "throughput-restarts")
 
 
 def page_communication(runs: list[dict], rows: list[dict]) -> None:
@@ -217,7 +233,7 @@ def page_communication(runs: list[dict], rows: list[dict]) -> None:
 def page_loss(runs: list[dict], rows: list[dict]) -> None:
     st.header("Loss: runs of the same model and data should coincide")
     x = st.radio("against", ("step", "seconds"), horizontal=True)
-    _chart(charts.loss_figure(data.loss_rows(runs), x), "loss-curves")
+    _chart(charts.loss_figure(data.loss_rows(runs), x, data.restart_rows(runs)), "loss-curves")
 
 
 def page_pipeline(runs: list[dict], rows: list[dict]) -> None:

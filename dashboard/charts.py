@@ -90,13 +90,40 @@ def comm_figure(rows: list[dict[str, Any]]) -> go.Figure:
     return fig
 
 
-def loss_figure(rows: list[dict[str, Any]], x: str = "step") -> go.Figure:
-    """Loss curves overlaid: runs of the same model and data should coincide."""
+def loss_figure(rows: list[dict[str, Any]], x: str = "step", restarts: list[dict[str, Any]] = ()) -> go.Figure:
+    """Loss curves overlaid: runs of the same model and data should coincide. A run that restarted: its steps done
+    again drawn apart, and a line where each restart resumed (`restart_lines`)."""
+    fig = _curves(rows, "loss", x)
+    fig.update_layout(title=f"Loss against {x}", xaxis_title=x, yaxis_title="loss")
+    return restart_lines(fig, restarts) if x == "step" else fig
+
+
+def step_throughput_figure(rows: list[dict[str, Any]], restarts: list[dict[str, Any]] = ()) -> go.Figure:
+    """Tokens/s at each step, with the restarts."""
+    fig = _curves(rows, "tokens/s", "step")
+    fig.update_layout(title="Throughput per step (rank 0)", xaxis_title="step", yaxis_title="tokens/s")
+    return restart_lines(fig, restarts)
+
+
+def _curves(rows: list[dict[str, Any]], y: str, x: str) -> go.Figure:
+    """One line per run of ``y`` against ``x``; the points of steps done again after a restart as hollow markers."""
     fig = go.Figure()
     for run in sorted({r["run"] for r in rows}):
-        picked = [r for r in rows if r["run"] == run]
-        fig.add_scatter(name=run, x=[r[x] for r in picked], y=[r["loss"] for r in picked], mode="lines+markers")
-    fig.update_layout(title=f"Loss against {x}", xaxis_title=x, yaxis_title="loss")
+        picked = [r for r in rows if r["run"] == run and not r.get("redone")]
+        fig.add_scatter(name=run, x=[r[x] for r in picked], y=[r[y] for r in picked], mode="lines+markers")
+        again = [r for r in rows if r["run"] == run and r.get("redone")]
+        if again:
+            fig.add_scatter(name=f"{run} (done again after a restart)", x=[r[x] for r in again],
+                            y=[r[y] for r in again], mode="markers", marker={"symbol": "circle-open", "size": 11})
+    return fig
+
+
+def restart_lines(fig: go.Figure, restarts: list[dict[str, Any]]) -> go.Figure:
+    """A dotted line at the step each restart resumed from, saying which ranks stopped and the time lost."""
+    for r in restarts:
+        lost = f", {r['time lost s']:.0f} s lost" if r.get("time lost s") is not None else ""
+        fig.add_vline(x=r["step"], line_dash="dot", line_color="crimson",
+                      annotation_text=f"restart {r['attempt']} (rank {r['ranks']}{lost})")
     return fig
 
 

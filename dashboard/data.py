@@ -218,12 +218,33 @@ def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         first = records[0] if records else {}
         start = (_num(first.get("time")) or 0) - (_num(first.get("step_time_s")) or 0)
         losses = (run["summary"] or {}).get("losses")
-        losses = losses if isinstance(losses, list) else None
+        # the summary's losses are its last attempt's: after a restart, each record's own (rank 0's)
+        losses = losses if isinstance(losses, list) and not run.get("restarts") else None
         for i, record in enumerate(records):
             loss = losses[i] if losses and i < len(losses) else record.get("loss")
             when = _num(record.get("time"))
             rows.append({"run": label(run), "step": record.get("step"), "loss": _num(loss),
-                         "seconds": when - start if when is not None else None})
+                         "seconds": when - start if when is not None else None, "redone": bool(record.get("redone"))})
+    return rows
+
+
+def step_throughput_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tokens/s at each recorded step of rank 0, the steps done again after a restart marked."""
+    return [{"run": label(run), "step": r.get("step"), "tokens/s": _num(r.get("tokens_per_s")),
+             "redone": bool(r.get("redone"))} for run in runs for r in run["records"].get(0, [])]
+
+
+def restart_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each restart of each run (`strategies.runs.restarts`): where it resumed, what it did again, why, what it cost."""
+    rows = []
+    for run in runs:
+        for entry in run.get("restarts") or []:
+            redone = entry.get("redone")
+            rows.append({"run": label(run), "attempt": entry.get("attempt"), "step": entry.get("resumed_step"),
+                         "redone": f"{redone[0]}-{redone[1]}" if redone else "none",
+                         "ranks": ", ".join(map(str, entry.get("ranks") or [])) or "-",
+                         "time lost s": _num(entry.get("time_lost_s")), "downtime s": _num(entry.get("downtime_s")),
+                         "cause": entry.get("cause")})
     return rows
 
 

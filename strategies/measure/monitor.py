@@ -367,6 +367,9 @@ class StrategyMonitor(L.Callback):
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
             self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
+        self._finish_store(trainer)
+
+    def _finish_store(self, trainer: L.Trainer) -> None:
         stop_noting(self._sigterm)
         self._sigterm = None
         if self.writer is not None:

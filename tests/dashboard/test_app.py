@@ -220,3 +220,59 @@ def test_no_page_uses_what_its_streamlit_warns_is_going_away(store):
     assert said == []
     sources = glob.glob(os.path.join(os.path.dirname(APP), "*.py"))
     assert sources and not [s for s in sources if "use_container_width" in open(s).read()]
+
+
+def _restarted_run(root, mark_sigterm: bool) -> dict:
+    """A dp@2 run whose first attempt stopped after step 3 (rank 0 failed in a collective, rank 1 said nothing, half
+    a line left in its file) and went on from its step-2 checkpoint: written and read as the monitor does."""
+    from strategies.runs.restarts import restart_entry, sigterm_file
+
+    path = root / "r7-restarted"
+    writers = [runstore.RunWriter(root, path.name, rank) for rank in range(2)]
+    writers[0].write_meta({"run_id": path.name, "label": "dp", "plan": "dp", "world_size": 2, "devices": ["cpu"]})
+    for step in (1, 2, 3):
+        for w in writers:
+            w.append({"step": step, "time": 100.0 + step, "step_time_s": 1.0, "loss": 3.0 - step / 2,
+                      "tokens_per_s": 1000.0})
+    writers[0].append({"error": "CollectiveError: all_reduce on dp failed", "time": 104.0, "step": 3})
+    writers[1]._log.write('{"schema": 1, "st')  # SIGKILLed while writing
+    if mark_sigterm:
+        sigterm_file(path, 1, 1).write_text("Fatal Python error: Terminated")
+    for w in writers:
+        w._log.close()
+    entry = restart_entry(runstore.read_run(path), 2, checkpoint="ckpt/step=2", now=110.0)
+    writers = [runstore.RunWriter(root, path.name, rank) for rank in range(2)]
+    writers[0].add_restart(entry)
+    for step in (3, 4):
+        for w in writers:
+            w.append({"step": step, "time": 110.0 + step, "step_time_s": 1.0, "loss": 1.4 - step / 10,
+                      "tokens_per_s": 900.0, "attempt": 2, **({"redone": True} if step == 3 else {})})
+    for rank, w in enumerate(writers):
+        w.finish({"losses": [1.1, 1.0], "tokens_per_s": 900.0, "mfu": None, "comm_per_step": {}} if rank == 0 else None)
+    return runstore.read_run(path)
+
+
+def test_a_restarted_run_is_one_run_with_its_restart_on_the_loss_and_throughput_curves(tmp_path, monkeypatch):
+    run = _restarted_run(tmp_path / "runs", mark_sigterm=False)
+    (entry,) = run["restarts"]
+    assert entry["attempt"] == 2 and entry["redone"] == [3, 3] and entry["ranks"] == [1]
+    assert entry["cause"].startswith("rank 1 stopped without an error after step 3")  # the silent rank, not rank 0
+    assert entry["time_lost_s"] == 8.0 and entry["downtime_s"] == 6.0  # from step 2's record; from the last line
+    # the half line the kill left is one bad line, not the start of the next record
+    assert [r["step"] for r in run["records"][1]] == [1, 2, 3, 3, 4] and len(run["problems"]) == 1
+    monkeypatch.setenv(runstore.RUNS_ENV, str(tmp_path / "runs"))
+    at = _app("Throughput")
+    throughput, per_step = _figures(at)
+    assert per_step["layout"]["title"]["text"] == "Throughput per step (rank 0)"
+    assert [s["x0"] for s in per_step["layout"]["shapes"]] == [2]  # the restart, where it resumed
+    assert "rank 1, 8 s lost" in per_step["layout"]["annotations"][0]["text"]
+    assert list(at.dataframe[0].value["redone"]) == ["3-3"]
+    (loss,) = _figures(_app("Loss"))
+    again = [t for t in loss["data"] if t["name"].endswith("(done again after a restart)")]
+    assert [t["x"] for t in again] == [[3]] and [s["x0"] for s in loss["layout"]["shapes"]] == [2]
+    assert [t["x"] for t in loss["data"] if t not in again] == [[1, 2, 3, 4]]  # every step once
+
+
+def test_a_rank_the_launcher_stopped_with_sigterm_is_not_taken_for_the_cause(tmp_path):
+    (entry,) = _restarted_run(tmp_path / "runs", mark_sigterm=True)["restarts"]
+    assert entry["ranks"] == [0] and entry["cause"].startswith("rank 0 failed after step 3: CollectiveError")
