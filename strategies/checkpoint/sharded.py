@@ -22,12 +22,14 @@ and loading reads every part on every rank.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,6 +109,35 @@ def _write(obj: Any, path: str) -> int:
     return atomic_write(path, lambda f: torch.save(obj, f), binary=True)
 
 
+@dataclass
+class Prepared:
+    """What one rank writes of a checkpoint, held apart from training (`prepare`): the rest of the checkpoint
+    (``skeleton``), every tensor's layout (``entries``) and this rank's ranges, copied to host memory (``mine``)."""
+
+    skeleton: Any
+    entries: list[dict[str, Any]]
+    mine: dict[str, torch.Tensor]
+
+
+def prepare(checkpoint: dict[str, Any], rank: int, world_size: int) -> Prepared:
+    """This rank's part of ``checkpoint`` copied out of training's tensors (to pinned host memory from a GPU, the
+    copies in flight together), so that training may go on changing them while the part is written."""
+    skeleton, tensors = split_tensors(checkpoint)
+    entries = layout(tensors, world_size)
+    mine = {str(i): _host_copy(tensors[i].detach().reshape(-1)[start:stop])
+            for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return Prepared(copy.deepcopy(skeleton), entries, mine)
+
+
+def _host_copy(piece: torch.Tensor) -> torch.Tensor:
+    if piece.is_cuda:
+        out = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)
+        return out.copy_(piece, non_blocking=True)
+    return piece.to("cpu", copy=True)
+
+
 def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: int, world_size: int,
                  broadcast: Callable[[Any], Any], gather: Callable[[Any], list[Any]], barrier: Callable[[], None],
                  info: dict[str, Any] | None = None) -> None:
@@ -114,16 +145,29 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
 
     Every rank must call this. ``broadcast(obj)`` returns rank 0's ``obj``; ``gather(obj)`` returns every
     rank's ``obj`` in rank order; ``barrier()`` waits for all (comm.py's, over the world)."""
+    refuse_non_checkpoint(path)
+    write_prepared(prepare(checkpoint, rank, world_size), path, rank=rank, world_size=world_size,
+                   broadcast=broadcast, gather=gather, barrier=barrier, info=info)
+
+
+def refuse_non_checkpoint(path: str | os.PathLike) -> None:
     path = os.fspath(path)
     if os.path.lexists(path) and not (is_sharded(path) or os.path.isfile(path)):
         # Every rank sees the same path: all refuse together, before any collective.
         raise CheckpointError(f"{path} exists and is not a checkpoint: not replacing it")
+
+
+def write_prepared(prepared: Prepared, path: str | os.PathLike, *, rank: int, world_size: int,
+                   broadcast: Callable[[Any], Any], gather: Callable[[Any], list[Any]], barrier: Callable[[], None],
+                   info: dict[str, Any] | None = None) -> None:
+    """Write every rank's `prepare`d part into ``<path>.tmp-<token>``, then (rank 0) the metadata, the manifest
+    last, and the folder in place: the collectives as `save_sharded`'s (`async_save` runs this in a thread of its
+    own, over a process group of its own)."""
+    path = os.fspath(path)
     token = broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     tmp = f"{path}.tmp-{token}"
-    skeleton, tensors = split_tensors(checkpoint)
-    entries = layout(tensors, world_size)
     # Every rank must describe the same state, or the parts would not fit together.
-    signature = [(e["shape"], e["dtype"]) for e in entries]
+    signature = [(e["shape"], e["dtype"]) for e in prepared.entries]
     signatures = gather(signature)
     if any(s != signature for s in signatures):
         bad = [r for r, s in enumerate(signatures) if s != signature]
@@ -131,23 +175,20 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
                               "or dtypes differ); every rank must save the same single-process state")
     # A rank that fails to write (disk full, permissions) says so to the others instead of leaving them waiting
     # in the next collective: every rank then raises the same error.
-    results = gather(_attempt(lambda: _write_part(tensors, entries, tmp, rank, world_size)))
+    results = gather(_attempt(lambda: _write_part(prepared.mine, tmp, rank, world_size)))
     _raise_failures(results, "writing its part of")
     status = None
     if rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
                     "files": {shard_name(r, world_size): size for r, (size, _) in enumerate(results)},
-                    "tensors": entries}
-        status = _attempt(lambda: _finish(path, tmp, token, skeleton, manifest))
+                    "tensors": prepared.entries}
+        status = _attempt(lambda: _finish(path, tmp, token, prepared.skeleton, manifest))
     _raise_failures([broadcast(status)], "finishing (manifest, rename)")
     barrier()
 
 
-def _write_part(tensors: list[torch.Tensor], entries: list[dict[str, Any]], tmp: str, rank: int,
-                world_size: int) -> int:
+def _write_part(mine: dict[str, torch.Tensor], tmp: str, rank: int, world_size: int) -> int:
     """This rank's ranges of every tensor, as one file in the save's folder; its size."""
-    mine = {str(i): tensors[i].detach().reshape(-1)[start:stop].to("cpu", copy=True)
-            for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
     os.makedirs(tmp, exist_ok=True)
     return _write(mine, os.path.join(tmp, shard_name(rank, world_size)))
 

@@ -48,6 +48,7 @@ class RunConfig:
     epoch_steps: int | None = None  # optimizer steps per epoch (default: the whole dataset)
     checkpoint_dir: str | None = None  # save a checkpoint there at the end of every epoch
     checkpoint_every: int | None = None  # ... or every this many optimizer steps (mid-epoch too)
+    async_save: bool = False  # a plan's checkpoints written by a background thread (`checkpoint.async_save`)
     resume: str | None = None  # a checkpoint to resume from (sharded directory or single file)
     runs_dir: str | None = None  # the run store (default $STRATPACK_RUNS or ./runs)
     comparison: str | None = None  # the id shared by the runs of one `stratpack compare`
@@ -83,6 +84,10 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     from strategies.cli.workload import find_workload
     from strategies.measure.predict import predict_run
 
+    if config.async_save and not (config.checkpoint_dir and _is_plan(config.strategy)):
+        raise ValueError("--async-save writes a plan's sharded checkpoints in the background: give --checkpoint-dir "
+                         f"and a plan ({config.strategy!r} is not one)" if config.checkpoint_dir else
+                         "--async-save needs --checkpoint-dir (where the checkpoints go)")
     L.seed_everything(config.seed, workers=True, verbose=False)
     module, dataset = find_workload(config.workload).lightning(config)
     if config.compile and not _is_plan(config.strategy):  # a plan compiles the blocks itself, after its techniques
@@ -158,7 +163,8 @@ def _strategy(config: RunConfig) -> Any:
     strategy = StrategyRegistry.get(config.strategy)
     # --heap measures memory: the check's copy of the model would sit in its set-up figure.
     options: dict[str, Any] = {"check_first_batch": config.check_first_batch and not config.heap,
-                               "resume": "auto" if config.resume == "auto" else None}
+                               "resume": "auto" if config.resume == "auto" else None,
+                               "async_save": config.async_save}
     if config.compile:
         options["compile"] = {"backend": config.compile}
     strategy.options = dataclasses.replace(strategy.options, **options)
@@ -367,6 +373,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=None,
                    help="with --checkpoint-dir: save every this many optimizer steps instead (mid-epoch resumes "
                         "continue with the next batch and the saved random state)")
+    p.add_argument("--async-save", action="store_true",
+                   help="with --checkpoint-dir under a plan: write checkpoints in the background, training waiting "
+                        "only for each rank's copy to host memory (checkpoint/stall_s in the run store)")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file); auto: "
                    "the newest complete one in --checkpoint-dir, if any (a job restarted by torchrun, SLURM)")
     p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")

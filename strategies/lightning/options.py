@@ -94,6 +94,11 @@ class PlanOptions:
     Trainer's ModelCheckpoint (a save torn by a crash is passed over), or starts fresh when there is none, saying so:
     what a job restarted by torchrun ``--max-restarts`` or a SLURM requeue needs (`checkpoint.newest`)."""
 
+    async_save: bool = False
+    """Save checkpoints without stopping training: each rank copies its part to host memory and a background thread
+    writes it, the manifest last (`checkpoint.async_save`); one save in flight, the next waits for it. Training waits
+    only for the copy (``checkpoint/stall_s`` in the run store)."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name in _RULES and not _RULES[f.name]["check"](getattr(self, f.name)):
@@ -118,6 +123,7 @@ _RULES = {
     "stop_on_nonfinite_loss": _BOOL,
     "resume": _rule(lambda v: v is None or v == "auto", "None or 'auto'"),
     "check_first_batch": _BOOL,
+    "async_save": _BOOL,
     "deterministic": _BOOL,
     "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),
                      "True, False or a dict of torch.compile keyword arguments"),

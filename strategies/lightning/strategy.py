@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
+from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import Deferred, has_meta_parameters, leave_in_slices, refuse_left_in_slices
@@ -91,6 +92,8 @@ class PlanStrategy(ParallelStrategy):
         self._deferred: Deferred | None = None  # a model built on meta, until every technique made its part
         self._sliced = False  # built on meta and set up to fit (to evaluate, such a model is made whole)
         self.built_num_params = 0
+        self._saver: AsyncSaver | None = None  # async_save: the save in flight
+        self.save_stalls = SaveStalls()  # how long training waited on each save
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class PlanStrategy(ParallelStrategy):
         comm.RECORDER.timeout = self.options.timeout
         self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
         comm.set_ordered_sums(self.options.deterministic)  # for this run (teardown turns it off)
+        self._saver = AsyncSaver(save_axis(self.options.timeout)) if self.options.async_save else None
 
     # -- model ------------------------------------------------------------------------------------------
 
@@ -476,6 +480,7 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.save_stalls.start()  # (Lightning's dump of a checkpoint starts here: the stall of a save)
         return self.full_state()
 
     def full_state(self, names: set[str] | None = None) -> dict[str, Any]:
@@ -541,25 +546,39 @@ class PlanStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError("PlanStrategy's sharded checkpoints take no storage_options")
-        world = self.mesh.world
+        world, info = self.mesh.world, {"plan": str(self.resolved_plan), "pack_version": pack_version()}
+        if self._saver is not None:  # training goes on while a thread writes (`checkpoint.async_save`)
+            return self._saver.save(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size, info=info)
         save_sharded(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size,
                      broadcast=lambda obj: comm.broadcast_object(obj, world, src=0),
                      gather=lambda obj: comm.all_gather_object(obj, world), barrier=lambda: comm.barrier(world),
-                     info={"plan": str(self.resolved_plan), "pack_version": pack_version()})
+                     info=info)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        remove = super().remove_checkpoint
+        if self._saver is None:
+            return remove(filepath)
+        # An older checkpoint stays until the save in flight is whole: until then it may be the newest whole one
+        return self._saver.after_save(lambda: remove(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._saver is not None:
+            self._saver.wait()  # (the checkpoint may be the one in flight)
         # A sharded directory from any plan and world size, or a single-file checkpoint (single process, ddp).
         return load_any(checkpoint_path, weights_only=weights_only)
 
     # -- Lightning's own collectives, through comm.py on the world axis -------------------------------------
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if self.mesh is not None:
             comm.barrier(self.mesh.world)
         elif dist.is_available() and dist.is_initialized():
             dist.barrier()
+        if name == "Trainer.save_checkpoint":  # Lightning's, right after the save: training goes on from here
+            self.save_stalls.end()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -621,6 +640,8 @@ class PlanStrategy(ParallelStrategy):
         # After a failure, only local undoing (hooks): gathering would wait on ranks that may be gone or stuck
         # elsewhere, and the module is left as it was when the step failed.
         healthy = self._failed is None and self.lightning_module is not None
+        if healthy and self._saver is not None:
+            self._saver.wait()  # the last save written before the fit returns (after a failure: left torn)
         # Built on meta and fit: nothing gathered (the whole model need not fit one rank); the module holds none
         whole = not self._sliced
         for technique in reversed(self.techniques):

@@ -92,6 +92,7 @@ class StrategyMonitor(L.Callback):
         self._resumed: dict[str, Any] | None = None  # the monitor's state in the checkpoint a fit resumed from
         self.attempt, self._redo_until = 1, 0  # this attempt of the run; the last step an earlier one recorded
         self._sigterm: Any = None  # where a SIGTERM leaves its mark (`runs.restarts.note_sigterm`)
+        self._stalls_seen = 0  # the strategy's save stalls already in a record
         self._heap: Any = None  # the running HeapSampler, and what the heap held before the model (`setup`)
         self._heap_base = self._heap_floor = self._heap_setup = self._heap_first = 0
         self._rss_base = self._setup_peak = 0  # resident memory before the model was built; the set-up's peak
@@ -126,6 +127,7 @@ class StrategyMonitor(L.Callback):
             stats.reset()  # leave out the set-up broadcast: count training steps only
         self._t_last = self._t_warm = time.perf_counter()
         self.steps, self._since_record, self._unrecorded = 0, 0, None
+        self._stalls_seen = len(getattr(getattr(trainer.strategy, "save_stalls", None), "stalls", []))
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
         self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
@@ -149,7 +151,8 @@ class StrategyMonitor(L.Callback):
             run_id, restart = trainer.strategy.broadcast((run_id, restart), src=0)
         self.run_id, entry = run_id, restart[1] if restart else None
         self.attempt = entry["attempt"] if entry else 1
-        self._redo_until = (entry["redone"] or [0, 0])[1] if entry else 0
+        lasts = entry["last_steps"] if entry else []  # how far each rank got before: its redone steps
+        self._redo_until = lasts[trainer.global_rank] if trainer.global_rank < len(lasts) else 0
         self.writer = runs.RunWriter(self.runs_dir, self.run_id, trainer.global_rank)
         self._sigterm = note_sigterm(self.writer.path, trainer.global_rank, self.attempt)
         if trainer.global_rank == 0 and entry:
@@ -309,8 +312,16 @@ class StrategyMonitor(L.Callback):
             "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
             "split": self._split.take(covered),  # seconds per step by phase (`measure.split`)
-            **self._attempt_fields(trainer.global_step),
+            **self._attempt_fields(trainer.global_step), **self._saves(trainer),
         }
+
+    def _saves(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The checkpoint saves since the last record (the pack's strategies time them: `async_save.SaveStalls`):
+        how long training waited on them. Lightning saves after this callback's batch end, so a save shows in the
+        record of the step whose time holds it: the next one."""
+        stalls = getattr(getattr(trainer.strategy, "save_stalls", None), "stalls", [])
+        new, self._stalls_seen = stalls[self._stalls_seen:], len(stalls)
+        return {"checkpoint": {"saves": len(new), "stall_s": sum(new)}} if new else {}
 
     def _attempt_fields(self, step: int) -> dict[str, Any]:
         """After a restart: the attempt, and whether the step was recorded by an earlier one (`runs.restarts`)."""
@@ -364,6 +375,9 @@ class StrategyMonitor(L.Callback):
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
             "memory_bytes_per_rank": _gather_per_rank(trainer, memory),  # every rank's, in rank order
         }
+        saves = checkpoint_summary(trainer.strategy)
+        if saves:
+            self.summary["checkpoint"] = saves
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
             self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
@@ -444,6 +458,18 @@ def keep_record(step: int, full_steps: int = 1000) -> bool:
         return True
     stride = 1 << (((step - 1) // full_steps).bit_length())
     return step % stride == 0
+
+
+def checkpoint_summary(strategy: Any) -> dict[str, Any] | None:
+    """This rank's saves of the fit: how many, how long training waited on each (mean, most), asynchronous or not,
+    and the background writes' mean time (asynchronous)."""
+    stalls = getattr(getattr(strategy, "save_stalls", None), "stalls", [])
+    if not stalls:
+        return None
+    saver = getattr(strategy, "_saver", None)
+    writes = saver.writes_s if saver is not None else []
+    return {"saves": len(stalls), "async": saver is not None, "stall_s": sum(stalls) / len(stalls),
+            "stall_s_max": max(stalls), "write_s": sum(writes) / len(writes) if writes else None}
 
 
 def _strategy_label(trainer: L.Trainer) -> str:

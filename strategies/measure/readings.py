@@ -94,6 +94,8 @@ def to_wandb(trainer: L.Trainer, record: dict[str, Any]) -> None:
             flat["pipeline/bubble" if key == "bubble" else key] = float(record[key])
     flat.update({f"memory/{k}": float(v) for k, v in record["memory"].items()})
     flat.update({f"time/{k}": float(v) for k, v in record.get("split", {}).items()})
+    if record.get("checkpoint"):
+        flat["checkpoint/stall_s"] = float(record["checkpoint"]["stall_s"])
     for key, rec in record["comm"].items():
         flat[f"comm/{key}/bytes_sent"] = float(rec["bytes_sent"])
         flat[f"comm/{key}/wait_s"] = float(rec["wait_s"])

@@ -10,6 +10,7 @@ holds every step once unmarked, plus the redone ones. An entry:
     time           when it started (unix)
     resumed_step   the checkpoint's optimizer step
     redone         [first, last] steps the previous attempt recorded past it, or null
+    last_steps     each rank's last step recorded in the previous attempt: its records up to there are redone
     cause, ranks   what stopped the previous attempt and which ranks (`_cause`)
     time_lost_s    from the checkpoint's step (its record on rank 0) to this start: the work done again and the
                    time the job was down
@@ -64,16 +65,18 @@ def restart_entry(run: dict[str, Any], resumed_step: int, checkpoint: str | None
     attempt = max([1, *(r["attempt"] for r in run.get("restarts") or [])]) + 1
     previous = {rank: [r for r in records if attempt_of(r) == attempt - 1] for rank, records in run["records"].items()}
     errors = {rank: e for rank, e in (run.get("errors") or {}).items() if attempt_of(e) == attempt - 1}
-    steps = [r["step"] for records in previous.values() for r in records if isinstance(r.get("step"), int)]
-    last = max(steps, default=resumed_step)
+    world = run["meta"].get("world_size") or (max(run["records"], default=0) + 1)
+    lasts = [max((r["step"] for r in previous.get(rank, []) if isinstance(r.get("step"), int)), default=0)
+             for rank in range(world)]
+    last = max([resumed_step, *lasts])
     times = [r["time"] for r in (*(r for records in previous.values() for r in records), *errors.values())
              if isinstance(r.get("time"), (int, float))]
     saved = [r["time"] for r in run["records"].get(0, []) if r.get("step") == resumed_step and "time" in r]
-    world = run["meta"].get("world_size") or (max(run["records"], default=0) + 1)
     stopped = {rank for rank in range(world) if _marked(run, rank, attempt - 1)}
-    cause, ranks = _cause(previous, errors, world, stopped)
+    cause, ranks = _cause(lasts, errors, stopped)
     return {"schema": SCHEMA, "attempt": attempt, "time": now, "resumed_step": resumed_step,
-            "redone": [resumed_step + 1, last] if last > resumed_step else None, "cause": cause, "ranks": ranks,
+            "redone": [resumed_step + 1, last] if last > resumed_step else None, "last_steps": lasts,
+            "cause": cause, "ranks": ranks,
             "time_lost_s": now - saved[-1] if saved else None, "downtime_s": now - max(times) if times else None,
             "checkpoint": checkpoint}
 
@@ -83,15 +86,12 @@ def _marked(run: dict[str, Any], rank: int, attempt: int) -> bool:
     return file.is_file() and file.stat().st_size > 0
 
 
-def _cause(previous: dict[int, list[dict[str, Any]]], errors: dict[int, dict[str, Any]], world: int,
-           stopped: set[int]) -> tuple[str, list[int]]:
+def _cause(last: list[int], errors: dict[int, dict[str, Any]], stopped: set[int]) -> tuple[str, list[int]]:
     """What stopped the previous attempt, in words, and the ranks it names. A rank killed outright (SIGKILL, out of
     memory, a node lost) writes nothing; the others then fail in a collective and say so, or are stopped by the
     launcher's SIGTERM (``stopped``): the ranks with neither are the cause. Else the first rank to write an error;
     else the launcher or the scheduler stopped every rank."""
-    last = {rank: max((r["step"] for r in previous.get(rank, []) if isinstance(r.get("step"), int)), default=0)
-            for rank in range(world)}
-    silent = sorted(rank for rank in range(world) if rank not in errors and rank not in stopped)
+    silent = [rank for rank in range(len(last)) if rank not in errors and rank not in stopped]
     first = min(errors.items(), key=lambda item: item[1].get("time") or 0) if errors else None
     if silent:
         who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
@@ -100,5 +100,5 @@ def _cause(previous: dict[int, list[dict[str, Any]]], errors: dict[int, dict[str
                 f"memory, a lost node, or a crash in native code){then}"), silent
     if first:
         return f"rank {first[0]} failed after step {last[first[0]]}: {first[1]['error'][:300]}", [first[0]]
-    return (f"every rank was stopped by SIGTERM after step {max(last.values(), default=0)} (the launcher or the "
+    return (f"every rank was stopped by SIGTERM after step {max(last, default=0)} (the launcher or the "
             "scheduler: preempted, out of time, or a failure outside the ranks)"), []

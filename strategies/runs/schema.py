@@ -34,7 +34,8 @@ RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time"
                 "error": ("str", None), "last_calls": (["str"], None),  # a rank's last line when it failed
                 "attempt": "int", "redone": "bool"}  # after a restart (`runs.restarts`)
 RESTART_SHAPE = {"!": ("schema", "attempt", "time", "resumed_step"), "schema": "int", "attempt": "int", "time": "num",
-                 "resumed_step": "int", "redone": ([("int", None), ("int", None)], None), "cause": "str",
+                 "resumed_step": "int", "redone": ([("int", None), ("int", None)], None), "last_steps": ["int"],
+                 "cause": "str",
                  "ranks": ["int"], "time_lost_s": _NUM, "downtime_s": _NUM, "checkpoint": ("str", None)}
 SUMMARY_SHAPE = {
     "losses": [_NUM], "tokens_per_s": _NUM, "mfu": _NUM, "comm_per_step": {"*": {"bytes_sent": _NUM, "wait_s": _NUM}},

@@ -9,6 +9,8 @@ rank RANK:
 - ``kill``: the rank SIGKILLs itself at the start of step STEP (after STEP optimizer steps);
 - ``torn``: rank 0 SIGKILLs itself as the save after step STEP is about to write its manifest: the save's folder
   holds every part and no manifest (a save torn by the crash);
+- ``async-torn``: as ``torn``, with ``async_save=True``: rank 0 is killed in the background thread writing the save
+  while training has gone on;
 - ``none``: nothing (the uninterrupted reference, run under torchrun too).
 """
 
@@ -46,7 +48,7 @@ class Final(Callback):
             torch.save(kept, params_out)
 
 
-if first_attempt and fault == "torn":
+if first_attempt and fault in ("torn", "async-torn"):
     write = sharded.atomic_write
 
     def atomic_write(path, fn, binary=False):
@@ -60,8 +62,9 @@ if first_attempt and fault == "torn":
 L.seed_everything(0, verbose=False)
 base, dataset = make_demo(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
 module = GPTModule(base.config)
+strategy = PlanStrategy(plan, resume="auto", deterministic=True, async_save=fault.startswith("async"))
 trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=8,
-                    strategy=PlanStrategy(plan, resume="auto", deterministic=True), logger=False,
+                    strategy=strategy, logger=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                     callbacks=[StrategyMonitor(warmup_steps=1), Kill(), Final(),
                                ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)])

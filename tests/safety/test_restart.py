@@ -54,7 +54,7 @@ def reference(tmp_path_factory):
 
 _DRAW = random.Random(47)  # a rank and a step of their own for each kill, drawn in CASES' order
 CASES = [("dp", 2, "kill", _DRAW.randrange(2), _DRAW.randrange(3, 8)), ("dp", 2, "torn", 0, 4),
-         ("zero3_tp2_pp2", 8, "kill", _DRAW.randrange(8), _DRAW.randrange(3, 8))]
+         ("zero3_tp2_pp2", 8, "kill", _DRAW.randrange(8), _DRAW.randrange(3, 8)), ("dp", 2, "async-torn", 0, 4)]
 
 
 @pytest.mark.parametrize("plan,world,fault,rank,step", CASES, ids=[f"{c[0]}@{c[1]}-{c[2]}" for c in CASES])
@@ -66,22 +66,30 @@ def test_a_job_restarted_by_torchrun_resumes_by_itself_and_ends_as_if_never_stop
     # the second attempt resumed from the newest complete checkpoint: the last save before the fault
     saved = (step // 2) * 2 if fault == "kill" else step - 2
     assert f"resuming from {tmp_path / 'checkpoints'}" in log and f"step={saved}" in log.split("resuming from")[1]
-    if fault == "torn":
+    if fault.endswith("torn"):
         assert f"passed over {tmp_path / 'checkpoints'}" in log  # the torn save, named
     expected = reference(plan, world)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected), plan
-    _one_run_with_the_restart_marked(tmp_path / "runs", world, saved, step, rank if fault == "kill" else 0)
+    run = _one_run_with_the_restart_marked(tmp_path / "runs", world, saved, step, rank if fault == "kill" else 0,
+                                           asynchronous=fault.startswith("async"))
+    if fault.startswith("async"):  # the stall of each save is in the records, after a save's step
+        stalls = [r["checkpoint"] for r in run["records"][0] if "checkpoint" in r]
+        assert stalls and all(c["saves"] == 1 and c["stall_s"] > 0 for c in stalls)
 
 
-def _one_run_with_the_restart_marked(store, world: int, saved: int, last: int, killed: int) -> None:
+def _one_run_with_the_restart_marked(store, world: int, saved: int, last: int, killed: int, asynchronous: bool):
     """One run in the store, complete: each rank has every step once unmarked plus the redone ones marked, and the
-    restart names the killed rank and the steps done again."""
+    restart names the killed rank and the steps done again (an asynchronous save's: the steps from the torn save's on,
+    which training went on with while it was written)."""
     (path,) = list_runs(store)
     run = read_run(path)
     assert run["status"] == "complete" and not run["problems"], run["problems"]
     (restart,) = run["restarts"]
     assert restart["attempt"] == 2 and restart["resumed_step"] == saved
+    if asynchronous:
+        assert restart["redone"][0] == saved + 1 and restart["redone"][1] >= last
+        last = restart["redone"][1]
     assert restart["redone"] == ([saved + 1, last] if last > saved else None)
     assert restart["ranks"] == [killed] and f"rank {killed} stopped without an error" in restart["cause"]
     assert restart["time_lost_s"] > 0 and restart["checkpoint"].endswith(f"step={saved}.ckpt")
@@ -89,3 +97,4 @@ def _one_run_with_the_restart_marked(store, world: int, saved: int, last: int, k
         steps = [r["step"] for r in run["records"][rank] if not r.get("redone")]
         redone = [r["step"] for r in run["records"][rank] if r.get("redone")]
         assert sorted(steps) == list(range(1, 9)) and redone == list(range(saved + 1, last + 1)), (rank, steps, redone)
+    return run
