@@ -1,12 +1,15 @@
 """Saving without stopping: a sharded save whose files are written while training goes on.
 
 Training waits only while each rank copies its part of the checkpoint to host memory (`sharded.prepare`: pinned
-memory on a GPU). A background thread then writes the part, and rank 0 the manifest last and the folder in place,
-exactly as a synchronous save does (`sharded.write_prepared`), so a crash during the write leaves the previous
-checkpoint whole. One save is in flight at a time: the next waits for it. The thread's collectives (the folder's
-name, every rank's result) run over a process group of the save's own, never the training's: NCCL requires every
-rank to issue a communicator's calls in one order, and a thread interleaving its calls with training's on the same
-group could not keep it (NCCL-NOTES). It is a gloo group over host memory, so it takes no GPU stream either.
+memory on a GPU). From the second save on the copies go into the previous save's buffers: the host keeps 1/world
+of the state. A background thread then writes the part, and rank 0 the manifest last and the folder in place, exactly
+as a synchronous save does (`sharded.write_prepared`), so a crash during the write leaves the previous checkpoint
+whole. One save is in flight at a time: the next waits for it.
+
+The thread's collectives (the folder's name, every rank's result) run over a process group of the save's own, never
+the training's. NCCL requires every rank to issue a communicator's calls in one order, and a thread interleaving its
+calls with training's on the same group could not keep it (NCCL-NOTES). It is a gloo group over host memory, so it
+takes no GPU stream either.
 
 A checkpoint that Lightning removes (ModelCheckpoint's ``save_top_k``) while a save is in flight is removed only
 once that save is complete: until then it may be the newest whole one. A save that fails raises, on every rank, at
@@ -36,13 +39,15 @@ class AsyncSaver:
         self._state = "none"  # of the last save: "none", "writing", "written" or "failed"
         self._after: list[Callable[[], None]] = []  # what waits for the save in flight: removals of older ones
         self.writes_s: list[float] = []  # each completed save's time in the background
+        self._staging: dict[str, Any] | None = None  # the host copies, kept for the next save (1/world of the state)
 
     def save(self, checkpoint: dict[str, Any], path: str, *, rank: int, world_size: int,
              info: dict[str, Any] | None = None) -> None:
         """Wait for the save in flight, copy this rank's part out, and start writing it in the background."""
         refuse_non_checkpoint(path)
         self.wait()
-        prepared = prepare(checkpoint, rank, world_size)
+        prepared = prepare(checkpoint, rank, world_size, self._staging)
+        self._staging = prepared.mine  # written over by the next save, once this one is written
         axis = self.axis
 
         def write() -> None:

@@ -119,19 +119,25 @@ class Prepared:
     mine: dict[str, torch.Tensor]
 
 
-def prepare(checkpoint: dict[str, Any], rank: int, world_size: int) -> Prepared:
+def prepare(checkpoint: dict[str, Any], rank: int, world_size: int,
+            staging: dict[str, torch.Tensor] | None = None) -> Prepared:
     """This rank's part of ``checkpoint`` copied out of training's tensors (to pinned host memory from a GPU, the
-    copies in flight together), so that training may go on changing them while the part is written."""
+    copies in flight together), so that training may go on changing them while the part is written. ``staging``: a
+    previous save's copies, written over where they fit (no allocation: on a CPU the first save's fresh pages cost
+    1.8 s of a 1.2 GB part against 0.25 s after; pinned memory is slower still to allocate)."""
     skeleton, tensors = split_tensors(checkpoint)
     entries = layout(tensors, world_size)
-    mine = {str(i): _host_copy(tensors[i].detach().reshape(-1)[start:stop])
+    staging = staging or {}
+    mine = {str(i): _host_copy(tensors[i].detach().reshape(-1)[start:stop], staging.get(str(i)))
             for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()  # the non-blocking copies have landed
     return Prepared(copy.deepcopy(skeleton), entries, mine)
 
 
-def _host_copy(piece: torch.Tensor) -> torch.Tensor:
+def _host_copy(piece: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    if into is not None and into.shape == piece.shape and into.dtype == piece.dtype:
+        return into.copy_(piece, non_blocking=piece.is_cuda)
     if piece.is_cuda:
         out = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)
         return out.copy_(piece, non_blocking=True)

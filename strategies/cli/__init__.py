@@ -9,9 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from strategies.cli import bench, compare, convert, dashboard, drift, heap, large, plan, rehearse, sweep, train
+from strategies.cli import (
+    bench,
+    bench_saves,
+    compare,
+    convert,
+    dashboard,
+    drift,
+    heap,
+    large,
+    plan,
+    rehearse,
+    sweep,
+    train,
+)
 
-COMMANDS = (compare, train, bench, drift, heap, large, sweep, dashboard, convert, plan, rehearse)
+COMMANDS = (compare, train, bench, bench_saves, drift, heap, large, sweep, dashboard, convert, plan, rehearse)
 
 
 def main(argv: list[str] | None = None) -> int:

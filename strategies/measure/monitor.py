@@ -468,8 +468,11 @@ def checkpoint_summary(strategy: Any) -> dict[str, Any] | None:
         return None
     saver = getattr(strategy, "_saver", None)
     writes = saver.writes_s if saver is not None else []
+    later = stalls[1:]  # (an asynchronous save's first allocates its host copies)
     return {"saves": len(stalls), "async": saver is not None, "stall_s": sum(stalls) / len(stalls),
-            "stall_s_max": max(stalls), "write_s": sum(writes) / len(writes) if writes else None}
+            "stall_s_max": max(stalls), "stall_s_first": stalls[0],
+            "stall_s_later": sum(later) / len(later) if later else None,
+            "write_s": sum(writes) / len(writes) if writes else None}
 
 
 def _strategy_label(trainer: L.Trainer) -> str:

@@ -5,6 +5,7 @@
         meta.json       written once at the start, atomically: the run's identity and environment
         rank00003.jsonl one line per optimizer step from rank 3, appended and flushed every step
         summary.json    written atomically at the end by rank 0; its absence marks the run incomplete
+        restarts.jsonl  a run resumed from its own checkpoint: one line per restart (`restarts`), by rank 0
 
 Schema version 1 (`SCHEMA`), present in every file and record:
 
@@ -23,10 +24,16 @@ Schema version 1 (`SCHEMA`), present in every file and record:
   ``comm`` ({"all_reduce/dp": {"calls", "bytes_sent", "bytes_recv", "wait_s"}} per step), ``bubble``
   (pipeline: this rank's idle fraction) or null, ``split`` (seconds per step: forward, backward, optimizer compute
   and the pipeline's bubble; `measure.split`), ``steps`` (the steps the record stands for: 1, more once a
-  long run's records thin out, see `measure.monitor.keep_record`; its comm figures are their mean). A bench record's
+  long run's records thin out, see `measure.monitor.keep_record`; its comm figures are their mean); ``checkpoint``
+  {saves, stall_s}: the checkpoint saves whose stall this step's time holds, and how long training waited on them;
+  after a restart ``attempt`` (2, 3, ...) and, on a step an earlier attempt had recorded, ``redone`` (true).
+  A failed rank's last line: ``error``, ``last_calls``, ``time``, ``step``. A bench record's
   ``memory`` is ``max_allocated`` only (the profiled peak of torch's allocator, on CPU too).
 - ``summary.json``: ``schema``, ``status`` ("complete"), ``finished`` (unix time), and the monitor's
-  summary (losses, tokens_per_s, comm_per_step, memory_bytes_per_rank, pipeline timeline, estimate).
+  summary (losses, tokens_per_s, comm_per_step, memory_bytes_per_rank, pipeline timeline, estimate, ``checkpoint``
+  {saves, async, stall_s, stall_s_max, write_s}); after a restart, its last attempt's (``attempt``).
+- ``restarts.jsonl``: the fields of `restarts.restart_entry` (attempt, resumed_step, redone, last_steps, cause,
+  ranks, time_lost_s, downtime_s, checkpoint); ``rank*-attempt*.sigterm``: a rank the launcher's SIGTERM reached.
 
 Non-finite numbers are written as null. Each rank writes only its own file, so concurrent runs and ranks
 never write to the same file; readers take complete lines only (a crash can leave half a line).
