@@ -84,10 +84,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     from strategies.cli.workload import find_workload
     from strategies.measure.predict import predict_run
 
-    if config.async_save and not (config.checkpoint_dir and _is_plan(config.strategy)):
-        raise ValueError("--async-save writes a plan's sharded checkpoints in the background: give --checkpoint-dir "
-                         f"and a plan ({config.strategy!r} is not one)" if config.checkpoint_dir else
-                         "--async-save needs --checkpoint-dir (where the checkpoints go)")
+    _check_saving(config)  # (before anything starts)
     L.seed_everything(config.seed, workers=True, verbose=False)
     module, dataset = find_workload(config.workload).lightning(config)
     if config.compile and not _is_plan(config.strategy):  # a plan compiles the blocks itself, after its techniques
@@ -113,11 +110,17 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     result["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items()
                         if getattr(v, "numel", lambda: 1)() == 1}
     from torch._dynamo.utils import counters  # (imported by Lightning already)
-
     result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])  # by torch.compile on this rank
     result.update(first_batch_check=_first_batch(trainer), **final.result)
     _goodbye()
     return result
+
+
+def _check_saving(config: RunConfig) -> None:
+    if config.async_save and not (config.checkpoint_dir and _is_plan(config.strategy)):
+        raise ValueError("--async-save writes a plan's sharded checkpoints in the background: give --checkpoint-dir "
+                         f"and a plan ({config.strategy!r} is not one)" if config.checkpoint_dir else
+                         "--async-save needs --checkpoint-dir (where the checkpoints go)")
 
 
 def _first_batch(trainer: Any) -> dict[str, Any] | None:
@@ -369,15 +372,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-plain"), default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--epoch-steps", type=int, default=None, help="optimizer steps per epoch (default: all data)")
-    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
-    p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="with --checkpoint-dir: save every this many optimizer steps instead (mid-epoch resumes "
-                        "continue with the next batch and the saved random state)")
-    p.add_argument("--async-save", action="store_true",
-                   help="with --checkpoint-dir under a plan: write checkpoints in the background, training waiting "
-                        "only for each rank's copy to host memory (checkpoint/stall_s in the run store)")
-    p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file); auto: "
-                   "the newest complete one in --checkpoint-dir, if any (a job restarted by torchrun, SLURM)")
+    _checkpoint_options(p)
     p.add_argument("--accelerator", default=defaults.accelerator, help="cpu (gloo), or gpu / auto (nccl)")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
     p.add_argument("--comparison", default=None, help="an id shared by the runs of one comparison")
@@ -395,6 +390,18 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="skip the first-batch check (a plan's first loss against the whole model's, which stops a "
                         "run that computes something else)")
     _workload_options(p, defaults)
+
+
+def _checkpoint_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there at the end of every epoch")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="with --checkpoint-dir: save every this many optimizer steps instead (mid-epoch resumes "
+                        "continue with the next batch and the saved random state)")
+    p.add_argument("--async-save", action="store_true",
+                   help="with --checkpoint-dir under a plan: write checkpoints in the background, training waiting "
+                        "only for each rank's copy to host memory (checkpoint/stall_s in the run store)")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file); auto: "
+                   "the newest complete one in --checkpoint-dir, if any (a job restarted by torchrun, SLURM)")
 
 
 def _workload_options(p: argparse.ArgumentParser, defaults: RunConfig) -> None:

@@ -163,17 +163,23 @@ class StrategyMonitor(L.Callback):
             self.writer.write_meta(self._meta(trainer, pl_module, label))
 
     def _restart(self, trainer: L.Trainer) -> tuple[str, dict[str, Any]] | None:
-        """Rank 0: (the run, its restart entry) where this fit resumed from a checkpoint of a run in the store (and the
-        caller named no other run); else None."""
+        """Rank 0: (the run, its restart entry) where this fit resumed from a checkpoint of a run in the store, under
+        its plan and world size (and the caller named no other run); else None, and the new run's meta names the run
+        it resumed from."""
         resumed, self._resumed = self._resumed, None
         run_id = (resumed or {}).get("run_id")
         if not run_id or self._given_run_id not in (None, run_id) or not self.continue_run:
             return None
+        self.extra_meta.setdefault("resumed_from", run_id)  # (where it is a run of its own)
         path = runs.runs_dir(self.runs_dir) / run_id
         try:
             run = runs.read_run(path)
         except (runs.RunError, OSError):
             return None  # not in this store (moved, another machine's): a new run
+        plan = getattr(trainer.strategy, "resolved_plan", None)
+        now = (str(plan) if plan is not None else None, trainer.world_size)
+        if (run["meta"].get("plan"), run["meta"].get("world_size")) != now:
+            return None  # resumed under another plan or world size (resharded): a run of its own
         return run_id, restart_entry(run, trainer.global_step, checkpoint=str(trainer.ckpt_path or "") or None)
 
     @override

@@ -73,12 +73,13 @@ def restart_entry(run: dict[str, Any], resumed_step: int, checkpoint: str | None
              if isinstance(r.get("time"), (int, float))]
     saved = [r["time"] for r in run["records"].get(0, []) if r.get("step") == resumed_step and "time" in r]
     stopped = {rank for rank in range(world) if _marked(run, rank, attempt - 1)}
-    cause, ranks = _cause(lasts, errors, stopped)
+    finished = run.get("summary") is not None and run["summary"].get("attempt", 1) == attempt - 1
+    cause, ranks = (f"the previous attempt finished at step {max(lasts)}: resumed to go on", []) if finished else \
+        _cause(lasts, errors, stopped)
     return {"schema": SCHEMA, "attempt": attempt, "time": now, "resumed_step": resumed_step,
             "redone": [resumed_step + 1, last] if last > resumed_step else None, "last_steps": lasts,
-            "cause": cause, "ranks": ranks,
-            "time_lost_s": now - saved[-1] if saved else None, "downtime_s": now - max(times) if times else None,
-            "checkpoint": checkpoint}
+            "cause": cause, "ranks": ranks, "time_lost_s": now - saved[-1] if saved and not finished else None,
+            "downtime_s": now - max(times) if times else None, "checkpoint": checkpoint}
 
 
 def _marked(run: dict[str, Any], rank: int, attempt: int) -> bool:

@@ -71,9 +71,11 @@ class RunWriter:
         self._log.flush()
 
     def add_restart(self, entry: dict[str, Any]) -> None:
-        """Rank 0, as a restarted attempt starts: its entry in the run's restarts (`runs.restarts`)."""
+        """Rank 0, as a restarted attempt starts: its entry in the run's restarts (`runs.restarts`); the run is going
+        on, so a summary an earlier attempt wrote no longer marks it complete."""
         with _append_to(self.path / RESTARTS) as f:
             f.write(json.dumps(_clean(entry), allow_nan=False) + "\n")
+        (self.path / SUMMARY).unlink(missing_ok=True)
 
     def finish(self, summary: dict[str, Any] | None) -> None:
         """Close this rank's log; rank 0 also writes the summary that marks the run complete."""

@@ -238,7 +238,7 @@ def parse(args: list[str]) -> argparse.Namespace:
 def _names() -> set[str]:
     from strategies import cli
 
-    return {module.__name__.rsplit(".", 1)[-1] for module in cli.COMMANDS}
+    return {module.__name__.rsplit(".", 1)[-1].replace("_", "-") for module in cli.COMMANDS}
 
 
 @pytest.mark.parametrize("where,inline,args", commands(), ids=[f"{w} {shlex.join(a)}" for w, _, a in commands()])

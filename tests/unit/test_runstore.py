@@ -55,3 +55,36 @@ def test_runs_dir_from_flag_then_environment_then_default(monkeypatch, tmp_path)
     monkeypatch.setenv(runstore.RUNS_ENV, str(tmp_path))
     assert runstore.runs_dir() == tmp_path
     assert str(runstore.runs_dir("elsewhere")) == "elsewhere"
+
+
+def test_a_fit_resumed_from_its_run_s_checkpoint_goes_on_in_it_under_the_same_plan_and_world_size_only(tmp_path):
+    from types import SimpleNamespace
+
+    from strategies.measure.monitor import StrategyMonitor
+
+    writer = runstore.RunWriter(tmp_path, "r1", 0)
+    writer.write_meta({"run_id": "r1", "label": "dp", "plan": "dp_dp2", "world_size": 2, "devices": ["cpu"]})
+    writer.append({"step": 2, "time": 1.0, "loss": 1.0})
+    writer.finish(None)
+    for world, goes_on in ((2, True), (4, False)):
+        monitor = StrategyMonitor(runs_dir=tmp_path)
+        monitor.load_state_dict({"run_id": "r1"})
+        trainer = SimpleNamespace(strategy=SimpleNamespace(resolved_plan="dp_dp2"), world_size=world, global_step=2,
+                                  ckpt_path="ckpt/step=2")
+        found = monitor._restart(trainer)
+        if goes_on:
+            assert found[0] == "r1" and found[1]["attempt"] == 2 and found[1]["resumed_step"] == 2
+        else:  # resharded to another world size: a run of its own, which names the one it came from
+            assert found is None and monitor.extra_meta["resumed_from"] == "r1"
+
+
+def test_a_run_resumed_after_it_finished_says_so_rather_than_naming_a_rank():
+    from strategies.runs.restarts import restart_entry
+
+    run = {"meta": {"world_size": 2}, "path": "nowhere", "records": {0: [{"step": 4, "time": 1.0}], 1: []},
+           "summary": {"attempt": 1}, "errors": {}}
+    entry = restart_entry(run, 4, now=3.0)
+    assert entry["cause"] == "the previous attempt finished at step 4: resumed to go on" and entry["ranks"] == []
+    assert entry["time_lost_s"] is None and entry["downtime_s"] == 2.0 and entry["redone"] is None
+    run["summary"] = None  # the same records, no summary: both ranks stopped without a word
+    assert restart_entry(run, 4, now=3.0)["ranks"] == [0, 1]
