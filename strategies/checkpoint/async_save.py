@@ -18,6 +18,7 @@ the next save or when the fit ends (`wait`).
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ class AsyncSaver:
         refuse_non_checkpoint(path)
         self.wait()
         prepared = prepare(checkpoint, rank, world_size, self._staging)
+        prepared.skeleton = copy.deepcopy(prepared.skeleton)  # (Lightning's loop state goes on changing)
         self._staging = prepared.mine  # written over by the next save, once this one is written
         axis = self.axis
 

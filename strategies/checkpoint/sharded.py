@@ -22,7 +22,6 @@ and loading reads every part on every rank.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -132,7 +131,7 @@ def prepare(checkpoint: dict[str, Any], rank: int, world_size: int,
             for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()  # the non-blocking copies have landed
-    return Prepared(copy.deepcopy(skeleton), entries, mine)
+    return Prepared(skeleton, entries, mine)
 
 
 def _host_copy(piece: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:

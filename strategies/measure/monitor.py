@@ -127,7 +127,7 @@ class StrategyMonitor(L.Callback):
             stats.reset()  # leave out the set-up broadcast: count training steps only
         self._t_last = self._t_warm = time.perf_counter()
         self.steps, self._since_record, self._unrecorded = 0, 0, None
-        self._stalls_seen = len(getattr(getattr(trainer.strategy, "save_stalls", None), "stalls", []))
+        self._stalls_seen = len(_save_stalls(trainer.strategy))
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
         self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
         self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
@@ -325,7 +325,7 @@ class StrategyMonitor(L.Callback):
         """The checkpoint saves since the last record (the pack's strategies time them: `async_save.SaveStalls`):
         how long training waited on them. Lightning saves after this callback's batch end, so a save shows in the
         record of the step whose time holds it: the next one."""
-        stalls = getattr(getattr(trainer.strategy, "save_stalls", None), "stalls", [])
+        stalls = _save_stalls(trainer.strategy)
         new, self._stalls_seen = stalls[self._stalls_seen:], len(stalls)
         return {"checkpoint": {"saves": len(new), "stall_s": sum(new)}} if new else {}
 
@@ -466,10 +466,15 @@ def keep_record(step: int, full_steps: int = 1000) -> bool:
     return step % stride == 0
 
 
+def _save_stalls(strategy: Any) -> list[float]:
+    """How long training waited on each save so far (the pack's strategies: `async_save.SaveStalls`; else none)."""
+    return getattr(getattr(strategy, "save_stalls", None), "stalls", [])
+
+
 def checkpoint_summary(strategy: Any) -> dict[str, Any] | None:
     """This rank's saves of the fit: how many, how long training waited on each (mean, most), asynchronous or not,
     and the background writes' mean time (asynchronous)."""
-    stalls = getattr(getattr(strategy, "save_stalls", None), "stalls", [])
+    stalls = _save_stalls(strategy)
     if not stalls:
         return None
     saver = getattr(strategy, "_saver", None)
