@@ -29,6 +29,9 @@ class GPTConfig:
     n_embd: int = 64
     seq_len: int = 64
     dropout: float = 0.0
+    n_experts: int = 0
+    """0: every block's MLP is dense; N: a mixture of N experts (MLPs), each token sent to its ``top_k``."""
+    top_k: int = 2
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "seq_len"):
@@ -40,6 +43,8 @@ class GPTConfig:
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -87,6 +92,46 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+class Experts(nn.Module):
+    """``n_experts`` MLPs with their weights fused by expert (``fc``: E x 4h x h, ``proj``: E x h x 4h), called with
+    the router's choice per token, as Hugging Face's Mixtral and Qwen-MoE experts are."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_experts
+        self.fc = nn.Parameter(torch.empty(config.n_experts, 4 * config.n_embd, config.n_embd))
+        self.proj = nn.Parameter(torch.empty(config.n_experts, config.n_embd, 4 * config.n_embd))
+        nn.init.normal_(self.fc, std=0.02)
+        nn.init.normal_(self.proj, std=0.02)
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                y = F.linear(F.gelu(F.linear(x[token], self.fc[e])), self.proj[e])
+                out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP, dropless: a linear router, softmax, each token's ``top_k`` experts weighted by their
+    renormalised probabilities (Mixtral's routing)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.gate = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = Experts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(flat, index, weights).view_as(x)
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``."""
 
@@ -95,7 +140,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -266,4 +311,4 @@ def make_demo(
     return module, dataset
 
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "GPTModule", "make_demo"]
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Experts", "MoE", "Block", "GPT", "GPTModule", "make_demo"]

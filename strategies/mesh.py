@@ -18,6 +18,7 @@ import os
 import socket
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -49,6 +50,7 @@ class ParallelMesh:
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
             self.axes = {name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES}
         self.data = self._data_axis()
+        self.ep, self.edp = self._expert_axes(device_type, world_size)
         comm.register_peers(self.world)  # to name a rank that dies later
         self.nodes = _node_indices(comm.all_gather_object(_node_key(), self.world))  # each rank's node
         advice = tp_across_nodes(self.nodes, self.plan.tp)
@@ -71,6 +73,19 @@ class ParallelMesh:
             return self.axes[name]
         assert self.device_mesh is not None  # dp and cp both > 1: the grid was built
         return Axis.of_group(name, self.device_mesh["dp", "cp"]._flatten(name).get_group(), self.stats)
+
+    def _expert_axes(self, device_type: str, world_size: int) -> tuple[Axis, Axis]:
+        """Expert parallel's two axes, carved out of the data ranks (dp x cp, numbered d = dp_i * cp + cp_i): ``ep``,
+        ep consecutive data ranks that split the experts (and send tokens to each other by all-to-all); ``edp``, the
+        data ranks that hold the same experts (d mod ep alike), whose expert gradients are averaged. Rank =
+        (pp_i * dp x cp + d) * tp + tp_i, so the grid is the world's ranks as (pp, edp, ep, tp)."""
+        plan = self.plan
+        if plan.ep == 1:
+            return Axis.solo("ep", self.stats), self.data
+        shape = (plan.pp, plan.expert_data_ranks, plan.ep, plan.tp)
+        grid = DeviceMesh(device_type, torch.arange(world_size).reshape(shape), mesh_dim_names=("pp", "edp", "ep", "tp"))
+        return tuple(Axis.of_group(name, grid.get_group(name), self.stats) if size > 1 else Axis.solo(name, self.stats)
+                     for name, size in (("ep", plan.ep), ("edp", plan.expert_data_ranks)))  # type: ignore[return-value]
 
     @property
     def cp(self) -> Axis:

@@ -6,6 +6,7 @@ A plan is a set of ``_``-separated tokens, in any order, each at most once::
     dp<N>                   data-parallel degree beside another mode (zero3_dp4)
     tp<N>  pp<N>            tensor- and pipeline-parallel degrees
     cp<N>                   context parallel: each sequence split over N ranks, attention round a ring
+    ep<N>                   expert parallel: each MoE layer's experts split over N of the dp x cp ranks
     gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
     sp                      sequence parallel (with tp): norms see 1/tp of the sequence
     vp                      vocab parallel (with tp): the output layer and the loss split over the vocabulary
@@ -69,11 +70,11 @@ class PipelineSchedule(enum.Enum):
         return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
 
-_DEGREE = re.compile(r"^(dp|tp|pp|cp|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
+_DEGREE = re.compile(r"^(dp|tp|pp|cp|ep|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
-    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, "
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, "
     "v<N>, mb<N>, sp, vp, ac, offload"
 )
 
@@ -93,6 +94,11 @@ class ParallelPlan:
     cp: int = 1
     """Context-parallel degree: each sample's sequence is split over this many ranks (load-balanced chunks), which
     run attention round a ring; their gradients are averaged with dp's (ZeRO shards over dp x cp)."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of each mixture-of-experts layer split over this many of the data ranks
+    (dp x cp), tokens sent to their experts' ranks and back by all-to-all. Carved out of the data ranks, not a factor
+    of the world size (as torchtitan's ep): it must divide dp x cp. The experts' gradients are averaged, and sharded
+    by ZeRO, over the data ranks that hold the same experts (`expert_data_ranks`)."""
     schedule: PipelineSchedule = PipelineSchedule.AUTO
     """Pipeline schedule; only meaningful with pp > 1 (AUTO: chosen for the model when the pipeline is built)."""
     virtual: int = 1
@@ -145,6 +151,9 @@ class ParallelPlan:
                 f"mb{self.microbatches} < {'2 * ' if times == 2 else ''}pp{self.pp}; use mb{times * self.pp} or "
                 "more, or the gpipe schedule"
             )
+        if self.ep > 1 and self.data is DataMode.NAIVE:
+            raise ValueError(f"ep{self.ep} with naive: the parameter server sums every gradient on one rank, which "
+                             "cannot hold the experts other ranks own; use dp or zero1-3 with ep")
         if self.offload and not self.data.is_zero:
             raise ValueError(
                 f"offload moves ZeRO's sharded optimizer state to the CPU, so it needs zero1, zero2 or zero3, "
@@ -152,7 +161,7 @@ class ParallelPlan:
             )
 
     def _check_degrees(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "virtual", "microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual", "microbatches"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -205,6 +214,8 @@ class ParallelPlan:
             parts.append("vp")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         if self.schedule is not PipelineSchedule.AUTO:
@@ -245,6 +256,10 @@ class ParallelPlan:
                     f"world_size {world_size}, so no data-parallel degree fits"
                 )
             dp = world_size // self.model_parallel_size
+        if (dp * self.cp) % self.ep:
+            raise ValueError(f"plan '{self}': ep({self.ep}) must divide the data ranks dp({dp}) * cp({self.cp}) = "
+                             f"{dp * self.cp}: expert parallel is carved out of them (use an ep that divides "
+                             f"{dp * self.cp}, or more ranks)")
         default = 2 * self.pp if self.schedule is PipelineSchedule.DUALPIPEV else self.pp  # its least
         microbatches = self.microbatches if self.microbatches is not None or self.pp == 1 else default
         return dataclasses.replace(self, dp=dp, microbatches=microbatches)
@@ -261,6 +276,11 @@ class ParallelPlan:
     def data_axis(self) -> str:
         """The name the data group's collectives are counted under: dp, or cp with one dp rank, else dp_cp."""
         return "dp" if self.cp == 1 else "cp" if self.dp == 1 else "dp_cp"
+
+    @property
+    def expert_data_ranks(self) -> int:
+        """The data ranks that hold the same experts (their gradients averaged and ZeRO-sharded over): dp x cp / ep."""
+        return self.data_ranks // self.ep
 
     @property
     def chunks(self) -> int:

@@ -263,6 +263,23 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, axis: Axis, async_op: 
     )
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, axis: Axis, output_splits: list[int],
+               input_splits: list[int]) -> None:
+    """Rows ``input[sum(input_splits[:j]) : ...]`` go to axis rank j; ``output`` gets rank j's rows for this one in
+    axis order (``output_splits[j]`` of them). Counted exactly, as p2p is: the rows sent to and received from the
+    other ranks (a rank's rows to itself are a local copy)."""
+    if axis.size == 1:
+        output.copy_(input)
+        return
+    row = input[:1].numel() * input.element_size() if input.dim() else input.element_size()
+    me = axis.index
+    sent = row * (sum(input_splits) - input_splits[me])
+    recv = row * (sum(output_splits) - output_splits[me])
+    _run(Op.ALL_TO_ALL, axis,
+         lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=axis.group),
+         sent, recv, False, (output, input))
+
+
 def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, async_op: bool = False):
     """Copy ``tensor`` from axis index ``src`` to every rank (counted as root sends once, others receive)."""
     if axis.size == 1:

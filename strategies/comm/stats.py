@@ -22,6 +22,7 @@ class Op(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
     SEND = "send"
     RECV = "recv"
     BARRIER = "barrier"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,8 +45,9 @@ class BucketedDataParallel(GradSync):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         find_unused_parameters: bool = False,
         ring: bool = False,
+        include: Callable[[str], bool] | None = None,
     ) -> None:
-        super().__init__(module, axis, find_unused_parameters)
+        super().__init__(module, axis, find_unused_parameters, include)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.ring = ring  # explicit p2p ring (synchronous): shows the algorithm, tested equal to all_reduce

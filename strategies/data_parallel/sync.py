@@ -34,10 +34,13 @@ def broadcast_module(module: nn.Module, axis: Axis) -> None:
 class GradSync(Technique):
     """A gradient synchroniser over the data-parallel ``axis``: ``no_sync()``, then ``finish()`` after backward."""
 
-    def __init__(self, module: nn.Module, axis: Axis, find_unused_parameters: bool = False) -> None:
+    def __init__(self, module: nn.Module, axis: Axis, find_unused_parameters: bool = False,
+                 include: Callable[[str], bool] | None = None) -> None:
         self.axis = axis
         self.find_unused_parameters = find_unused_parameters
-        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # include: which parameters, by name, this one syncs (expert parallel's go over an axis of their own)
+        self.named_params = [(n, p) for n, p in module.named_parameters()
+                             if p.requires_grad and (include is None or include(n))]
         self.params = [p for _, p in self.named_params]
         self.require_sync = True
 

@@ -24,6 +24,7 @@ from strategies.compile import compile_blocks
 from strategies.context_parallel import ContextParallel
 from strategies.data_parallel import BucketedDataParallel, GradSync, NaiveDataParallel, broadcast_module
 from strategies.deferred import Deferred, shapes_only
+from strategies.expert_parallel import ExpertParallel
 from strategies.lightning.options import PlanOptions
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
@@ -53,13 +54,15 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
             rules = {**vocab_plan(model, plan.tp), **rules}
         with outside_all(techniques):  # its set-up proof runs the modules as one process (no ring SDPA)
             techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred))
+    broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
+    if plan.ep > 1:  # after the broadcast (each ep rank keeps its own experts) and tensor parallel's set-up proof
+        techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks)),
                                                   model))
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)
-    broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     return techniques
 
 
@@ -169,11 +172,13 @@ def _unchanged(model: nn.Module) -> Iterator[None]:
 
 
 def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,
-                  fp16_scaler: bool, deferred: Deferred | None = None) -> GradSync:
+                  fp16_scaler: bool, deferred: Deferred | None = None, experts: set[str] = frozenset()) -> GradSync:
     """The data-parallel technique of ``plan``'s data mode over the mesh's dp x cp ranks (`ParallelMesh.data`), for
     the optimizers built. ``deferred``: what is still on meta is made here, by ZeRO-3 one unit at a time (its
-    shard kept), else whole."""
+    shard kept), else whole. ``experts``: the parameters expert parallel split, which ZeRO shards over the ranks
+    holding the same experts (`ParallelMesh.edp`) and `dp` leaves to `expert_sync`."""
     axis, find_unused = mesh.data, options.find_unused_parameters
+    dense = (lambda name: name not in experts) if experts else None
     if plan.data.is_zero:
         if len(optimizers) != 1:
             raise ValueError(
@@ -191,7 +196,8 @@ def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: 
             return BucketedDataParallel(model, axis, find_unused_parameters=find_unused)
         sync = shard_model(model, optimizers[0], axis, stage=plan.data.stage, offload=plan.offload,
                            bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,
-                           units=options.zero3_units, materialise=deferred)
+                           units=options.zero3_units, materialise=deferred,
+                           axis_of=dict.fromkeys(experts, mesh.edp))
         sync.sync_nonfinite = fp16_scaler  # fp16: one rank's overflow skips the step everywhere
         return sync
     if deferred is not None:
@@ -199,4 +205,12 @@ def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: 
     if plan.data is DataMode.NAIVE:
         return NaiveDataParallel(model, axis, server=options.server_rank, find_unused_parameters=find_unused)
     return BucketedDataParallel(model, axis, bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=find_unused,
-                                ring=options.ring_all_reduce)
+                                ring=options.ring_all_reduce, include=dense)
+
+
+def expert_sync(model: nn.Module, mesh: ParallelMesh, options: PlanOptions, experts: set[str]) -> GradSync:
+    """Under `dp`, the experts' gradients averaged over the ranks that hold the same experts (`ParallelMesh.edp`).
+    An expert no token chose on any of them keeps no gradient, as in one process (an unused-parameter check would
+    refuse a step that is routine for a router)."""
+    return BucketedDataParallel(model, mesh.edp, bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=True,
+                                include=experts.__contains__)

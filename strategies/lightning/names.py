@@ -6,8 +6,8 @@ import re
 from typing import Any
 
 _PLAN_TOKEN = re.compile(
-    r"^(naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|sp|vp|ac|offload|(dp|tp|pp|cp|v|mb)\d+)$")
-_PLAN_HEAD = re.compile(r"^(naive|dp|zero|tp|pp|cp)")
+    r"^(naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|sp|vp|ac|offload|(dp|tp|pp|cp|ep|v|mb)\d+)$")
+_PLAN_HEAD = re.compile(r"^(naive|dp|zero|tp|pp|cp|ep)")
 
 
 def looks_like_plan(name: Any) -> bool:

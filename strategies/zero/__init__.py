@@ -34,7 +34,8 @@ __all__ = ["IN_FLIGHT", "FlatParam", "Zero3GradSync", "ZeroGradSync", "shard_mod
 
 def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, stage: int, *,
                 offload: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                find_unused_parameters: bool = False, units=None, materialise=None) -> ZeroGradSync:
+                find_unused_parameters: bool = False, units=None, materialise=None,
+                axis_of: dict[str, Axis] | None = None) -> ZeroGradSync:
     """Apply ZeRO-``stage`` to ``module`` over ``axis`` and point ``optimizer`` at the shards.
 
     ``units`` (ZeRO-3): the wrapping policy, a function from the module to the ``(name, submodule)`` pairs
@@ -48,13 +49,13 @@ def shard_model(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
                        for group in optimizer.param_groups]
     if stage == 3:
         chosen = units(module) if units is not None else None
-        flats, built = build_units(module, optimizer, axis, offload, chosen, materialise)
+        flats, built = build_units(module, optimizer, axis, offload, chosen, materialise, axis_of)
         sync: ZeroGradSync = Zero3GradSync(module, axis, flats, built, find_unused_parameters=find_unused_parameters)
     else:
         if materialise is not None:
             materialise(module)
         groups = bucket_names(module, bucket_cap_mb)
-        built = build_flats(module, optimizer, axis, groups, own_shard=False, offload=offload)
+        built = build_flats(module, optimizer, axis, groups, own_shard=False, offload=offload, axis_of=axis_of)
         flats = [flat for per_group in built for flat in per_group]
         sync = ZeroGradSync(module, axis, flats, stage, find_unused_parameters=find_unused_parameters)
     shard_optimizer(optimizer, flats)

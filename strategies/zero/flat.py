@@ -87,8 +87,10 @@ def host_copies_done(flats: list[FlatParam]) -> None:
 
 
 def build_flats(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, groups: Iterable[list[str]],
-                *, own_shard: bool, offload: bool) -> list[list[FlatParam]]:
-    """For each group of names, one FlatParam per (optimizer param group, dtype, device) in it."""
+                *, own_shard: bool, offload: bool, axis_of: dict[str, Axis] | None = None) -> list[list[FlatParam]]:
+    """For each group of names, one FlatParam per (optimizer param group, dtype, device, axis) in it: ``axis``, or
+    ``axis_of[name]`` for a parameter sharded over an axis of its own (expert parallel's experts)."""
+    axis_of = axis_of or {}
     check_optimizer(optimizer)
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
@@ -105,9 +107,10 @@ def build_flats(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
         for name in group:
             if name in trainable:
                 p = params[name]
-                buckets.setdefault((group_of[id(p)], p.dtype, p.device), []).append(name)
-        out.append([FlatParam([params[n] for n in bucket], bucket, axis, g, own_shard=own_shard, offload=offload)
-                    for (g, _, _), bucket in buckets.items()])
+                over = axis_of.get(name, axis)
+                buckets.setdefault((group_of[id(p)], p.dtype, p.device, over.name), (over, []))[1].append(name)
+        out.append([FlatParam([params[n] for n in bucket], bucket, over, g, own_shard=own_shard, offload=offload)
+                    for (g, _, _, _), (over, bucket) in buckets.items()])
     return out
 
 

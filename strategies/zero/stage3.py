@@ -66,7 +66,7 @@ class Unit:
         self.params = {id(p) for flat in flats for p in flat.params}
         self.reduced: set[int] = set()
 
-    def gather(self, axis: Axis, async_op: bool = False) -> None:
+    def gather(self, async_op: bool = False) -> None:
         if self.gathered:
             if not async_op:
                 self.wait()
@@ -74,7 +74,7 @@ class Unit:
         for flat in self.flats:
             storage = flat.full.untyped_storage()
             storage.resize_(flat.padded * flat.full.element_size())
-            self.pending.append(comm.all_gather(flat.full, flat.shard, axis, async_op=True))
+            self.pending.append(comm.all_gather(flat.full, flat.shard, flat.axis, async_op=True))
         self.gathered = True
         if not async_op:
             self.wait()
@@ -118,7 +118,7 @@ class Zero3GradSync(ZeroGradSync):
 
     def _pre_forward(self, unit: Unit) -> Callable:
         def hook(module, args):
-            unit.gather(self.axis)
+            unit.gather()
             if not self._recorded and unit not in self._order:
                 self._order.append(unit)
             self._prefetch(unit, +1)
@@ -146,7 +146,7 @@ class Zero3GradSync(ZeroGradSync):
             # A new backward through this unit (under pipeline parallel, one per microbatch before the step):
             # its parameters' gradients are counted afresh, so it is freed only once this backward is done.
             unit.reduced.clear()
-            unit.gather(self.axis)
+            unit.gather()
             self._prefetch(unit, -1)
             self._track_peak()
             return None
@@ -165,7 +165,7 @@ class Zero3GradSync(ZeroGradSync):
             return
         index = self._order.index(unit) + direction
         if 0 <= index < len(self._order):
-            self._order[index].gather(self.axis, async_op=True)
+            self._order[index].gather(async_op=True)
 
     def _track_peak(self) -> None:
         live = sum(u.gathered_bytes for u in self.units if u.gathered)
@@ -184,7 +184,7 @@ class Zero3GradSync(ZeroGradSync):
         for unit in self.units:
             if unit.pinned:  # kept gathered: refresh from the updated shards
                 unit.gathered = False
-                unit.gather(self.axis)
+                unit.gather()
 
     def release_all(self, units: list[Unit] | None = None) -> None:
         """Every unit (of ``units``) freed but the pinned (after a step, or once the state has been read)."""
@@ -196,7 +196,7 @@ class Zero3GradSync(ZeroGradSync):
     def gather_all(self) -> None:
         """Every unit gathered (state_dict, the end of training): a normal module again."""
         for unit in self.units:
-            unit.gather(self.axis)
+            unit.gather()
 
     def remove(self) -> None:
         super().remove()
@@ -210,7 +210,7 @@ class Zero3GradSync(ZeroGradSync):
         held = {self._unit_of[id(p)] for n, p in self.named_params if n in state and id(p) in self._unit_of}
         wanted = [unit for unit in self.units if unit in held]
         for unit in wanted:
-            unit.gather(self.axis)
+            unit.gather()
         try:
             return {k: v.clone() for k, v in state.items()}
         finally:
@@ -224,7 +224,8 @@ class Zero3GradSync(ZeroGradSync):
 
 def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, offload: bool,
                 units: list[tuple[str, nn.Module]] | None = None,
-                materialise: Callable[[nn.Module], None] | None = None) -> tuple[list[FlatParam], list[Unit]]:
+                materialise: Callable[[nn.Module], None] | None = None,
+                axis_of: dict[str, Axis] | None = None) -> tuple[list[FlatParam], list[Unit]]:
     """Flats and units for ZeRO-3. Flats are returned in reverse registration order, about the order in
     which backward finishes them, since they are reduce-scattered strictly in that order. ``materialise``: for a
     model built on meta (`deferred.Deferred`), each unit is made, flattened, sharded and freed before the next,
@@ -249,14 +250,14 @@ def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
     for (name, m), group in zip(units, groups):
         if materialise is not None:
             materialise(m)
-        flats = build_flats(module, optimizer, axis, [group], own_shard=True, offload=offload)[0]
+        flats = build_flats(module, optimizer, axis, [group], own_shard=True, offload=offload, axis_of=axis_of)[0]
         if flats:
             built.append(Unit(name, m, flats))
             if materialise is not None:
                 built[-1].release()
     if materialise is not None:
         materialise(module)  # what is left on meta: the root's own parameters and those units share
-    pinned = build_flats(module, optimizer, axis, [root], own_shard=True, offload=offload)[0]
+    pinned = build_flats(module, optimizer, axis, [root], own_shard=True, offload=offload, axis_of=axis_of)[0]
     if pinned:
         built.append(Unit("<root>", None, pinned, pinned=True))
     flats = [flat for unit in reversed(built[:-1] if built and built[-1].pinned else built) for flat in unit.flats]

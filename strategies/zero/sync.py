@@ -77,10 +77,10 @@ class ZeroGradSync(GradSync):
                 return
             if flat.grad_full is None:
                 flat.grad_full = flat.new_grad_buffer()
-            flat.grad_full.div_(self.axis.size)  # pre-divide: the reduced sum is the mean
+            flat.grad_full.div_(flat.axis.size)  # pre-divide: the reduced sum is the mean (over the flat's axis)
             if flat.grad_shard is None:  # ZeRO-1: a temporary, the result moves into grad_full's own shard
                 flat.grad_shard = torch.empty(flat.shard_size, dtype=flat.full.dtype, device=flat.full.device)
-            self._handles[self._next] = comm.reduce_scatter(flat.grad_shard, flat.grad_full, self.axis,
+            self._handles[self._next] = comm.reduce_scatter(flat.grad_shard, flat.grad_full, flat.axis,
                                                             async_op=True)
             self._next += 1
             if self.stage >= 2 and self._next > IN_FLIGHT:
@@ -123,7 +123,7 @@ class ZeroGradSync(GradSync):
                 continue
             grad = flat.grad_shard
             if self.stage == 1:  # keep the reduced shard inside the full gradient buffer: no extra 4 Psi / N
-                start = self.axis.index * flat.shard_size
+                start = flat.axis.index * flat.shard_size
                 grad = flat.grad_full[start : start + flat.shard_size].copy_(grad)
                 flat.grad_shard = None
             else:
@@ -157,7 +157,7 @@ class ZeroGradSync(GradSync):
         for flat in self.flats:
             flat.push_master()
             if self.stage < 3:
-                comm.all_gather(flat.full, flat.shard.clone(), self.axis)  # input must not alias output
+                comm.all_gather(flat.full, flat.shard.clone(), flat.axis)  # input must not alias output
             if self.stage == 1:
                 flat.grad_full.zero_()  # the next step accumulates into the same views
 
@@ -206,9 +206,8 @@ class ZeroGradSync(GradSync):
 
     def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
         """This rank's shard of each flat's gradient, cut at parameter boundaries (a piece of each parameter's)."""
-        start = self.axis.index  # where this rank's shard begins in each flat, in shards
-        return [HeldGrad(flat.names[i], flat.params[i], piece,
-                         start=max(flat.offsets[i], start * flat.shard_size) - flat.offsets[i])
+        return [HeldGrad(flat.names[i], flat.params[i], piece,  # (start: where this rank's shard begins in the flat)
+                         start=max(flat.offsets[i], flat.axis.index * flat.shard_size) - flat.offsets[i])
                 for flat in self.flats if flat.master.grad is not None
                 for i, piece in shard_slices(flat, flat.master.grad)]
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+EXPERTS = 4
 
 
 class CausalLM(nn.Module):
@@ -240,6 +241,38 @@ def head_first():
     return HeadFirst()
 
 
+# Mixture-of-experts (#48): 4 experts, each token to its top 2; fused 3-D expert weights called with the router's
+# choice (transformers >= 4.57's layout), every layer sparse.
+def mixtral():
+    return _llama_like("MixtralConfig", "MixtralForCausalLM", num_local_experts=EXPERTS, num_experts_per_tok=2)
+
+
+def qwen2_moe():  # plus a shared expert beside the routed ones, gated by a sigmoid
+    return _llama_like("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=2,
+                       moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, decoder_sparse_step=1,
+                       norm_topk_prob=False)
+
+
+class GptMoe(nn.Module):
+    """The demo GPT with its MoE option, behind ``loss(ids)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from demos.gpt import GPT, GPTConfig
+
+        self.gpt = GPT(GPTConfig(vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, seq_len=SEQ,
+                                 n_experts=EXPERTS, top_k=2))
+
+    def loss(self, ids):
+        logits = self.gpt(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def gpt_moe():
+    return GptMoe()
+
+
+MOE = {f.__name__: f for f in (mixtral, qwen2_moe, gpt_moe)}
 MODELS = {f.__name__: f for f in (llama, llama_tied, llama_gqa, qwen2, mistral, phi3, gpt2, opt, gpt_neox, gptj,
                                   nanogpt, head_first)}
 # nanoGPT as users change it (tensor parallel only): trained equal to one process, or refused naming the module.
@@ -249,7 +282,7 @@ REFUSED_UNDER_TP = {"nanogpt_scaled_q": "transformer.h.0.attn"}
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {**MODELS, **VARIANTS}[name]()
+    return {**MODELS, **VARIANTS, **MOE}[name]()
 
 
 def batches(steps: int, batch: int = 4, seed: int = 1, shorter_last: bool = False) -> list[torch.Tensor]:

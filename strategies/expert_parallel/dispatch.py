@@ -1,0 +1,73 @@
+"""The token exchange of one expert-parallel MoE layer: dropless, each token's rows sent to the ranks that hold its
+chosen experts and back, by two all-to-alls (three with the counts) through `strategies.comm`.
+
+Per call, with E experts split over n ranks (rank j holds experts [j E/n, (j+1) E/n)):
+
+1. this rank's (token, choice) pairs sorted by expert, stably: so the rows for rank j are one run, and within it
+   the rows of each of its experts;
+2. every rank tells every other how many rows it sends each of its experts (an all-to-all of E counts);
+3. the rows go out (all-to-all); each rank runs its own experts, with the model's own expert code, on what it got
+   (grouped by sender, then by expert), and sends the results back by the reverse all-to-all;
+4. each result is scaled by its routing weight here, where the weights were computed, and added into its token.
+
+No capacity factor: every token reaches every expert it chose, so each rank computes what one process computes for
+its tokens. The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from strategies import comm
+from strategies.comm import Axis
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, axis: Axis, output_splits: list[int], input_splits: list[int]):
+        ctx.axis, ctx.splits = axis, (output_splits, input_splits)
+        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        comm.all_to_all(out, rows.contiguous(), axis, output_splits, input_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        back = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        comm.all_to_all(back, grad.contiguous(), ctx.axis, input_splits, output_splits)
+        return back, None, None, None
+
+
+def exchange(rows: torch.Tensor, axis: Axis, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """``rows`` sent by the splits (differentiable: gradients travel back the same way)."""
+    return _AllToAll.apply(rows, axis, output_splits, input_splits)
+
+
+class Dispatch:
+    """Runs the experts of one layer across ``axis``: ``local(rows, expert_index, weights)`` is the model's own expert
+    forward over this rank's ``experts`` of ``total``; called as the experts module was, with the router's choice."""
+
+    def __init__(self, local: Callable[..., torch.Tensor], total: int, axis: Axis) -> None:
+        self.local, self.total, self.axis = local, total, axis
+        self.per_rank = total // axis.size
+        self.last_counts: torch.Tensor | None = None  # tokens per expert of the last call, this rank's (monitor)
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        n, per = self.axis.size, self.per_rank
+        choices = top_k_index.reshape(-1)
+        order = torch.argsort(choices, stable=True)
+        token = order // top_k_index.shape[-1]
+        counts = torch.bincount(choices, minlength=self.total)
+        self.last_counts = counts.detach()
+        received = torch.empty_like(counts)
+        comm.all_to_all(received, counts, self.axis, [per] * n, [per] * n)  # (sender, my expert) row counts
+        sent_splits = counts.view(n, per).sum(1).tolist()
+        got_splits = received.view(n, per).sum(1).tolist()
+        rows = exchange(hidden[token], self.axis, got_splits, sent_splits)
+        expert = torch.arange(per, device=hidden.device).repeat(n).repeat_interleave(received)
+        out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1))
+        back = exchange(out, self.axis, sent_splits, got_splits)
+        weights = top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(hidden).index_add(0, token, back * weights)

@@ -1,0 +1,109 @@
+"""Expert parallel as a technique: each MoE layer's experts cut by expert over the ep axis, its forward routed
+through `dispatch.Dispatch`, and the cut undone for checkpoints (the state travels in the single-process layout).
+
+Gradients. A rank's expert weights see the tokens of every rank of its ep group (the all-to-all's backward brings
+their gradients home), so after backward they hold the sum of ep ranks' gradients, where a replicated weight holds
+its own rank's. Scaled by 1/ep as they arrive (a hook), their average over the ranks that hold the same experts (the
+`edp` axis: dp x cp / ep ranks, by the data-parallel sync or ZeRO given that axis for them) is the mean over all
+dp x cp ranks, what the dense weights get from their average over dp x cp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from strategies.comm import Axis
+from strategies.expert_parallel.detect import find_experts
+from strategies.expert_parallel.dispatch import Dispatch
+from strategies.technique import HeldGrad, OptimizerState, Technique
+from strategies.tensor_parallel import state as split_state
+from strategies.tensor_parallel.plans import ParamSplit
+
+
+class ExpertParallel(Technique):
+    """The experts of ``model``'s MoE layers split over ``axis`` (ep); ``sharded``: ZeRO holds their gradients (as
+    disjoint shards over the data axis, which counts each expert once), else each rank holds its experts' whole."""
+
+    def __init__(self, model: nn.Module, axis: Axis, sharded: bool = False) -> None:
+        self.axis, self.sharded, self.module = axis, sharded, model
+        self.layers = find_experts(model)
+        if not self.layers:
+            raise ValueError(
+                f"expert parallel: {type(model).__name__} has no mixture-of-experts layer (a module named `experts`, "
+                "with fused (num_experts, ...) weights, beside a `gate` or `router`); drop ep<N> for a dense model")
+        self.splits: dict[str, ParamSplit] = {}
+        self._restore: list[tuple[nn.Module, Any, int]] = []
+        self._hooks = []
+        for name, experts in self.layers.items():
+            self._split(name, experts)
+
+    def _split(self, name: str, experts: nn.Module) -> None:
+        total, n, i = experts.num_experts, self.axis.size, self.axis.index
+        if total % n:
+            raise ValueError(f"expert parallel: {name} has {total} experts, which ep{n} does not divide; use an ep "
+                             f"that divides {total}")
+        per = total // n
+        for pname, param in list(experts.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                raise ValueError("expert parallel does not yet build a model on meta by slice: build it whole "
+                                 "(no empty_init / configure_model on meta) or drop ep<N>")
+            local = nn.Parameter(param.detach()[i * per : (i + 1) * per].clone(), requires_grad=param.requires_grad)
+            setattr(experts, pname, local)
+            self.splits[f"{name}.{pname}"] = ParamSplit(0, (total,))
+            if n > 1 and local.requires_grad:
+                self._hooks.append(local.register_hook(lambda g, n=n: g / n))
+        self._restore.append((experts, experts.__dict__.get("forward"), total))
+        local_forward = experts.forward  # the model's own expert code, bound before it is replaced
+        experts.num_experts = per
+        experts.forward = Dispatch(local_forward, total, self.axis)
+
+    def expert_names(self) -> set[str]:
+        """The parameters split by expert, by their names in the model."""
+        return set(self.splits)
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return split_state.unsplit_state(state, self.splits, self.axis)
+
+    def local_model_state(self, state: dict[str, Tensor], strict: bool) -> dict[str, Tensor]:
+        return split_state.split_state(state, self.splits, self.axis)
+
+    def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
+        shapes = {n: p.shape for n, p in self.module.named_parameters()}
+        return state.with_entries(
+            split_state.unsplit_optimizer_state(state.per_param, state.names, self.splits, shapes, self.axis))
+
+    def local_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
+        return state.with_entries(split_state.split_optimizer_state(state.per_param, self.splits, self.axis))
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+
+    def held_grads(self, grads: list[HeldGrad]) -> list[HeldGrad]:
+        if self.sharded:
+            return grads
+        return [g._replace(split=self.axis) if g.name in self.splits else g for g in grads]
+
+    def split_axes(self) -> list[Axis]:
+        return [] if self.sharded else [self.axis]
+
+    def teardown(self, healthy: bool) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if healthy:  # the user gets their whole experts back
+            full = self.full_model_state({n: p.detach() for n, p in self.module.named_parameters()
+                                          if n in self.splits})
+            for name, tensor in full.items():
+                owner, _, pname = name.rpartition(".")
+                experts = self.module.get_submodule(owner)
+                setattr(experts, pname, nn.Parameter(tensor.clone(), requires_grad=getattr(experts, pname).requires_grad))
+        for experts, forward, total in self._restore:
+            if forward is None:
+                experts.__dict__.pop("forward", None)
+            else:
+                experts.forward = forward
+            experts.num_experts = total
+        self._restore.clear()

@@ -1,0 +1,83 @@
+"""Expert parallel (#48) through the Trainer: ``python _ep_job.py OUT WORLD [plant]``. Each case trains a tiny MoE
+model of the zoo (Mixtral, Qwen2-MoE, the demo GPT's MoE) for 2 steps with plain SGD (no momentum, no clipping) in
+fp32; rank 0 saves the final parameters (whole again after fit). Lightning's popen launcher re-runs this script
+for the other ranks. ``plant``: the return all-to-all's order broken on purpose (`PLANT`)."""
+
+import contextlib
+import itertools
+import sys
+from unittest import mock
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies  # noqa: F401  (registers the plan strings)
+from strategies.expert_parallel import dispatch
+from tests.helpers import finish_job
+from tests.models import zoo
+
+STEPS, BATCH, LR = 2, 8, 0.5
+CASES = {2: [("gpt_moe", "ep2"), ("mixtral", "ep2"), ("qwen2_moe", "zero3_ep2")],
+         4: [("gpt_moe", "ep4"), ("mixtral", "zero3_ep2"), ("qwen2_moe", "ep4"), ("gpt_moe", "tp2_ep2"),
+             ("mixtral", "ep2_pp2_mb2"), ("gpt_moe", "zero1_ep2")],
+         8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2"), ("gpt_moe", "zero3_tp2_ep2_pp2_mb2")]}
+
+
+class MoeModule(L.LightningModule):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.net = zoo.build(name)
+
+    def training_step(self, batch, index):
+        return self.net.loss(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def data() -> TensorDataset:
+    return TensorDataset(torch.cat(zoo.batches(STEPS, batch=BATCH)))
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    """One process, the whole batch per step: the batches Lightning's DistributedSampler gives (shuffled with seed 0,
+    PL_GLOBAL_SEED=0: the data ranks' k-th batches together are the k-th slice of that permutation)."""
+    module = MoeModule(name)
+    optimizer = module.configure_optimizers()
+    ids = data().tensors[0]
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        module.net.loss(ids[order[step * BATCH : (step + 1) * BATCH]]).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def fit(name: str, plan: str, world: int) -> dict[str, torch.Tensor]:
+    module = MoeModule(name)
+    data_ranks = world // (2 if "tp2" in plan else 1) // (2 if "pp2" in plan else 1)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=plan, max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH // data_ranks, drop_last=True))
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def planted_exchange():
+    """PLANT: the return trip of every layer's all-to-all (each second call) gives each sender's rows back reversed."""
+    calls, exchange = itertools.count(), dispatch.exchange
+
+    def broken(rows, axis, output_splits, input_splits):
+        out = exchange(rows, axis, output_splits, input_splits)
+        return torch.cat([part.flip(0) for part in out.split(output_splits)]) if next(calls) % 2 else out
+    return broken
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[2])
+    cases = CASES[world][:1] if sys.argv[3:] == ["plant"] else CASES[world]
+    with mock.patch.object(dispatch, "exchange", planted_exchange()) if sys.argv[3:] == ["plant"] else \
+            contextlib.nullcontext():
+        results = {case: fit(*case, world) for case in cases}
+    finish_job(results, sys.argv[1])
