@@ -11,7 +11,8 @@ Per call, with E experts split over n ranks (rank j holds experts [j E/n, (j+1) 
 4. each result is scaled by its routing weight here, where the weights were computed, and added into its token.
 
 No capacity factor: every token reaches every expert it chose, so each rank computes what one process computes for
-its tokens. The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`).
+its tokens. The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`), run on every
+rank whether or not its experts got a row.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class Dispatch:
         rows = exchange(hidden[token], self.axis, got_splits, sent_splits)
         expert = torch.arange(per, device=hidden.device).repeat(n).repeat_interleave(received)
         out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1))
+        if rows.requires_grad:
+            # Kept in the graph when no row came here (the experts' code returns a fresh zero tensor then): each
+            # all-to-all's backward is a collective, and a rank whose graph skipped it would leave the others
+            # waiting (a hang under NCCL).
+            out = out + rows * 0
         back = exchange(out, self.axis, sent_splits, got_splits)
         weights = top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(hidden).index_add(0, token, back * weights)

@@ -94,8 +94,15 @@ def linears(model: nn.Module) -> list[str]:
 
 
 def block_linears(model: nn.Module) -> list[str]:
-    """The linear layers inside a list of blocks (a part of their name is an index)."""
-    return [name for name in linears(model) if any(part.isdigit() for part in name.split("."))]
+    """The linear layers inside a list of blocks (a part of their name is an index), but a mixture-of-experts
+    router: it reads the whole width (the row-parallel layer before it all-reduces), and stays whole."""
+    return [name for name in linears(model) if any(part.isdigit() for part in name.split("."))
+            and not _is_router(model, name)]
+
+
+def _is_router(model: nn.Module, name: str) -> bool:
+    parent, _, last = name.rpartition(".")
+    return last in ("gate", "router") and hasattr(model.get_submodule(parent), "experts")
 
 
 def detect_plan(model: nn.Module) -> dict[str, Style]:
