@@ -83,7 +83,8 @@ class ParallelMesh:
         if plan.ep == 1:
             return Axis.solo("ep", self.stats), self.data
         shape = (plan.pp, plan.expert_data_ranks, plan.ep, plan.tp)
-        grid = DeviceMesh(device_type, torch.arange(world_size).reshape(shape), mesh_dim_names=("pp", "edp", "ep", "tp"))
+        names = ("pp", "edp", "ep", "tp")
+        grid = DeviceMesh(device_type, torch.arange(world_size).reshape(shape), mesh_dim_names=names)
         return tuple(Axis.of_group(name, grid.get_group(name), self.stats) if size > 1 else Axis.solo(name, self.stats)
                      for name, size in (("ep", plan.ep), ("edp", plan.expert_data_ranks)))  # type: ignore[return-value]
 

@@ -74,8 +74,8 @@ _DEGREE = re.compile(r"^(dp|tp|pp|cp|ep|v|mb)([0-9]+)$")  # ASCII digits only: \
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
-    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, dualpipev, "
-    "v<N>, mb<N>, sp, vp, ac, offload"
+    "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, "
+    "dualpipev, v<N>, mb<N>, sp, vp, ac, offload"
 )
 
 
@@ -151,6 +151,9 @@ class ParallelPlan:
                 f"mb{self.microbatches} < {'2 * ' if times == 2 else ''}pp{self.pp}; use mb{times * self.pp} or "
                 "more, or the gpipe schedule"
             )
+        self._check_data_mode()
+
+    def _check_data_mode(self) -> None:
         if self.ep > 1 and self.data is DataMode.NAIVE:
             raise ValueError(f"ep{self.ep} with naive: the parameter server sums every gradient on one rank, which "
                              "cannot hold the experts other ranks own; use dp or zero1-3 with ep")

@@ -40,7 +40,7 @@ from strategies.comm.stats import Axis, CommRecord, CommStats, Op
 __all__ = [
     "DEBUG_ENV", "DETERMINISTIC_ENV", "P2P", "RECORDER", "STRICT_ENV", "Axis", "CallRecord", "CollectiveError",
     "CollectiveMismatch", "CommRecord", "CommStats", "FlightRecorder", "GroupHandle", "Handle", "Op", "P2POrderError",
-    "all_gather", "all_gather_object", "all_reduce", "all_to_all", "backend_of", "barrier", "broadcast", "broadcast_object",
-    "exchange", "ordered_sums", "recv", "reduce_scatter", "register_peers", "rehearsing", "ring_all_reduce", "send",
-    "set_ordered_sums", "set_rehearsal",
+    "all_gather", "all_gather_object", "all_reduce", "all_to_all", "backend_of", "barrier", "broadcast",
+    "broadcast_object", "exchange", "ordered_sums", "recv", "reduce_scatter", "register_peers", "rehearsing",
+    "ring_all_reduce", "send", "set_ordered_sums", "set_rehearsal",
 ]

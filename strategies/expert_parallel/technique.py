@@ -99,7 +99,8 @@ class ExpertParallel(Technique):
             for name, tensor in full.items():
                 owner, _, pname = name.rpartition(".")
                 experts = self.module.get_submodule(owner)
-                setattr(experts, pname, nn.Parameter(tensor.clone(), requires_grad=getattr(experts, pname).requires_grad))
+                grad = getattr(experts, pname).requires_grad
+                setattr(experts, pname, nn.Parameter(tensor.clone(), requires_grad=grad))
         for experts, forward, total in self._restore:
             if forward is None:
                 experts.__dict__.pop("forward", None)

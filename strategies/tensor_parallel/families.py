@@ -102,7 +102,7 @@ def block_linears(model: nn.Module) -> list[str]:
 
 def _is_router(model: nn.Module, name: str) -> bool:
     parent, _, last = name.rpartition(".")
-    return last in ("gate", "router") and hasattr(model.get_submodule(parent), "experts")
+    return last in ("gate", "router", "shared_expert_gate") and hasattr(model.get_submodule(parent), "experts")
 
 
 def detect_plan(model: nn.Module) -> dict[str, Style]:

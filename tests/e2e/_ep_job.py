@@ -21,7 +21,7 @@ STEPS, BATCH, LR = 2, 8, 0.5
 CASES = {2: [("gpt_moe", "ep2"), ("mixtral", "ep2"), ("qwen2_moe", "zero3_ep2")],
          4: [("gpt_moe", "ep4"), ("mixtral", "zero3_ep2"), ("qwen2_moe", "ep4"), ("gpt_moe", "tp2_ep2"),
              ("mixtral", "ep2_pp2_mb2"), ("gpt_moe", "zero1_ep2")],
-         8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2"), ("gpt_moe", "zero3_tp2_ep2_pp2_mb2")]}
+         8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2")]}
 
 
 class MoeModule(L.LightningModule):

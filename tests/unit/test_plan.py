@@ -425,3 +425,15 @@ def test_cp_is_an_axis_between_tp_and_dp():
         ParallelPlan.parse("dp3_tp2_cp2").resolve(8)
     with pytest.raises(ValueError, match="cp must be a positive integer"):
         ParallelPlan(cp=0)
+
+
+def test_ep_is_carved_out_of_the_data_ranks():
+    plan = ParallelPlan.parse("ep2_pp2_zero3_tp2")
+    assert str(plan) == "zero3_tp2_ep2_pp2" and ParallelPlan.parse(str(plan)) == plan
+    resolved = plan.resolve(16)  # not a factor of the world size: dp fills what tp and pp leave
+    assert resolved.dp == 4 and resolved.expert_data_ranks == 2
+    assert ParallelPlan.parse("dp_cp2_ep4").resolve(4).expert_data_ranks == 1  # ep over dp x cp
+    with pytest.raises(ValueError, match=r"ep\(4\) must divide the data ranks dp\(2\) \* cp\(1\) = 2"):
+        ParallelPlan.parse("ep4_tp2").resolve(4)
+    with pytest.raises(ValueError, match="parameter server"):
+        ParallelPlan.parse("naive_ep2")
