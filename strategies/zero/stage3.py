@@ -223,7 +223,7 @@ class Zero3GradSync(ZeroGradSync):
 
 
 def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis, offload: bool,
-                units: list[tuple[str, nn.Module]] | None = None, materialise: Callable[[nn.Module], None] | None = None,
+                units: list[tuple[str, nn.Module]] | None = None, materialise: Callable[[nn.Module], None] | None=None,
                 axis_of: dict[str, Axis] | None = None) -> tuple[list[FlatParam], list[Unit]]:
     """Flats and units for ZeRO-3. Flats are returned in reverse registration order, about the order in
     which backward finishes them, since they are reduce-scattered strictly in that order. ``materialise``: for a
