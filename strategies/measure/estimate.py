@@ -55,6 +55,7 @@ from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGH
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
 FAMILIES = ("gpt", "llama")  # `ModelShape.family`
 LLAMA_TYPES = ("llama", "qwen2", "mistral")  # Hugging Face model types of the "llama" family
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # ... and their mixture-of-experts kin
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
               "bf16-true": (2, 2, 4, 2), "16-true": (2, 2, 4, 2)}
 _ALIASES = {"fp32": "32-true", "32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}  # as Lightning reads them
@@ -94,6 +95,9 @@ class ModelShape:
     ffn: int = 0  # the MLP's width (0: 4 x hidden)
     kv_heads: int = 0  # key and value heads (0: as many as ``heads``)
     qkv_bias: bool = False  # the Llama family's q, k and v have biases (Qwen2)
+    experts: int = 0  # routed experts in each block's mixture-of-experts MLP (0: a dense MLP)
+    top_k: int = 0  # experts each token is sent to
+    expert_ffn: int = 0  # each expert's MLP width (0: 4 x hidden)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -104,8 +108,16 @@ class ModelShape:
         return self.family == "llama"
 
     def mlp(self) -> int:
-        """The MLP's width."""
+        """The MLP's width; a mixture of experts': the widths a token runs through (top_k experts')."""
+        if self.experts:
+            return self.top_k * (self.expert_ffn or 4 * self.hidden)
         return self.ffn or 4 * self.hidden
+
+    def expert_params(self) -> int:
+        """Parameters of one block's experts, all of them (0 for a dense MLP): each the family's MLP without biases
+        (fused weights: the demo's fc and proj, the Llama family's gate, up and down)."""
+        width = self.expert_ffn or 4 * self.hidden
+        return self.experts * (3 if self.llama else 2) * self.hidden * width
 
     def groups(self) -> float:
         """Key (and value) heads per query head: 1, or less with grouped keys."""
@@ -122,10 +134,19 @@ class ModelShape:
         if self.params is not None:
             per_block = max(0, (self.params - self.embeddings() - self.head())) // self.layers
             return per_block - whole, whole
-        if self.llama:  # q and o h², k and v g·h² each, gate, up and down h·ffn each
+        if self.experts:  # the experts apart (`expert_params`, split by ep); the router whole on every tp rank
+            return self._attention(), whole + h * self.experts
+        if self.llama:  # + gate, up and down h·ffn each
+            return self._attention() + 3 * h * self.mlp(), whole
+        return self._attention() + 2 * h * self.mlp() + self.mlp(), whole  # + fc 4h²+4h, proj 4h²
+
+    def _attention(self) -> int:
+        """The attention's split parameters: q and o h², k and v g·h² each (Llama); the demo's qkv 3h²+3h, proj h²."""
+        h = self.hidden
+        if self.llama:
             kv = round(self.groups() * h)
-            return 2 * h * h + 2 * kv * h + 3 * h * self.mlp() + (h + 2 * kv if self.qkv_bias else 0), whole
-        return 4 * h * h + 2 * h * self.mlp() + 3 * h + self.mlp(), whole  # qkv 3h²+3h, proj h², fc 4h²+4h, proj 4h²
+            return 2 * h * h + 2 * kv * h + (h + 2 * kv if self.qkv_bias else 0)
+        return 4 * h * h + 3 * h
 
     def embeddings(self, vocab_split: int = 1) -> int:
         """Token (and learned position) embeddings; ``vocab_split``: the ranks the vocabulary is split over ('vp')."""
@@ -145,7 +166,7 @@ class ModelShape:
         split, whole = self.block()
         if self.params is not None:
             return self.params
-        return self.embeddings() + self.head() + self.layers * (split + whole)
+        return self.embeddings() + self.head() + self.layers * (split + whole + self.expert_params())
 
     @classmethod
     def from_config(cls, config: dict, batch: int = 1) -> ModelShape:
@@ -160,11 +181,17 @@ class ModelShape:
         shape = cls(layers=get("n_layer", "num_hidden_layers"), hidden=get("n_embd", "hidden_size"),
                     heads=get("n_head", "num_attention_heads"), seq=get("seq_len", "max_position_embeddings"),
                     vocab=get("vocab_size"), batch=batch)
-        if config.get("model_type") not in LLAMA_TYPES:
+        experts = int(config.get("n_experts") or config.get("num_local_experts") or config.get("num_experts") or 0)
+        if experts:
+            top_k = int(config.get("top_k") or config.get("num_experts_per_tok") or 2)
+            width = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
+            shape = dataclasses.replace(shape, experts=experts, top_k=top_k, expert_ffn=width)
+        if config.get("model_type") not in LLAMA_TYPES + MOE_TYPES:
             return shape
         return dataclasses.replace(shape, family="llama", ffn=get("intermediate_size"),
                                    kv_heads=int(config.get("num_key_value_heads") or shape.heads),
-                                   qkv_bias=config["model_type"] == "qwen2" or bool(config.get("attention_bias")))
+                                   qkv_bias=config["model_type"] in ("qwen2", "qwen2_moe")
+                                   or bool(config.get("attention_bias")))
 
     @classmethod
     def from_params(cls, params: float, *, seq: int = 4096, vocab: int = 32000, batch: int = 1) -> ModelShape:
@@ -219,10 +246,23 @@ def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     return [sum(n for s, n in enumerate(per_stage) if where[s] == rank) for rank in range(plan.pp)]
 
 
+def stage_experts(shape: ModelShape, plan: ParallelPlan) -> list[int]:
+    """Of `stage_params`, the experts' (1/ep of each of its blocks' experts), per pipeline rank."""
+    ranges, _ = _stages(shape, plan)
+    where = _placement(plan)
+    return [sum(len(r) for s, r in enumerate(ranges) if where[s] == rank) * expert_share(shape, plan)
+            for rank in range(plan.pp)]
+
+
+def expert_share(shape: ModelShape, plan: ParallelPlan) -> int:
+    """The experts' parameters of one block on one rank: E/ep experts (whole on every tp rank)."""
+    return shape.expert_params() // plan.ep
+
+
 def _stages(shape: ModelShape, plan: ParallelPlan) -> tuple[list[range], list[int]]:
     """Each stage's blocks and its local parameters (all ``pp * v`` stages, in order)."""
     split, whole = shape.block()
-    local_block = math.ceil(split / plan.tp) + whole
+    local_block = math.ceil(split / plan.tp) + whole + expert_share(shape, plan)
     stages, v = plan.pp * plan.chunks, _vocab_split(plan)
     ranges = list(_cut(local_block, shape.layers, stages, shape.embeddings(v), shape.head(v))) if stages > 1 \
         else [range(shape.layers)]
@@ -245,13 +285,16 @@ def _cut(block: int, layers: int, stages: int, first: int, last: int) -> tuple[r
     return tuple(partition([block] * layers, stages, first, last))
 
 
-def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32", optimizer: str = "adamw") -> dict[str, float]:
-    """Bytes of weights, gradients and ``optimizer`` state for ``psi`` local parameters under ``plan``'s data mode."""
+def model_states(psi: int, plan: ParallelPlan, precision: str = "fp32", optimizer: str = "adamw",
+                 experts: int = 0) -> dict[str, float]:
+    """Bytes of weights, gradients and ``optimizer`` state for ``psi`` local parameters under ``plan``'s data mode;
+    ``experts`` of them expert parallel's, which ZeRO shards over the ranks holding the same experts (dp x cp / ep)."""
     w, g, o, _ = layout(precision)
     o = o * optimizer_share(optimizer)
     n = plan.data_ranks if plan.data.is_zero else 1
     stage = plan.data.stage if plan.data.is_zero else 0
-    shard = math.ceil(psi / n)  # ZeRO pads each flat to a multiple of N: at most N-1 elements more
+    # ZeRO pads each flat to a multiple of N: at most N-1 elements more
+    shard = math.ceil((psi - experts) / n) + math.ceil(experts / max(1, n // plan.ep))
     out = {"params": w * (shard if stage >= 3 else psi), "grads": g * (shard if stage >= 2 else psi),
            "optimizer": o * (shard if stage >= 1 else psi), "host": 0.0}
     if plan.offload:  # the optimizer state, the master shard (a host copy of the weights') and its gradient
@@ -410,7 +453,18 @@ def _plain_grads(plan: ParallelPlan) -> bool:
     return plan.data_ranks == 1 and not plan.offload and plan.data is not DataMode.NAIVE
 
 
-def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
+def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0, experts: int = 0) -> dict[str, float]:
+    """`dense_parallel_bytes` for the ``psi - experts`` parameters reduced over the data ranks, and the same for the
+    ``experts`` over the ranks that hold the same experts (the ``edp`` axis: dp x cp / ep ranks)."""
+    out = dense_parallel_bytes(psi - experts, plan, kept)
+    if experts and plan.expert_data_ranks > 1:
+        ranks = plan.expert_data_ranks
+        alone = dataclasses.replace(plan, dp=ranks, cp=1, ep=1)
+        out.update({f"{key.split('/')[0]}/edp": value for key, value in dense_parallel_bytes(experts, alone).items()})
+    return out
+
+
+def dense_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
     """Bytes rank 0 sends per optimizer step over the data group (dp, or dp x cp: `ParallelPlan.data_axis`) for
     ``psi`` local fp32 parameters. ``kept``: parameters of ZeRO-3's last unit in forward order, which stays gathered
     into backward. Under pp, ZeRO-3 gathers each unit again for every microbatch's forward and backward (why
@@ -433,12 +487,14 @@ def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str
 
 
 def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0,
-                  act_bytes: int = 4, wide_bytes: int = 4) -> dict[str, float]:
+                  act_bytes: int = 4, wide_bytes: int = 4, experts: int = 0) -> dict[str, float]:
     """Bytes rank 0 sends per optimizer step, by ``kind/axis``: fp32 gradients; activations in ``act_bytes`` where
     they are a matmul's output (the ring's K/V, tp's row-parallel outputs and their gradients) and in ``wide_bytes``
     where autocast keeps them float32 (the norms' outputs tp gathers or whose gradients it reduces, pp's messages:
     `step_pieces`)."""
-    out = data_parallel_bytes(psi, plan, kept)
+    out = data_parallel_bytes(psi, plan, kept, experts)
+    if plan.ep > 1:
+        out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, act_bytes, wide_bytes)
     t = plan.tp
     elements = shape.batch * shape.seq / plan.cp * shape.hidden  # the step's b·s·h on a rank, all microbatches
     activation = elements * wide_bytes
@@ -470,6 +526,18 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     return out
 
 
+def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, act_bytes: int, wide_bytes: int) -> float:
+    """Bytes an ep rank sends per MoE block and optimizer step, for a balanced router (each token's top_k choices
+    spread evenly over the experts; `expert_parallel.cost` for a measured spread). Each forward (again under
+    recompute) sends the counts, E/ep int64 to each other rank, and R = tokens x top_k x (ep-1)/ep rows out (the
+    norm's output: wide) and R back (the experts' output: act); backward the same rows' gradients the other way."""
+    n, calls = plan.ep, (plan.microbatches if plan.pp > 1 else 1) * shape.accumulate
+    forwards = 2 if plan.ac else 1
+    rows = shape.batch * shape.seq / plan.cp * shape.top_k * (n - 1) / n
+    counts = calls * forwards * 8 * (shape.experts // n) * (n - 1)
+    return counts + (forwards + 1) * rows * shape.hidden * (wide_bytes + act_bytes)
+
+
 def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float, act_bytes: int) -> dict[str, float]:
     """Bytes a cp rank sends per optimizer step: each of its ``blocks`` attentions passes its K and V round the ring
     for every sample, forward and (again under recompute) backward, where the dK/dV accumulators (fp32) go round too
@@ -486,6 +554,9 @@ def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
     """Refuse a plan the estimator cannot predict, saying why."""
     if plan.pp > 1 and plan.schedule is PipelineSchedule.AUTO:
         raise ValueError(f"plan '{plan}' has no pipeline schedule yet: choose one first (`planner.choose_schedule`)")
+    if plan.ep > 1 and (not shape.experts or shape.experts % plan.ep):
+        raise ValueError(f"ep = {plan.ep} splits the experts, and this model has {shape.experts or 'no'} experts "
+                         f"per block{' (a dense model)' if not shape.experts else ', which ep does not divide'}")
     if shape.heads % plan.tp:
         raise ValueError(f"{shape.heads} heads do not divide by tp = {plan.tp}")
     if shape.seq % (2 * plan.cp):
@@ -508,9 +579,9 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend, weight_bytes if mixed else None)
     ranges, per_stage = _stages(shape, plan)
     memory, where, between = [], [], []
-    per_rank = stage_params(shape, plan)
+    per_rank, experts = stage_params(shape, plan), stage_experts(shape, plan)
     for rank, psi in enumerate(per_rank):
-        states = model_states(psi, plan, precision, optimizer)
+        states = model_states(psi, plan, precision, optimizer, experts[rank])
         # Autocast's half copies of the weights, saved by the matmuls for backward (the rehearsals' count; what
         # autocast's own cache holds is not counted)
         cast_bytes = act_bytes if mixed else 0
@@ -589,7 +660,8 @@ def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[ra
     split, whole = shape.block()
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.output_layer(_vocab_split(plan)) if plan.pp == 1 else math.ceil(split / plan.tp) + whole
-    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes)
+    experts = first_blocks * expert_share(shape, plan)
+    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts)
 
 
 def _placement(plan: ParallelPlan) -> dict[int, int]:
