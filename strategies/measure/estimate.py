@@ -134,8 +134,8 @@ class ModelShape:
         if self.params is not None:
             per_block = max(0, (self.params - self.embeddings() - self.head())) // self.layers
             return per_block - whole, whole
-        if self.experts:  # the experts apart (`expert_params`, split by ep); the router whole on every tp rank
-            return self._attention(), whole + h * self.experts
+        if self.experts:  # the experts apart (`expert_params`, split by ep); the router whole on every tp rank; the
+            return self._attention(), whole + h * self.experts - (0 if self.llama else h)  # experts have no bias
         if self.llama:  # + gate, up and down h·ffn each
             return self._attention() + 3 * h * self.mlp(), whole
         return self._attention() + 2 * h * self.mlp() + self.mlp(), whole  # + fc 4h²+4h, proj 4h²
