@@ -43,6 +43,8 @@ class GPTConfig:
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts must be 0 (dense) or a positive integer, got {self.n_experts!r}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -270,6 +272,8 @@ class GPTModule(L.LightningModule):
         """
         c = self.config
         n = self.model.num_params(exclude_pos_emb=True)
+        if c.n_experts:  # a token runs through top_k experts of each block's n_experts
+            n -= c.n_layer * (c.n_experts - c.top_k) * 8 * c.n_embd * c.n_embd  # (fc and proj: 4h x h each)
         return 6 * n + 12 * c.n_layer * c.n_embd * c.seq_len
 
 
@@ -284,6 +288,8 @@ def make_demo(
     lr: float = 3e-3,
     optimizer: str = "adamw",
     configure_model: bool = False,
+    n_experts: int = 0,
+    top_k: int = 2,
 ) -> tuple[GPTModule, CharDataset]:
     """Build a ready-to-train ``(module, dataset)`` pair.
 
@@ -291,7 +297,8 @@ def make_demo(
     file); ``None`` uses the built-in offline corpus. Both are truncated to
     ``max_chars``. The vocabulary size comes from the tokenizer, which is
     also attached as ``module.tokenizer`` for decoding samples. ``configure_model``: the module builds its
-    GPT in ``configure_model`` (see `GPTModule`).
+    GPT in ``configure_model`` (see `GPTModule`); ``n_experts``: its MLPs a mixture of that many experts, each token
+    sent to ``top_k`` (`MoE`).
     """
     if text is None:
         text = load_corpus(max_chars=max_chars)
@@ -305,6 +312,8 @@ def make_demo(
         n_head=n_head,
         n_embd=n_embd,
         seq_len=seq_len,
+        n_experts=n_experts,
+        top_k=top_k,
     )
     module = GPTModule(config, lr=lr, optimizer=optimizer, configure_model=configure_model)
     module.tokenizer = tokenizer

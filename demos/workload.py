@@ -48,11 +48,14 @@ class GPTWorkload:
         text = load_corpus(config.data, max_chars=config.max_chars) if config.data else None
         return make_demo(text, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
                          seq_len=config.seq_len, max_chars=config.max_chars, lr=config.lr, optimizer=config.optimizer,
-                         configure_model=getattr(config, "configure_model", False))
+                         configure_model=getattr(config, "configure_model", False),
+                         n_experts=getattr(config, "experts", 0), top_k=getattr(config, "top_k", 2))
 
     def model_config(self, config: Any) -> dict[str, Any]:
+        experts = getattr(config, "experts", 0)
         return {"vocab_size": _bench_text()[0].vocab_size, "n_layer": config.n_layer, "n_head": config.n_head,
-                "n_embd": config.n_embd, "seq_len": config.seq_len}
+                "n_embd": config.n_embd, "seq_len": config.seq_len,
+                **({"n_experts": experts, "top_k": config.top_k} if experts else {})}
 
     def bench_model(self, config: Any) -> nn.Module:
         torch.manual_seed(config.seed)

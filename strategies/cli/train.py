@@ -37,6 +37,8 @@ class RunConfig:
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 64
+    experts: int = 0  # the demo GPT's MLPs as a mixture of this many experts (0: dense)
+    top_k: int = 2  # ... each token sent to this many of them
     data: str | None = None
     max_chars: int = 200_000
     seed: int = 0
@@ -365,6 +367,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulate", type=int, default=defaults.accumulate, help="gradient accumulation steps")
     for name in ("seq_len", "n_layer", "n_head", "n_embd", "max_chars", "seed"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--experts", type=int, default=defaults.experts,
+                   help="the demo GPT's MLPs as a mixture of N experts (for ep<N>); 0: dense")
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts each token is sent to")
     p.add_argument("--data", default=None, help="a text file to train on (default: Python stdlib sources)")
     p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps left out of timing")
