@@ -288,8 +288,7 @@ def make_demo(
     lr: float = 3e-3,
     optimizer: str = "adamw",
     configure_model: bool = False,
-    n_experts: int = 0,
-    top_k: int = 2,
+    n_experts: int = 0, top_k: int = 2,
 ) -> tuple[GPTModule, CharDataset]:
     """Build a ready-to-train ``(module, dataset)`` pair.
 
@@ -312,8 +311,7 @@ def make_demo(
         n_head=n_head,
         n_embd=n_embd,
         seq_len=seq_len,
-        n_experts=n_experts,
-        top_k=top_k,
+        n_experts=n_experts, top_k=top_k,
     )
     module = GPTModule(config, lr=lr, optimizer=optimizer, configure_model=configure_model)
     module.tokenizer = tokenizer

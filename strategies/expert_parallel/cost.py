@@ -16,6 +16,14 @@ from __future__ import annotations
 import torch
 
 
+def call_bytes(rows_out: int, rows_in: int, per: int, n: int, width: int, sizes: tuple[int, int],
+               backward: bool) -> int:
+    """Bytes one layer's call sends: the counts, ``rows_out`` rows of the input (``sizes[0]`` bytes an element) to
+    other ranks and ``rows_in`` results (``sizes[1]``) back; with ``backward``, their gradients the other way."""
+    forward = 8 * per * (n - 1) + width * (rows_out * sizes[0] + rows_in * sizes[1])
+    return forward + (width * (rows_in * sizes[0] + rows_out * sizes[1]) if backward else 0)
+
+
 def all_to_all_bytes(choices: torch.Tensor, rank: int, width: int, element_size: int) -> int:
     """Bytes rank ``rank`` sends in one layer's step; ``choices[j, e]``: the (token, choice) pairs rank j routes to
     expert e (ep ranks x experts)."""
@@ -24,7 +32,7 @@ def all_to_all_bytes(choices: torch.Tensor, rank: int, width: int, element_size:
     owner = torch.arange(experts) // per
     rows_out = int(choices[rank][owner != rank].sum())
     rows_in = int(choices[:, owner == rank].sum() - choices[rank, owner == rank].sum())
-    return 8 * per * (n - 1) + 2 * width * element_size * (rows_out + rows_in)
+    return call_bytes(rows_out, rows_in, per, n, width, (element_size, element_size), backward=True)
 
 
 def balanced_all_to_all_bytes(tokens: int, top_k: int, experts: int, ep: int, width: int, element_size: int) -> int:

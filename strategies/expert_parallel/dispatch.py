@@ -23,6 +23,7 @@ import torch
 
 from strategies import comm
 from strategies.comm import Axis
+from strategies.expert_parallel import cost
 
 
 class _AllToAll(torch.autograd.Function):
@@ -53,7 +54,29 @@ class Dispatch:
     def __init__(self, local: Callable[..., torch.Tensor], total: int, axis: Axis) -> None:
         self.local, self.total, self.axis = local, total, axis
         self.per_rank = total // axis.size
-        self.last_counts: torch.Tensor | None = None  # tokens per expert of the last call, this rank's (monitor)
+        self.tokens = torch.zeros(total, dtype=torch.int64)  # this rank's choices per expert since `take`
+        self.routed_bytes = 0  # what the all-to-alls send for the routing seen (`cost.call_bytes`), since `take`
+        self.width = 0
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The tokens per expert and the routed bytes since the last take (the monitor's, once a step)."""
+        out = (self.tokens.clone(), self.routed_bytes)
+        self.tokens.zero_()
+        self.routed_bytes = 0
+        return out
+
+    def _count(self, counts: torch.Tensor, received: torch.Tensor, sizes: tuple[int, int], training: bool) -> None:
+        """Note the routing of one call. Activation checkpointing runs the forward again inside backward: that call
+        sends again, its tokens are not new, and its backward is the first call's."""
+        n, me = self.axis.size, self.axis.index
+        mine = counts.view(n, self.per_rank)
+        rows_out = int(counts.sum() - mine[me].sum())
+        rows_in = int(received.sum() - received.view(n, self.per_rank)[me].sum())
+        recompute = torch._C._current_graph_task_id() != -1
+        self.routed_bytes += cost.call_bytes(rows_out, rows_in, self.per_rank, n, self.width, sizes,
+                                             backward=training and not recompute)
+        if not recompute:
+            self.tokens += counts.cpu()
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         n, per = self.axis.size, self.per_rank
@@ -61,7 +84,6 @@ class Dispatch:
         order = torch.argsort(choices, stable=True)
         token = order // top_k_index.shape[-1]
         counts = torch.bincount(choices, minlength=self.total)
-        self.last_counts = counts.detach()
         received = torch.empty_like(counts)
         comm.all_to_all(received, counts, self.axis, [per] * n, [per] * n)  # (sender, my expert) row counts
         sent_splits = counts.view(n, per).sum(1).tolist()
@@ -69,6 +91,9 @@ class Dispatch:
         rows = exchange(hidden[token], self.axis, got_splits, sent_splits)
         expert = torch.arange(per, device=hidden.device).repeat(n).repeat_interleave(received)
         out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1))
+        self.width = hidden.shape[-1]
+        if torch.is_grad_enabled():  # training (not the pipeline's traced forward, not evaluation)
+            self._count(counts, received, (hidden.element_size(), out.element_size()), rows.requires_grad)
         if rows.requires_grad:
             # Kept in the graph when no row came here (the experts' code returns a fresh zero tensor then): each
             # all-to-all's backward is a collective, and a rank whose graph skipped it would leave the others

@@ -59,6 +59,13 @@ class ExpertParallel(Technique):
         experts.num_experts = per
         experts.forward = Dispatch(local_forward, total, self.axis)
 
+    def take_routing(self) -> dict[str, Any]:
+        """Since the last take: each MoE layer's tokens per expert (this rank's choices, by layer name) and what the
+        all-to-alls sent for that routing (`cost.call_bytes`): the monitor's, once a record."""
+        taken = {name: experts.forward.take() for name, experts in self.layers.items()}
+        return {"tokens": {name: counts.tolist() for name, (counts, _) in taken.items()},
+                "routed_bytes": sum(sent for _, sent in taken.values())}
+
     def expert_names(self) -> set[str]:
         """The parameters split by expert, by their names in the model."""
         return set(self.splits)

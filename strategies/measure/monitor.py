@@ -86,6 +86,8 @@ class StrategyMonitor(L.Callback):
         self._head_name: str | None = None  # the model's output layer (`vocab_layers`), found before any split
         self._logits: LogitsMeter | None = None  # on that layer, from the start of training
         self._last_comm: dict[str, dict[str, float]] = {}
+        self._tokens: dict[str, list[int]] = {}  # expert parallel: tokens per expert by layer, over the run
+        self._routed: list[tuple[int, float]] = []  # ... and (step, routed bytes per step) of each record
         self.bubbles: list[float] = []  # pipeline: this rank's measured idle fraction, per step
         self.summary: dict[str, Any] = {}
         self.heap, self.continue_run = heap, continue_run
@@ -129,6 +131,7 @@ class StrategyMonitor(L.Callback):
         self.steps, self._since_record, self._unrecorded = 0, 0, None
         self._stalls_seen = len(_save_stalls(trainer.strategy))
         self.local_losses, self.bubbles, self._pending_loss, self._last_comm = [], [], 0.0, {}
+        self._tokens, self._routed = {}, []
         self._logits = LogitsMeter(pl_module.get_submodule(self._head_name)) if self._head_name else None
         self._act_meter, self._act = None, (0, 0)  # activations of Lightning's own strategies: (this step, peak)
         self._split = StepSplit(_blocked_seconds(stats))
@@ -318,8 +321,22 @@ class StrategyMonitor(L.Callback):
             "comm": self._comm_delta(trainer, covered),
             "bubble": bubble, "steps": covered,
             "split": self._split.take(covered),  # seconds per step by phase (`measure.split`)
-            **self._attempt_fields(trainer.global_step), **self._saves(trainer),
+            **self._attempt_fields(trainer.global_step), **self._saves(trainer), **self._routing(trainer, covered),
         }
+
+    def _routing(self, trainer: L.Trainer, steps: int) -> dict[str, Any]:
+        """Under expert parallel, since the last record: each MoE layer's tokens per expert (this rank's choices,
+        summed over the record's steps) and, per step, what the all-to-alls send for that routing
+        (`expert_parallel.cost`), beside the ``all_to_all/ep`` bytes measured. Totals kept for the summary."""
+        experts = [t for t in getattr(trainer.strategy, "techniques", []) if hasattr(t, "take_routing")]
+        if not experts:
+            return {}
+        routing = experts[0].take_routing()
+        for layer, counts in routing["tokens"].items():
+            total = self._tokens.setdefault(layer, [0] * len(counts))
+            self._tokens[layer] = [a + b for a, b in zip(total, counts)]
+        self._routed.append((self.steps, routing["routed_bytes"] / max(steps, 1)))
+        return {"experts": {"tokens": routing["tokens"], "routed_bytes": routing["routed_bytes"] / max(steps, 1)}}
 
     def _saves(self, trainer: L.Trainer) -> dict[str, Any]:
         """The checkpoint saves since the last record (the pack's strategies time them: `async_save.SaveStalls`):
@@ -381,13 +398,19 @@ class StrategyMonitor(L.Callback):
             "memory_bytes": memory,  # this rank's (rank 0's in the result files)
             "memory_bytes_per_rank": _gather_per_rank(trainer, memory),  # every rank's, in rank order
         }
+        self._summary_parts(trainer)
+        self._finish_store(trainer)
+
+    def _summary_parts(self, trainer: L.Trainer) -> None:
+        """What only some runs have: their checkpoints' stalls, the pipeline's timeline, the experts' routing."""
         saves = checkpoint_summary(trainer.strategy)
         if saves:
             self.summary["checkpoint"] = saves
         pipeline = getattr(trainer.strategy, "pipeline", None)
         if pipeline is not None:
             self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
-        self._finish_store(trainer)
+        if self._tokens:
+            self.summary["experts"] = routing_summary(self._tokens, self._routed, self.warmup_steps)
 
     def _finish_store(self, trainer: L.Trainer) -> None:
         stop_noting(self._sigterm)
@@ -484,6 +507,16 @@ def checkpoint_summary(strategy: Any) -> dict[str, Any] | None:
             "stall_s_max": max(stalls), "stall_s_first": stalls[0],
             "stall_s_later": sum(later) / len(later) if later else None,
             "write_s": sum(writes) / len(writes) if writes else None}
+
+
+def routing_summary(tokens: dict[str, list[int]], routed: list[tuple[int, float]], warmup: int) -> dict[str, Any]:
+    """This rank's tokens per expert over the run, by layer; their imbalance (the busiest expert's tokens over the
+    mean, per layer: 1 is balanced, E the whole layer on one expert); the routed bytes per step after ``warmup``."""
+    after = [sent for step, sent in routed if step > warmup] or [sent for _, sent in routed]
+    imbalance = {layer: max(c) * len(c) / sum(c) for layer, c in tokens.items() if sum(c)}
+    return {"tokens": tokens, "imbalance": imbalance,
+            "imbalance_max": max(imbalance.values(), default=None),
+            "routed_bytes_per_step": sum(after) / len(after) if after else None}
 
 
 def _strategy_label(trainer: L.Trainer) -> str:

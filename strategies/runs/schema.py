@@ -32,7 +32,8 @@ META_SHAPE = {
 RECORD_SHAPE = {"!": ("schema",), "schema": "int", "step": ("int", None), "time": _NUM, "step_time_s": _NUM,
                 "loss": _NUM, "tokens_per_s": _NUM, "memory": (_MEMORY, None), "split": ({"*": _NUM}, None),
                 "error": ("str", None), "last_calls": (["str"], None),  # a rank's last line when it failed
-                "attempt": "int", "redone": "bool"}  # after a restart (`runs.restarts`)
+                "attempt": "int", "redone": "bool",  # after a restart (`runs.restarts`)
+                "experts": ({"tokens": {"*": ["int"]}, "routed_bytes": _NUM}, None)}  # expert parallel's routing
 RESTART_SHAPE = {"!": ("schema", "attempt", "time", "resumed_step"), "schema": "int", "attempt": "int", "time": "num",
                  "resumed_step": "int", "redone": ([("int", None), ("int", None)], None), "last_steps": ["int"],
                  "cause": "str",
@@ -41,6 +42,8 @@ SUMMARY_SHAPE = {
     "losses": [_NUM], "tokens_per_s": _NUM, "mfu": _NUM, "comm_per_step": {"*": {"bytes_sent": _NUM, "wait_s": _NUM}},
     "pipeline": ({"bubble_ideal": _NUM, "bubble_measured": _NUM, "partition": ["str"], "timeline": [_EVENT],
                   "timelines": {"*": [_EVENT]}, "ideal": {"*": [(["str", "num", "num"], ["str", "num"])]}}, None),
+    "experts": ({"tokens": {"*": ["int"]}, "imbalance": {"*": _NUM}, "imbalance_max": _NUM,
+                 "routed_bytes_per_step": _NUM}, None),
 }
 _NAMES = {"int": "an integer", "num": "a number", "str": "a string", "bool": "true/false", None: "null", list: "a list",
           dict: "an object"}
