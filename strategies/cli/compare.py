@@ -145,6 +145,33 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
     return "\n".join(lines)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def expert_lines(results: list[dict[str, Any]]) -> str:
+    """Under expert parallel, rank 0's all-to-all per step: measured; predicted for the routing the run saw (its tokens
+    per expert, `expert_parallel.cost`); the estimator's for a balanced router; and how unbalanced the routing was."""
+    rows = [r for r in results if "error" not in r and r.get("experts")]
+    if not rows:
+        return ""
+    header = (f"{'expert parallel':<18}{'all-to-all KiB/step':>21}{'routed':>10}{'meas/routed':>13}{'balanced':>10}"
+              f"{'meas/bal':>10}{'imbalance':>11}")
+    lines = ["", header, "-" * len(header)]
+    for r in rows:
+        measured = comm_bytes_per_step(r, "ep")
+        routed = r["experts"].get("routed_bytes_per_step")
+        balanced = ((r.get("predicted") or {}).get("comm") or {}).get("all_to_all/ep")
+        kib = [_fmt(v / 1024 if v else None, ",.1f") for v in (measured, routed, balanced)]
+        lines.append(f"{r['label']:<18}{kib[0]:>21}{kib[1]:>10}{_fmt(_ratio(measured, routed), '.4f'):>13}{kib[2]:>10}"
+                     f"{_fmt(_ratio(measured, balanced), '.3f'):>10}"
+                     f"{_fmt(r['experts'].get('imbalance_max'), '.2f'):>11}")
+    lines.append("routed: what the all-to-alls send for the tokens per expert the run routed (expert_parallel.cost); "
+                 "balanced: the estimator's, each token's experts spread evenly; imbalance: the busiest expert's "
+                 "tokens over the mean (1: balanced; rank 0's layers, the worst)")
+    return "\n".join(lines)
+
+
 def run_comparison(labels: list[str], make_config, repeat: int = 1, runs_dir: str | None = None) -> tuple[str, list]:
     """Run ``labels`` (``repeat`` times, alternating the order) under one comparison id; return it and the
     results. ``make_config(label, comparison)`` gives each run's RunConfig."""
@@ -206,6 +233,9 @@ def command(args: argparse.Namespace) -> int:
 
     comparison, results = run_comparison(labels, make_config, args.repeat, args.runs_dir)
     print(format_table(results, args.baseline if args.baseline in labels else labels[0]))
+    experts = expert_lines(results)
+    if experts:
+        print(experts)
     print(f"comparison id: {comparison} (in the run store; `stratpack dashboard` shows it)")
     if args.json:
         with open(args.json, "w") as f:

@@ -47,6 +47,7 @@ class CommStats:
 
     def __init__(self) -> None:
         self.records: dict[tuple[Op, str], CommRecord] = defaultdict(CommRecord)
+        self.counting = True  # False inside `uncounted`
 
     def record(self, op: Op, axis: str, *, sent: float = 0.0, recv: float = 0.0, wait_s: float = 0.0, calls: int = 1):
         record = self.records[(op, axis)]  # in place: this runs for every call and message
@@ -75,10 +76,12 @@ class CommStats:
         """Leave out the traffic of what runs inside: set-up work done during a step (the pipeline's traced
         forward on the first batch), which is not a training step's."""
         saved = {key: replace(record) for key, record in self.records.items()}
+        self.counting = False
         try:
             yield
         finally:
             self.records = defaultdict(CommRecord, saved)
+            self.counting = True
 
 
 @dataclass(frozen=True)

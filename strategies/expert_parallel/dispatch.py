@@ -67,7 +67,7 @@ class Dispatch:
 
     def _count(self, counts: torch.Tensor, received: torch.Tensor, sizes: tuple[int, int], training: bool) -> None:
         """Note the routing of one call. Activation checkpointing runs the forward again inside backward: that call
-        sends again, its tokens are not new, and its backward is the first call's."""
+        sends again, its tokens are not new, and its backward is the first call's. ``training``: a backward follows."""
         n, me = self.axis.size, self.axis.index
         mine = counts.view(n, self.per_rank)
         rows_out = int(counts.sum() - mine[me].sum())
@@ -75,7 +75,7 @@ class Dispatch:
         recompute = torch._C._current_graph_task_id() != -1
         self.routed_bytes += cost.call_bytes(rows_out, rows_in, self.per_rank, n, self.width, sizes,
                                              backward=training and not recompute)
-        if not recompute:
+        if training and not recompute:  # (evaluation sends, and routes no training token)
             self.tokens += counts.cpu()
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ class Dispatch:
         expert = torch.arange(per, device=hidden.device).repeat(n).repeat_interleave(received)
         out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1))
         self.width = hidden.shape[-1]
-        if torch.is_grad_enabled():  # training (not the pipeline's traced forward, not evaluation)
+        if self.axis.stats.counting:  # (not set-up work: the pipeline's traced forward)
             self._count(counts, received, (hidden.element_size(), out.element_size()), rows.requires_grad)
         if rows.requires_grad:
             # Kept in the graph when no row came here (the experts' code returns a fresh zero tensor then): each

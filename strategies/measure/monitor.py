@@ -335,7 +335,7 @@ class StrategyMonitor(L.Callback):
         for layer, counts in routing["tokens"].items():
             total = self._tokens.setdefault(layer, [0] * len(counts))
             self._tokens[layer] = [a + b for a, b in zip(total, counts)]
-        self._routed.append((self.steps, routing["routed_bytes"] / max(steps, 1)))
+        self._routed.append((steps, routing["routed_bytes"]))
         return {"experts": {"tokens": routing["tokens"], "routed_bytes": routing["routed_bytes"] / max(steps, 1)}}
 
     def _saves(self, trainer: L.Trainer) -> dict[str, Any]:
@@ -410,7 +410,7 @@ class StrategyMonitor(L.Callback):
         if pipeline is not None:
             self.summary["pipeline"] = self._pipeline_summary(trainer, pipeline)
         if self._tokens:
-            self.summary["experts"] = routing_summary(self._tokens, self._routed, self.warmup_steps)
+            self.summary["experts"] = routing_summary(self._tokens, self._routed)
 
     def _finish_store(self, trainer: L.Trainer) -> None:
         stop_noting(self._sigterm)
@@ -509,14 +509,14 @@ def checkpoint_summary(strategy: Any) -> dict[str, Any] | None:
             "write_s": sum(writes) / len(writes) if writes else None}
 
 
-def routing_summary(tokens: dict[str, list[int]], routed: list[tuple[int, float]], warmup: int) -> dict[str, Any]:
+def routing_summary(tokens: dict[str, list[int]], routed: list[tuple[int, float]]) -> dict[str, Any]:
     """This rank's tokens per expert over the run, by layer; their imbalance (the busiest expert's tokens over the
-    mean, per layer: 1 is balanced, E the whole layer on one expert); the routed bytes per step after ``warmup``."""
-    after = [sent for step, sent in routed if step > warmup] or [sent for _, sent in routed]
+    mean, per layer: 1 is balanced, E the whole layer on one expert); the bytes the routing sent, per step over the
+    run (as ``comm_per_step``). ``routed``: (steps, bytes) of each record."""
+    steps = sum(n for n, _ in routed)
     imbalance = {layer: max(c) * len(c) / sum(c) for layer, c in tokens.items() if sum(c)}
-    return {"tokens": tokens, "imbalance": imbalance,
-            "imbalance_max": max(imbalance.values(), default=None),
-            "routed_bytes_per_step": sum(after) / len(after) if after else None}
+    return {"tokens": tokens, "imbalance": imbalance, "imbalance_max": max(imbalance.values(), default=None),
+            "routed_bytes_per_step": sum(sent for _, sent in routed) / steps if steps else None}
 
 
 def _strategy_label(trainer: L.Trainer) -> str:
