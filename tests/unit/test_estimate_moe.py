@@ -53,3 +53,18 @@ def test_balanced_all_to_all_is_the_cost_formula():
     assert got == pytest.approx(2 * per_block)
     with pytest.raises(ValueError, match="a dense model"):
         estimate(dataclasses.replace(shape, experts=0), "ep2", 2)
+
+
+def test_expert_states_per_rank_are_what_the_technique_keeps():
+    from strategies.comm import Axis, CommStats
+    from strategies.expert_parallel import ExpertParallel
+    from strategies.measure.estimate import stage_params
+
+    shape = ModelShape.from_config(dataclasses.asdict(CONFIG))
+    for ep in (2, 4):
+        model = GPT(CONFIG)
+        ExpertParallel(model, Axis("ep", None, tuple(range(ep)), ep - 1, CommStats()))  # (slices, sends nothing)
+        held = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        plan = ParallelPlan.parse(f"ep{ep}").resolve(ep)
+        assert held == stage_experts(shape, plan)[0] == 2 * 4 // ep * 2 * 32 * 128
+        assert sum(p.numel() for p in model.parameters()) == stage_params(shape, plan)[0]
