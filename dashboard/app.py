@@ -228,6 +228,13 @@ def _restarts(runs: list[dict]) -> None:
 def page_communication(runs: list[dict], rows: list[dict]) -> None:
     st.header("Communication by collective and axis")
     _chart(charts.comm_figure(data.comm_rows(runs)), "communication")
+    experts = data.expert_rows(runs)
+    if experts:
+        st.subheader("Expert parallel: load balance")
+        st.caption("Tokens each expert got, over the mean of its layer: the all-to-all's bytes and the busiest "
+                   "expert's work grow with the imbalance (`stratpack compare` prints the bytes measured beside those "
+                   "the routing implies and the estimator's balanced figure).")
+        _chart(charts.load_balance_figure(experts), "load-balance")
 
 
 def page_loss(runs: list[dict], rows: list[dict]) -> None:

@@ -90,6 +90,19 @@ def comm_figure(rows: list[dict[str, Any]]) -> go.Figure:
     return fig
 
 
+def load_balance_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """Each expert's tokens over its layer's mean (1: balanced), one group of bars per layer and run."""
+    fig = go.Figure()
+    for key in dict.fromkeys((r["run"], r["layer"]) for r in rows):
+        picked = [r for r in rows if (r["run"], r["layer"]) == key]
+        fig.add_bar(name=f"{key[0]}: {key[1]}", x=[f"expert {r['expert']}" for r in picked],
+                    y=[r["load"] for r in picked])
+    fig.add_hline(y=1.0, line_dash="dot")
+    fig.update_layout(barmode="group", title="Load balance: tokens per expert over the layer's mean (1: balanced)",
+                      yaxis_title="tokens / mean")
+    return fig
+
+
 def loss_figure(rows: list[dict[str, Any]], x: str = "step", restarts: list[dict[str, Any]] = ()) -> go.Figure:
     """Loss curves overlaid: runs of the same model and data should coincide. A run that restarted: its steps done
     again drawn apart, and a line where each restart resumed (`restart_lines`)."""

@@ -210,6 +210,25 @@ def comm_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def expert_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Expert parallel's load balance: each MoE layer's tokens per expert, summed over the steps and the ranks that
+    routed them (every rank's records; the ranks of a tp group route the same tokens, which scales a layer's experts
+    alike), and each expert's share over the layer's mean (1: balanced)."""
+    rows = []
+    for run in runs:
+        totals: dict[str, list[float]] = {}
+        for records in run["records"].values():
+            for record in records:
+                for layer, counts in ((record.get("experts") or {}).get("tokens") or {}).items():
+                    total = totals.setdefault(layer, [0.0] * len(counts))
+                    totals[layer] = [a + b for a, b in zip(total, counts)]
+        for layer, counts in totals.items():
+            mean = sum(counts) / len(counts) if counts else 0
+            rows += [{"run": label(run), "layer": layer, "expert": k, "tokens": n,
+                      "load": n / mean if mean else None} for k, n in enumerate(counts)]
+    return rows
+
+
 def loss_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-step losses (the global mean from the summary, else rank 0's) and wall time since the start."""
     rows = []

@@ -276,3 +276,20 @@ def test_a_restarted_run_is_one_run_with_its_restart_on_the_loss_and_throughput_
 def test_a_rank_the_launcher_stopped_with_sigterm_is_not_taken_for_the_cause(tmp_path):
     (entry,) = _restarted_run(tmp_path / "runs", mark_sigterm=True)["restarts"]
     assert entry["ranks"] == [0] and entry["cause"].startswith("rank 0 failed after step 3: CollectiveError")
+
+
+def test_an_expert_parallel_run_shows_its_load_balance(store):
+    writer = runstore.RunWriter(store, "r7-ep2", 0)
+    writer.write_meta({"run_id": "r7-ep2", "comparison": "cmp-test", "label": "ep2", "plan": "ep2", "world_size": 1,
+                       "devices": ["cpu"]})
+    for step, counts in ((1, [6, 2, 0, 0]), (2, [6, 2, 0, 0])):
+        writer.append({"step": step, "time": 100.0 + step, "step_time_s": 1.0, "loss": 1.0, "tokens_per_s": 10.0,
+                       "experts": {"tokens": {"blocks.0.mlp.experts": counts}, "routed_bytes": 64.0},
+                       "comm": {"all_to_all/ep": {"calls": 5, "bytes_sent": 64.0, "bytes_recv": 64.0, "wait_s": 0.0}}})
+    writer.finish({"losses": [1.0, 1.0], "comm_per_step": {"all_to_all/ep": {"bytes_sent": 64.0, "wait_s": 0.0}}})
+    runs = data.load_runs(store)[0]
+    rows = data.expert_rows([run for run in runs if run["id"] == "r7-ep2"])
+    assert [r["load"] for r in rows] == [3.0, 1.0, 0.0, 0.0]  # 12, 4, 0, 0 tokens over a mean of 4
+    at = _app("Communication")
+    titles = [f["layout"]["title"]["text"] for f in _figures(at)]
+    assert any(t.startswith("Load balance") for t in titles)

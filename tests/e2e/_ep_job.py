@@ -18,21 +18,26 @@ from tests.helpers import finish_job
 from tests.models import zoo
 
 STEPS, BATCH, LR = 2, 8, 0.5
-CASES = {2: [("gpt_moe", "ep2"), ("mixtral", "ep2"), ("qwen2_moe", "zero3_ep2")],
-         4: [("gpt_moe", "ep4"), ("mixtral", "zero3_ep2"), ("qwen2_moe", "ep4"), ("gpt_moe", "tp2_ep2"),
-             ("mixtral", "ep2_pp2_mb2"), ("gpt_moe", "zero1_ep2")],
-         8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2")]}
+# (model, plan, optimizer): plain SGD, and AdamW once (with activation checkpointing: the all-to-alls run again in
+# the recomputed forward).
+CASES = {2: [("gpt_moe", "ep2", "sgd"), ("mixtral", "ep2", "sgd"), ("qwen2_moe", "zero3_ep2", "sgd")],
+         4: [("gpt_moe", "ep4", "sgd"), ("mixtral", "zero3_ep2", "sgd"), ("qwen2_moe", "ep4", "sgd"),
+             ("gpt_moe", "tp2_ep2", "sgd"), ("mixtral", "ep2_pp2_mb2", "sgd"), ("gpt_moe", "zero1_ep2", "sgd"),
+             ("qwen2_moe", "zero2_ep2_ac", "adamw")],
+         8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2", "sgd")]}
 
 
 class MoeModule(L.LightningModule):
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, optimizer: str = "sgd") -> None:
         super().__init__()
-        self.net = zoo.build(name)
+        self.net, self.optimizer = zoo.build(name), optimizer
 
     def training_step(self, batch, index):
         return self.net.loss(batch[0])
 
     def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
@@ -40,10 +45,10 @@ def data() -> TensorDataset:
     return TensorDataset(torch.cat(zoo.batches(STEPS, batch=BATCH)))
 
 
-def reference(name: str) -> dict[str, torch.Tensor]:
+def reference(name: str, optimizer: str = "sgd") -> dict[str, torch.Tensor]:
     """One process, the whole batch per step: the batches Lightning's DistributedSampler gives (shuffled with seed 0,
     PL_GLOBAL_SEED=0: the data ranks' k-th batches together are the k-th slice of that permutation)."""
-    module = MoeModule(name)
+    module = MoeModule(name, optimizer)
     optimizer = module.configure_optimizers()
     ids = data().tensors[0]
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
@@ -54,8 +59,8 @@ def reference(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
 
-def fit(name: str, plan: str, world: int) -> dict[str, torch.Tensor]:
-    module = MoeModule(name)
+def fit(name: str, plan: str, optimizer: str, world: int) -> dict[str, torch.Tensor]:
+    module = MoeModule(name, optimizer)
     data_ranks = world // (2 if "tp2" in plan else 1) // (2 if "pp2" in plan else 1)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=plan, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
