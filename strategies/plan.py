@@ -154,6 +154,10 @@ class ParallelPlan:
         self._check_data_mode()
 
     def _check_data_mode(self) -> None:
+        if self.ep > 1 and self.sp:
+            raise ValueError(f"sp with ep{self.ep}: under sequence parallel each tp rank would route a different part "
+                             "of the sequence to experts that every tp rank holds whole, whose gradients would then "
+                             "need a sum over tp that the pack does not make yet; use tp without sp with ep")
         if self.ep > 1 and self.data is DataMode.NAIVE:
             raise ValueError(f"ep{self.ep} with naive: the parameter server sums every gradient on one rank, which "
                              "cannot hold the experts other ranks own; use dp or zero1-3 with ep")

@@ -162,6 +162,11 @@ class ModelShape:
         split over ``vocab_split``; without it the weight alone (its gradient, autocast's copy of it)."""
         return self.head(vocab_split) - self.norm() if bias else self.vocab // vocab_split * self.hidden
 
+    def active(self) -> int:
+        """The parameters a token runs through: all but the experts it was not sent to."""
+        unused = self.expert_params() * (self.experts - self.top_k) // self.experts if self.experts else 0
+        return self.total() - self.layers * unused
+
     def total(self) -> int:
         split, whole = self.block()
         if self.params is not None:

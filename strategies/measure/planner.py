@@ -67,7 +67,7 @@ class Ranked:
         """One line: what dominates the memory and the communication, and why the plan ranks where it does."""
         peak = max(self.estimate.memory, key=lambda m: sum(v for k, v in m.items() if k != "host"))
         memory_top = max((k for k in MEMORY_CATEGORIES if k != "host"), key=lambda k: peak[k])
-        comm = dict.fromkeys(("dp", "tp", "cp", "pp"), 0.0)
+        comm = dict.fromkeys(("dp", "tp", "cp", "pp", "ep"), 0.0)
         for key, nbytes in self.estimate.comm.items():
             comm[_axis_of(key)] += nbytes
         axis = max(comm, key=comm.get)
@@ -91,9 +91,9 @@ class Ranked:
 
 def _axis_of(key: str) -> str:
     """What a ``kind/axis`` key's bytes are for: the data group's reduction ("dp", over dp x cp too), cp's ring, tp,
-    pp."""
+    pp, ep's all-to-all (the experts' own reduction, over edp, is the data group's)."""
     kind, _, axis = key.partition("/")
-    return "cp" if kind == "send" and axis == "cp" else "dp" if axis in ("dp", "dp_cp", "cp") else axis
+    return "cp" if kind == "send" and axis == "cp" else "dp" if axis in ("dp", "dp_cp", "cp", "edp") else axis
 
 
 def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
@@ -103,7 +103,7 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         parts = costed_compute(shape, est, plan, hw)
     else:
         tokens = shape.batch * plan.dp * shape.seq  # the global batch's: cp ranks share their samples' tokens
-        per_token = 6 * shape.total() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
+        per_token = 6 * shape.active() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
         compute = per_token * tokens / hw.gpus / hw.flops
         parts = {"compute": compute, "recompute": compute / 3 if plan.ac else 0.0}  # ac: one more forward
     calls = collective_calls(shape, plan, est)
@@ -112,7 +112,8 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         parts[f"{axis} comm"] = 0.0
     for key, nbytes in est.comm.items():  # the data group's reduction partly hidden behind backward; the ring's not
         axis = _axis_of(key)
-        seconds = hw.seconds(key, nbytes, calls.get(key, 1), {"dp": plan.data_ranks, "tp": plan.tp}.get(axis, 2))
+        ranks = {"dp": plan.data_ranks, "tp": plan.tp, "ep": plan.ep}.get(axis, 2)
+        seconds = hw.seconds(key, nbytes, calls.get(key, 1), ranks)
         parts[f"{axis} comm"] = parts.get(f"{axis} comm", 0.0) + seconds * (1 - hidden if axis == "dp" else 1)
     # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
     # compute (a stage waits for its neighbour's whole microbatch, collectives included).
@@ -177,6 +178,8 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              # A pipeline's sends overlap the other stages' work: one hop per microbatch and chunk is on the
              # critical path, and the fill and the drain's hops, 2(pp-1)
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
+    if plan.ep > 1:  # per MoE block and microbatch: counts, rows out and back forward (again under recompute), two back
+        calls["all_to_all/ep"] = blocks * m * (6 if plan.ac else 5)
     if plan.cp > 1:  # the ring: n - 1 hops forward (again under recompute), n backward, per block and microbatch;
         #              the loss's mean once per training_step
         calls["send/cp"] = blocks * m * ((2 if plan.ac else 1) * (plan.cp - 1) + plan.cp)
@@ -186,17 +189,25 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
 
 def candidates(shape: ModelShape, gpus: int) -> list[str]:
     """Every plan worth trying on ``gpus``: data modes x tp (<= 8, dividing the heads) x cp (<= 8, its 2 x cp chunks
-    dividing the sequence) x pp x ac x offload."""
+    dividing the sequence) x pp x ep (a mixture of experts: dividing the experts and the data ranks) x ac x
+    offload."""
     out = []
     for tp in (t for t in (1, 2, 4, 8) if gpus % t == 0 and shape.heads % t == 0):
         for cp in (c for c in (1, 2, 4, 8) if (gpus // tp) % c == 0 and shape.seq % (2 * c) == 0):
             rest = gpus // tp // cp
             for pp in (p for p in range(1, rest + 1) if rest % p == 0 and p <= shape.layers):
-                model = ([f"tp{tp}", "sp"] if tp > 1 else []) + ([f"cp{cp}"] if cp > 1 else []) + (
-                    [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
-                out += [_candidate(data, model, ac, offload) for data in ("dp", "zero1", "zero2", "zero3")
-                        for ac in ("", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
+                for ep in _expert_degrees(shape, rest // pp * cp):
+                    model = ([f"tp{tp}"] + ([] if ep > 1 else ["sp"]) if tp > 1 else []) + (
+                        [f"cp{cp}"] if cp > 1 else []) + ([f"ep{ep}"] if ep > 1 else []) + (
+                        [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
+                    out += [_candidate(data, model, ac, offload) for data in ("dp", "zero1", "zero2", "zero3")
+                            for ac in ("", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
     return out
+
+
+def _expert_degrees(shape: ModelShape, data_ranks: int) -> list[int]:
+    """ep degrees to try: 1, and for a mixture of experts each power of two dividing the experts and the data ranks."""
+    return [1] + [e for e in (2, 4, 8, 16, 32, 64) if shape.experts and shape.experts % e == 0 and data_ranks % e == 0]
 
 
 def _candidate(data: str, model: list[str], ac: str, offload: str) -> str:

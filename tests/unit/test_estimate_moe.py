@@ -68,3 +68,18 @@ def test_expert_states_per_rank_are_what_the_technique_keeps():
         plan = ParallelPlan.parse(f"ep{ep}").resolve(ep)
         assert held == stage_experts(shape, plan)[0] == 2 * 4 // ep * 2 * 32 * 128
         assert sum(p.numel() for p in model.parameters()) == stage_params(shape, plan)[0]
+
+
+def test_planner_weighs_ep_for_a_mixture_of_experts():
+    from strategies.measure.planner import GiB, Hardware, candidates, rank_plans
+
+    shape = ModelShape(layers=8, hidden=1024, heads=16, seq=1024, vocab=32000, experts=8, top_k=2)
+    plans = candidates(shape, 8)
+    assert {"zero3_ep8", "dp_tp2_ep4", "zero1_ep2_pp2_mb8"} <= set(plans)
+    assert not any("_sp" in p and "_ep" in p for p in plans)  # refused together (`ParallelPlan`)
+    assert not any("_ep" in p for p in candidates(dataclasses.replace(shape, experts=0), 8))
+    ranked = {r.label: r for r in rank_plans(shape, Hardware(gpus=8, memory=80 * GiB), global_batch=8)}
+    ep8 = ranked["zero3_ep8"]
+    assert ep8.estimate.comm["all_to_all/ep"] > 0 and ep8.parts["ep comm"] > 0
+    # Under dp (no ZeRO) ep8 holds 1/8 of the experts: less state than dp itself
+    assert ranked["dp_ep8"].estimate.states[0]["params"] < ranked["dp"].estimate.states[0]["params"]
