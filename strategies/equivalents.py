@@ -29,6 +29,7 @@ PEERS = {
     "deepspeed3": "zero3",
     "fsdp2": "zero3",
     "dtensor_tp": "tp",
+    "deepspeed_moe": "ep",
 }
 
 

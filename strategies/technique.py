@@ -4,8 +4,8 @@ A technique splits the model, its gradients or its optimizer state over one axis
 gradient sync, ZeRO, tensor parallel, the pipeline), or changes how the model runs (activation checkpointing).
 The strategy applies them in one order, which is the order of its list:
 
-    context parallel -> tensor parallel -> activation checkpointing -> pipeline -> data parallel or ZeRO (which
-    shards the optimizer)
+    context parallel -> tensor parallel -> expert parallel -> activation checkpointing -> pipeline -> data parallel or
+    ZeRO (which shards the optimizer)
 
 Whatever goes towards the single-process layout walks the list backwards, each technique undoing its own split
 of what the one after it handed over: saving the model and optimizer state, the gradients clipping sees, the

@@ -29,6 +29,7 @@ PAIRS = {
     "zero3-fsdp2": ("zero3", "fsdp2"),
     "tp": ("tp", "dtensor_tp"),
     **{f"pp-{s}": (f"pp_{s}", f"torch_pp_{s}") for s in PIPELINE_SCHEDULES},
+    "ep": ("ep", "deepspeed_moe"),  # the demo GPT's MoE (--experts; default 2 per rank), experts over every rank
 }
 
 # Every rank works on the same batch: tensor-parallel peers, and pipeline stages (one batch flows through).
@@ -50,6 +51,16 @@ class BenchConfig:
     lr: float = 1e-3
     seed: int = 0
     workload: str = "gpt"
+    experts: int = 0  # the demo GPT's MLPs as a mixture of this many experts (0: dense; the ep pair: 2 per rank)
+    top_k: int = 2
+
+
+def pair_config(ours: str, cfg: BenchConfig) -> BenchConfig:
+    """``cfg`` for the pair whose side is ``ours``: the ep pair trains a mixture of experts, 2 per rank unless
+    ``--experts`` says."""
+    if ours == "ep" and not cfg.experts:
+        return BenchConfig(**{**asdict(cfg), "experts": 2 * cfg.world_size})
+    return cfg
 
 
 def plan_of(impl: str, world_size: int) -> str:
@@ -181,7 +192,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio")
     p.add_argument("--pairs", default=None, help=f"comma-separated comparisons (default: all of {', '.join(PAIRS)})")
     p.add_argument("--repeat", type=int, default=5, help="pairs of runs per comparison")
-    for name in ("world_size", "steps", "n_layer", "n_embd", "seq_len", "batch_per_rank"):
+    for name in ("world_size", "steps", "n_layer", "n_embd", "seq_len", "batch_per_rank", "experts", "top_k"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps of each run not timed")
     p.add_argument("--workload", default=defaults.workload, help="a registered workload or module:object")
@@ -203,14 +214,15 @@ def command(args: argparse.Namespace) -> int:
         return 2
     cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps,
                       n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len,
-                      batch_per_rank=args.batch_per_rank, workload=args.workload)
+                      batch_per_rank=args.batch_per_rank, workload=args.workload, experts=args.experts,
+                      top_k=args.top_k)
     results = []
     for ours, peer in (PAIRS[name] for name in names):
         if not available(peer):
             results.append({"ours": ours, "peer": peer, "skipped": f"{peer} is not installed"})
             continue
         print(f"bench {ours} vs {peer}: {args.repeat} pairs of runs...", file=sys.stderr, flush=True)
-        results.append(run_pair(ours, peer, cfg, pairs=args.repeat))
+        results.append(run_pair(ours, peer, pair_config(ours, cfg), pairs=args.repeat))
     print(describe(cfg) + "\n\n" + bench_report.format_report(results))
     for path in args.report or []:
         bench_report.write_report(results, describe(cfg), path)

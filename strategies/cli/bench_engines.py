@@ -112,7 +112,80 @@ def plan_of(impl: str, world_size: int) -> str:
     if base.startswith("pp_"):
         return pipeline_plan(base[3:], world_size)
     twin = PEERS.get(impl, impl)
-    return f"tp{world_size}" if twin == "tp" else twin
+    return f"{twin}{world_size}" if twin in ("tp", "ep") else twin
+
+
+def ours_expert_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """Every rank on the ep axis: each MoE layer's experts split over all of them, the rest our DDP over all."""
+    from strategies.data_parallel import BucketedDataParallel
+    from strategies.expert_parallel import ExpertParallel
+
+    experts = ExpertParallel(model, _world_axis("ep")).expert_names()
+    sync = BucketedDataParallel(model, _world_axis("dp"), include=lambda name: name not in experts)
+    opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        workload.loss(model(x), y).backward()
+        sync.finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def deepspeed_moe(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """DeepSpeed-MoE in place of the demo GPT's MoE layers: the same router and experts' weights (each rank its E/n,
+    as ours), dropless (``drop_tokens=False``), in DeepSpeed's engine (ZeRO off). Not the same arithmetic: DeepSpeed's
+    top-2 gate draws the second expert from Gumbel-noised logits in training; the speed pair compares the layer's
+    work, not its numbers."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+
+    _deepspeed_ranks()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for block in model.blocks:
+        block.mlp = _DeepSpeedMoE(block.mlp, MoE, world, rank)
+    config = {"train_micro_batch_size_per_gpu": cfg.batch_per_rank, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**9}
+    opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        engine.backward(workload.loss(engine(x), y))
+        engine.step()
+    return step
+
+
+class _DeepSpeedMoE(nn.Module):
+    """DeepSpeed's MoE layer holding ``ours``' (`demos.gpt.MoE`) gate and this rank's experts, returning its output
+    only (its load-balancing loss is left out, as ours trains without one)."""
+
+    def __init__(self, ours: nn.Module, moe_class: type, world: int, rank: int) -> None:
+        super().__init__()
+        width, experts = ours.gate.in_features, ours.experts.num_experts
+        expert = nn.Sequential(nn.Linear(width, 4 * width, bias=False), nn.GELU(), nn.Linear(4 * width, width,
+                                                                                             bias=False))
+        self.moe = moe_class(hidden_size=width, expert=expert, num_experts=experts, ep_size=world, k=ours.top_k,
+                             drop_tokens=False, use_rts=False)
+        per = experts // world
+        with torch.no_grad():
+            self.moe.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
+            for k, local in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                local[0].weight.copy_(ours.experts.fc[rank * per + k])
+                local[2].weight.copy_(ours.experts.proj[rank * per + k])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)[0]
+
+
+def _deepspeed_ranks() -> None:
+    """DeepSpeed reads its ranks from the launcher's environment; run_ranks started the group itself."""
+    import deepspeed
+
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
+                      WORLD_SIZE=str(dist.get_world_size()))
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def torch_ddp(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
@@ -154,10 +227,7 @@ def deepspeed_zero(stage: int) -> Callable[..., Step]:
     def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
         import deepspeed
 
-        # DeepSpeed reads its ranks from the launcher's environment; run_ranks started the group itself.
-        os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
-                          WORLD_SIZE=str(dist.get_world_size()))
-        deepspeed.init_distributed(dist_backend="gloo")
+        _deepspeed_ranks()
         config = {"train_micro_batch_size_per_gpu": cfg.batch_per_rank, "gradient_accumulation_steps": 1,
                   "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
         opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
@@ -211,7 +281,8 @@ ENGINES: dict[str, Callable[..., Step]] = {
     "dp": ours_data_parallel(0), "zero1": ours_data_parallel(1), "zero2": ours_data_parallel(2),
     "zero3": ours_data_parallel(3), "tp": ours_tensor_parallel,
     "torch_ddp": torch_ddp, "fsdp2": fsdp2, "dtensor_tp": dtensor_tp, "deepspeed1": deepspeed_zero(1),
-    "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3),
+    "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3), "ep": ours_expert_parallel,
+    "deepspeed_moe": deepspeed_moe,
     **{f"pp_{s}": ours_pipeline(s) for s in PIPELINE_SCHEDULES},
     **{f"torch_pp_{s}": torch_pipeline(s) for s in PIPELINE_SCHEDULES},
 }

@@ -13,6 +13,7 @@ NAMES = {
     "dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "tp": "tp", "pp_1f1b": "pp 1F1B",
     "pp_gpipe": "pp GPipe", "pp_interleaved": "pp interleaved", "torch_ddp": "torch DDP",
     "deepspeed1": "DeepSpeed ZeRO-1", "deepspeed2": "DeepSpeed ZeRO-2", "deepspeed3": "DeepSpeed ZeRO-3",
+    "deepspeed_moe": "DeepSpeed-MoE",
     "fsdp2": "torch FSDP2", "dtensor_tp": "torch DTensor TP", "torch_pp_1f1b": "torch Schedule1F1B",
     "torch_pp_gpipe": "torch ScheduleGPipe", "torch_pp_interleaved": "torch ScheduleInterleaved1F1B",
     "pp_zb1p": "pp ZB-H1", "pp_zbv": "pp ZB-V", "pp_dualpipev": "pp DualPipeV",

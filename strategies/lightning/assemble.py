@@ -208,6 +208,18 @@ def gradient_sync(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: 
                                 ring=options.ring_all_reduce, include=dense)
 
 
+def gradient_syncs(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh: ParallelMesh,
+                   options: PlanOptions, techniques: list[Technique], fp16_scaler: bool,
+                   deferred: Deferred | None = None) -> list[GradSync]:
+    """`gradient_sync` for the parameters the ``techniques`` applied leave to the data-parallel ranks, and under `dp`
+    `expert_sync` for those expert parallel split (ZeRO shards them over their own axis itself)."""
+    experts = {name for t in techniques if isinstance(t, ExpertParallel) for name in t.expert_names()}
+    syncs = [gradient_sync(model, optimizers, plan, mesh, options, fp16_scaler, deferred, experts)]
+    if experts and not plan.data.is_zero:
+        syncs.append(expert_sync(model, mesh, options, experts))
+    return syncs
+
+
 def expert_sync(model: nn.Module, mesh: ParallelMesh, options: PlanOptions, experts: set[str]) -> GradSync:
     """Under `dp`, the experts' gradients averaged over the ranks that hold the same experts (`ParallelMesh.edp`).
     An expert no token chose on any of them keeps no gradient, as in one process (an unused-parameter check would

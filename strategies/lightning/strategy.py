@@ -38,7 +38,6 @@ from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import Deferred, has_meta_parameters, leave_in_slices, refuse_left_in_slices
-from strategies.expert_parallel import ExpertParallel
 from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.auto_resume import AutoResume, agree
@@ -267,11 +266,9 @@ class PlanStrategy(ParallelStrategy):
 
     def _add_grad_sync(self) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None) is not None
-        experts = {name for t in self.techniques if isinstance(t, ExpertParallel) for name in t.expert_names()}
-        self._adopt(assemble.gradient_sync(self.model, self.optimizers, self.resolved_plan, self.mesh, self.options,
-                                           fp16_scaler=scaler, deferred=self._deferred, experts=experts))
-        if experts and not self.resolved_plan.data.is_zero:  # (ZeRO shards them over their own axis itself)
-            self._adopt(assemble.expert_sync(self.model, self.mesh, self.options, experts))
+        for sync in assemble.gradient_syncs(self.model, self.optimizers, self.resolved_plan, self.mesh, self.options,
+                                            self.techniques, fp16_scaler=scaler, deferred=self._deferred):
+            self._adopt(sync)
         self._deferred = None  # everything is made
         # Lightning clips by norm in the precision plugin, over the optimizer's params (here shards, slices or
         # one stage's): this instance's clip-by-norm takes the whole model's norm across the mesh instead.

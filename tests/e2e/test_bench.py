@@ -72,3 +72,16 @@ def test_records_thin_out_geometrically_for_long_runs():
     assert kept[1000:1003] == [1002, 1004, 1006] and 4008 in kept and 4004 not in kept
     assert len(kept) == 2625  # 1000 + 500 + 500 + 625 (4001..10000 every 8th)
     assert sum(keep_record(s) for s in range(1, 1_000_001)) < 6000  # a million steps: under 6,000 records
+
+
+def test_the_expert_parallel_side_of_its_pair_trains_and_is_predicted():
+    """The ep pair's own side (the peer, DeepSpeed-MoE, runs where DeepSpeed is installed: not in CI): the demo GPT's
+    MoE, 2 experts per rank, its estimate that of `ep2`."""
+    from strategies.cli.bench import BenchConfig, _train, pair_config, predict
+    from strategies.testing import run_ranks
+
+    cfg = pair_config("ep", BenchConfig(steps=2, warmup_steps=1, n_layer=2, n_embd=32, seq_len=16, batch_per_rank=4))
+    assert cfg.experts == 4 and plan_of("deepspeed_moe", 2) == "ep2"
+    ranks = run_ranks(_train, 2, "ep", cfg, timeout_s=120)
+    assert all(r["tokens_per_s"] > 0 for r in ranks)
+    assert predict("ep", cfg)["comm"]["all_to_all/ep"] > 0
