@@ -14,7 +14,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from strategies import comm
 from strategies.comm import Axis
+from strategies.expert_parallel import balance
 from strategies.expert_parallel.detect import find_experts
 from strategies.expert_parallel.dispatch import Dispatch
 from strategies.technique import HeldGrad, OptimizerState, Technique
@@ -24,9 +26,13 @@ from strategies.tensor_parallel.plans import ParamSplit
 
 class ExpertParallel(Technique):
     """The experts of ``model``'s MoE layers split over ``axis`` (ep); ``sharded``: ZeRO holds their gradients (as
-    disjoint shards over the data axis, which counts each expert once), else each rank holds its experts' whole."""
+    disjoint shards over the data axis, which counts each expert once), else each rank holds its experts' whole.
+    ``data``: the data ranks (dp x cp), over which a Hugging Face router's load-balancing loss is computed."""
 
-    def __init__(self, model: nn.Module, axis: Axis, sharded: bool = False) -> None:
+    def __init__(self, model: nn.Module, axis: Axis, sharded: bool = False, data: Axis | None = None) -> None:
+        if comm.rehearsing():  # the exchange's split sizes are values other ranks send, which a rehearsal lacks
+            raise ValueError("expert parallel cannot be rehearsed yet: how many rows each all-to-all carries depends "
+                             "on the other ranks' routing; estimate it instead (`stratpack plan`)")
         self.axis, self.sharded, self.module = axis, sharded, model
         self.layers = find_experts(model)
         if not self.layers:
@@ -38,6 +44,8 @@ class ExpertParallel(Technique):
         self._hooks = []
         for name, experts in self.layers.items():
             self._split(name, experts)
+        # the router's load-balancing loss over every data rank's tokens (`balance`)
+        self._balance = balance.install(model, data) if data is not None and data.size > 1 else []
 
     def _split(self, name: str, experts: nn.Module) -> None:
         total, n, i = experts.num_experts, self.axis.size, self.axis.index
@@ -100,6 +108,8 @@ class ExpertParallel(Technique):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        balance.restore(self._balance)
+        self._balance = []
         if healthy:  # the user gets their whole experts back
             full = self.full_model_state({n: p.detach() for n, p in self.module.named_parameters()
                                           if n in self.splits})

@@ -56,7 +56,7 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
             techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred))
     broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     if plan.ep > 1:  # after the broadcast (each ep rank keeps its own experts) and tensor parallel's set-up proof
-        techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero))
+        techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero, data=mesh.data))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks)),
                                                   model))
@@ -85,6 +85,17 @@ def check_optimization(module: Any, plan: ParallelPlan) -> None:
             "pipeline parallel runs each microbatch's forward and backward inside its schedule, so manual "
             "optimization (automatic_optimization = False) cannot run under it: use automatic optimization, or a "
             "plan without pp")
+
+
+def check_router_loss(module: Any, plan: ParallelPlan) -> None:
+    """A Hugging Face MoE model with ``output_router_logits`` adds a load-balancing loss from every layer's router
+    logits at its head, which under pipeline parallel holds only its own stage's layers."""
+    configs = [getattr(m, "config", None) for m in module.modules()]
+    if plan.pp > 1 and any(getattr(c, "output_router_logits", False) for c in configs):
+        raise ValueError(
+            "pipeline parallel with a router load-balancing loss (output_router_logits=True): the last stage would "
+            "compute it from its own layers' routers only. Set output_router_logits=False under pp, or a plan "
+            "without pp")
 
 
 def traced_pipeline(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, options: PlanOptions,

@@ -196,6 +196,7 @@ class PlanStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         assemble.check_precision(self.precision_plugin, self.resolved_plan)
         assemble.check_optimization(self.lightning_module, self.resolved_plan)
+        assemble.check_router_loss(self.lightning_module, self.resolved_plan)
         self.precision_plugin.convert_module(self.model)
         # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
         meta = has_meta_parameters(self.model)

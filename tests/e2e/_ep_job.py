@@ -20,10 +20,10 @@ from tests.models import zoo
 STEPS, BATCH, LR = 2, 8, 0.5
 # (model, plan, optimizer): plain SGD, and AdamW once (with activation checkpointing: the all-to-alls run again in
 # the recomputed forward).
-CASES = {2: [("gpt_moe", "ep2", "sgd"), ("mixtral", "ep2", "sgd"), ("qwen2_moe", "zero3_ep2", "sgd")],
+CASES = {2: [("gpt_moe", "ep2", "sgd"), ("mixtral_aux", "ep2", "sgd"), ("qwen2_moe", "zero3_ep2", "sgd")],
          4: [("gpt_moe", "ep4", "sgd"), ("mixtral", "zero3_ep2", "sgd"), ("qwen2_moe", "ep4", "sgd"),
              ("gpt_moe", "tp2_ep2", "sgd"), ("mixtral", "ep2_pp2_mb2", "sgd"), ("gpt_moe", "zero1_ep2", "sgd"),
-             ("qwen2_moe", "zero2_ep2_ac", "adamw")],
+             ("qwen2_moe", "zero2_ep2_ac", "adamw"), ("mixtral_aux", "zero1_ep2", "sgd")],
          8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2", "sgd")]}
 
 

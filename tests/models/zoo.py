@@ -247,6 +247,11 @@ def mixtral():
     return _llama_like("MixtralConfig", "MixtralForCausalLM", num_local_experts=EXPERTS, num_experts_per_tok=2)
 
 
+def mixtral_aux():  # with the router's load-balancing loss in the loss (Switch Transformer's, 0.1 of it)
+    return _llama_like("MixtralConfig", "MixtralForCausalLM", num_local_experts=EXPERTS, num_experts_per_tok=2,
+                       output_router_logits=True, router_aux_loss_coef=0.1)
+
+
 def qwen2_moe():  # plus a shared expert beside the routed ones, gated by a sigmoid
     return _llama_like("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=2,
                        moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, decoder_sparse_step=1,
@@ -272,7 +277,7 @@ def gpt_moe():
     return GptMoe()
 
 
-MOE = {f.__name__: f for f in (mixtral, qwen2_moe, gpt_moe)}
+MOE = {f.__name__: f for f in (mixtral, mixtral_aux, qwen2_moe, gpt_moe)}
 MODELS = {f.__name__: f for f in (llama, llama_tied, llama_gqa, qwen2, mistral, phi3, gpt2, opt, gpt_neox, gptj,
                                   nanogpt, head_first)}
 # nanoGPT as users change it (tensor parallel only): trained equal to one process, or refused naming the module.
