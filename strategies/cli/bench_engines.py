@@ -138,23 +138,13 @@ def deepspeed_moe(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -
     as ours), dropless (``drop_tokens=False``), in DeepSpeed's engine (ZeRO off). Not the same arithmetic: DeepSpeed's
     top-2 gate draws the second expert from Gumbel-noised logits in training; the speed pair compares the layer's
     work, not its numbers."""
-    import deepspeed
     from deepspeed.moe.layer import MoE
 
     _deepspeed_ranks()
     rank, world = dist.get_rank(), dist.get_world_size()
     for block in model.blocks:
         block.mlp = _DeepSpeedMoE(block.mlp, MoE, world, rank)
-    config = {"train_micro_batch_size_per_gpu": cfg.batch_per_rank, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9}
-    opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-
-    def step(batch: Any) -> None:
-        x, y = batch
-        engine.backward(workload.loss(engine(x), y))
-        engine.step()
-    return step
+    return _deepspeed_step(workload, model, cfg, opt_kwargs, {})
 
 
 class _DeepSpeedMoE(nn.Module):
@@ -225,20 +215,25 @@ def dtensor_tp(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> S
 
 def deepspeed_zero(stage: int) -> Callable[..., Step]:
     def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
-        import deepspeed
-
         _deepspeed_ranks()
-        config = {"train_micro_batch_size_per_gpu": cfg.batch_per_rank, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
-        opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-
-        def step(batch: Any) -> None:
-            x, y = batch
-            engine.backward(workload.loss(engine(x), y))
-            engine.step()
-        return step
+        return _deepspeed_step(workload, model, cfg, opt_kwargs, {"zero_optimization": {"stage": stage}})
     return build
+
+
+def _deepspeed_step(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict, extra: dict) -> Step:
+    """``model`` in DeepSpeed's engine (its config plus ``extra``), AdamW, one step per batch."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": cfg.batch_per_rank, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**9, **extra}
+    opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        engine.backward(workload.loss(engine(x), y))
+        engine.step()
+    return step
 
 
 def torch_pipeline(schedule: str) -> Callable[..., Step]:
