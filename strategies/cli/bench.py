@@ -172,16 +172,19 @@ def predict(impl: str, cfg: BenchConfig) -> dict | None:
                        cfg.batch_per_rank * replicas(impl, cfg.world_size), accelerator="cpu")  # gloo ranks, as run
 
 
-def describe(cfg: BenchConfig) -> str:
+def describe(cfg: BenchConfig, names: tuple[str, ...] = ()) -> str:
     from strategies.cli.bench_engines import microbatches
 
+    experts = pair_config("ep", cfg) if "ep" in names or cfg.experts else None
+    moe = (f" The MLPs are a mixture of {experts.experts} experts, top {experts.top_k}"
+           f"{' (the ep pair)' if not cfg.experts else ''}." if experts else "")
     return (f"Workload {cfg.workload!r} {cfg.n_layer} layers x {cfg.n_embd} wide, sequence {cfg.seq_len}, "
             f"{cfg.batch_per_rank} samples per rank (tp/pp: one batch of {cfg.batch_per_rank} through all ranks, "
             f"{microbatches(cfg.world_size)} microbatches), AdamW, {cfg.world_size} gloo ranks on CPU; {cfg.steps} "
             f"steps per run, the first {cfg.warmup_steps} not timed; tokens/s is the median over pairs of runs in "
             f"alternating order, the ratio the median of the per-pair ratios ours/peer; peak MiB is each rank's most "
             f"heap in use above what it held before the model was built (glibc, sampled every 0.2 ms; median of "
-            f"{MEMORY_RUNS} runs of {MEMORY_STEPS} steps), beside the estimator's model states + activations.")
+            f"{MEMORY_RUNS} runs of {MEMORY_STEPS} steps), beside the estimator's model states + activations.{moe}")
 
 
 # -- the command line ---------------------------------------------------------------------------------------
@@ -223,9 +226,9 @@ def command(args: argparse.Namespace) -> int:
             continue
         print(f"bench {ours} vs {peer}: {args.repeat} pairs of runs...", file=sys.stderr, flush=True)
         results.append(run_pair(ours, peer, pair_config(ours, cfg), pairs=args.repeat))
-    print(describe(cfg) + "\n\n" + bench_report.format_report(results))
+    print(describe(cfg, tuple(names)) + "\n\n" + bench_report.format_report(results))
     for path in args.report or []:
-        bench_report.write_report(results, describe(cfg), path)
+        bench_report.write_report(results, describe(cfg, tuple(names)), path)
         print(f"report: {path}")
     if args.out:
         with open(args.out, "w") as f:
