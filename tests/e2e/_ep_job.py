@@ -1,7 +1,8 @@
-"""Expert parallel (#48) through the Trainer: ``python _ep_job.py OUT WORLD [plant]``. Each case trains a tiny MoE
-model of the zoo (Mixtral, Qwen2-MoE, the demo GPT's MoE) for 2 steps with plain SGD (no momentum, no clipping) in
-fp32; rank 0 saves the final parameters (whole again after fit). Lightning's popen launcher re-runs this script
-for the other ranks. ``plant``: the return all-to-all's order broken on purpose (`PLANT`)."""
+"""Expert parallel (#48) through the Trainer: ``python _ep_job.py OUT WORLD [plant]``. Each case trains a tiny MoE model
+of the zoo (Mixtral, with and without its aux loss, Qwen2-MoE, Qwen3-MoE, OLMoE, the demo GPT's MoE) for 2 steps with
+plain SGD (no momentum, no clipping) in fp32; rank 0 saves the final parameters (whole again after fit). Lightning's
+popen launcher re-runs this script for the other ranks. ``plant``: the return all-to-all's order broken on purpose
+(`PLANT`)."""
 
 import contextlib
 import itertools
@@ -20,10 +21,11 @@ from tests.models import zoo
 STEPS, BATCH, LR = 2, 8, 0.5
 # (model, plan, optimizer): plain SGD, and AdamW once (with activation checkpointing: the all-to-alls run again in
 # the recomputed forward).
-CASES = {2: [("gpt_moe", "ep2", "sgd"), ("mixtral_aux", "ep2", "sgd"), ("qwen2_moe", "zero3_ep2", "sgd")],
+CASES = {2: [("gpt_moe", "ep2", "sgd"), ("mixtral_aux", "ep2", "sgd"), ("qwen2_moe", "zero3_ep2", "sgd"),
+             ("qwen3_moe", "ep2", "sgd")],
          4: [("gpt_moe", "ep4", "sgd"), ("mixtral", "zero3_ep2", "sgd"), ("qwen2_moe", "ep4", "sgd"),
              ("gpt_moe", "tp2_ep2", "sgd"), ("mixtral", "ep2_pp2_mb2", "sgd"), ("gpt_moe", "zero1_ep2", "sgd"),
-             ("qwen2_moe", "zero2_ep2_ac", "adamw"), ("mixtral_aux", "zero1_ep2", "sgd")],
+             ("qwen2_moe", "zero2_ep2_ac", "adamw"), ("mixtral_aux", "zero1_ep2", "sgd"), ("olmoe", "ep4", "sgd")],
          8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2", "sgd")]}
 
 

@@ -1,9 +1,9 @@
-"""Expert parallel (#48) through the Trainer equal to one process: tiny Mixtral, Qwen2-MoE (a shared expert beside the
-routed ones) and the demo GPT's MoE, 4 experts, top 2, fp32, plain SGD without momentum or clipping (and AdamW once,
-with activation checkpointing), 2 steps
-(`_ep_job.CASES`): `ep2` at 2 ranks and `ep4` at 4 (each rank the whole ep group), `zero3_ep2` at 2 (experts
-unsharded: one rank per expert group) and at 4 (experts ZeRO-sharded over the 2 ranks that hold them), `zero1_ep2`,
-`tp2_ep2` (routers and experts whole on each tp rank), `ep2_pp2_mb2`, and at 8 ranks dp, ep, tp and pp together.
+"""Expert parallel (#48) through the Trainer equal to one process: tiny Mixtral (with its router's aux loss too),
+Qwen2-MoE (a shared expert beside the routed ones), Qwen3-MoE, OLMoE and the demo GPT's MoE, 4 experts, top 2, fp32,
+plain SGD without momentum or clipping (and AdamW once, with activation checkpointing), 2 steps (`_ep_job.CASES`):
+`ep2` at 2 ranks and `ep4` at 4 (each rank the whole ep group), `zero3_ep2` at 2 (experts unsharded: one rank per
+expert group) and at 4 (experts ZeRO-sharded over the 2 ranks that hold them), `zero1_ep2`, `tp2_ep2` (routers and
+experts whole on each tp rank), `ep2_pp2_mb2`, and at 8 ranks dp, ep, tp and pp together.
 
 Tolerance: parameters to 1e-6 absolute (AdamW: 1e-4); they move by up to ~5e-2 and the runs differ only in the order
 of sums (observed <= 6e-8). Planted: the return all-to-all giving each sender's rows back reversed

@@ -258,6 +258,16 @@ def qwen2_moe():  # plus a shared expert beside the routed ones, gated by a sigm
                        norm_topk_prob=False)
 
 
+def olmoe():  # OLMoE: q/k norms, 4 experts top 2 (aux loss off)
+    return _llama_like("OlmoeConfig", "OlmoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=2,
+                       output_router_logits=False)
+
+
+def qwen3_moe():
+    return _llama_like("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=2,
+                       moe_intermediate_size=WIDTH, decoder_sparse_step=1, head_dim=WIDTH // HEADS)
+
+
 class GptMoe(nn.Module):
     """The demo GPT with its MoE option, behind ``loss(ids)``."""
 
@@ -277,7 +287,7 @@ def gpt_moe():
     return GptMoe()
 
 
-MOE = {f.__name__: f for f in (mixtral, mixtral_aux, qwen2_moe, gpt_moe)}
+MOE = {f.__name__: f for f in (mixtral, mixtral_aux, qwen2_moe, qwen3_moe, olmoe, gpt_moe)}
 MODELS = {f.__name__: f for f in (llama, llama_tied, llama_gqa, qwen2, mistral, phi3, gpt2, opt, gpt_neox, gptj,
                                   nanogpt, head_first)}
 # nanoGPT as users change it (tensor parallel only): trained equal to one process, or refused naming the module.
