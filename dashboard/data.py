@@ -218,7 +218,7 @@ def expert_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         totals: dict[str, list[float]] = {}
         for records in run["records"].values():
-            for record in records:
+            for record in (r for r in records if not r.get("redone")):  # (a step done again after a restart: once)
                 for layer, counts in ((record.get("experts") or {}).get("tokens") or {}).items():
                     total = totals.setdefault(layer, [0.0] * len(counts))
                     totals[layer] = [a + b for a, b in zip(total, counts)]

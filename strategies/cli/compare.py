@@ -159,7 +159,7 @@ def expert_lines(results: list[dict[str, Any]]) -> str:
               f"{'meas/bal':>10}{'imbalance':>11}")
     lines = ["", header, "-" * len(header)]
     for r in rows:
-        measured = comm_bytes_per_step(r, "ep")
+        measured = (r.get("comm_per_step") or {}).get("all_to_all/ep", {}).get("bytes_sent")
         routed = r["experts"].get("routed_bytes_per_step")
         balanced = ((r.get("predicted") or {}).get("comm") or {}).get("all_to_all/ep")
         kib = [_fmt(v / 1024 if v else None, ",.1f") for v in (measured, routed, balanced)]

@@ -18,6 +18,7 @@ hang or of silently wrong sums) raises `CollectiveMismatch` naming every rank's 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -35,7 +36,9 @@ def _check_same(record: CallRecord, axis: Axis) -> None:
     """Debug mode: every rank of ``axis`` must be issuing the same collective (kind and shapes) as its n-th
     collective on that axis (numbered in the message)."""
     RECORDER.collectives[axis.name] += 1
-    mine = (RECORDER.collectives[axis.name], record.op, record.shapes, record.dtype, record.peer)
+    # an all-to-all's row counts differ by rank by design: its rows' shape is what must agree
+    shapes = tuple(s[1:] for s in record.shapes) if record.op == Op.ALL_TO_ALL.value else record.shapes
+    mine = (RECORDER.collectives[axis.name], record.op, shapes, record.dtype, record.peer)
     theirs: list[Any] = [None] * axis.size
     try:  # directly, not through all_gather_object: the check is not a call of its own in the recorder
         dist.all_gather_object(theirs, mine, group=axis.group)
@@ -271,7 +274,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, axis: Axis, output_spl
     if axis.size == 1:
         output.copy_(input)
         return
-    row = input[:1].numel() * input.element_size() if input.dim() else input.element_size()
+    row = math.prod(input.shape[1:]) * input.element_size()  # (of an empty input too)
     me = axis.index
     sent = row * (sum(input_splits) - input_splits[me])
     recv = row * (sum(output_splits) - output_splits[me])

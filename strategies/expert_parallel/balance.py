@@ -46,17 +46,17 @@ def _over(axis: Axis):
         if gate_logits is None or not isinstance(gate_logits, tuple):
             return 0
         device = gate_logits[0].device
-        counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=device)  # per expert, then the tokens
+        counts = torch.zeros(num_experts + 1, dtype=torch.float64, device=device)  # per expert, then the tokens
         probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
         for layer_gate in gate_logits:
             weights = torch.nn.functional.softmax(layer_gate.to(device), dim=-1)
             _, chosen = torch.topk(weights, top_k, dim=-1)
-            mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32) if attention_mask is not None \
-                else torch.ones(weights.shape[0], dtype=torch.float32, device=device)
+            mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float64) if attention_mask is not None \
+                else torch.ones(weights.shape[0], dtype=torch.float64, device=device)
             counts[:-1].scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
             counts[-1] += mask.sum()
-            probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+            probs = probs + (weights.float() * mask.float().unsqueeze(-1)).sum(dim=0)
         comm.all_reduce(counts, axis)  # the step's tokens, over every data rank
-        share, tokens = counts[:-1] / counts[-1], counts[-1]
+        share, tokens = (counts[:-1] / counts[-1]).float(), counts[-1].float()  # (float64: counts exact past 2**24)
         return axis.size * num_experts * torch.sum(share * probs / tokens)
     return load_balancing_loss_func

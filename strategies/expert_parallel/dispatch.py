@@ -12,7 +12,7 @@ Per call, with E experts split over n ranks (rank j holds experts [j E/n, (j+1) 
 
 No capacity factor: every token reaches every expert it chose, so each rank computes what one process computes for
 its tokens. The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`), run on every
-rank whether or not its experts got a row.
+rank whether or not its experts got a row (`Dispatch._link`).
 """
 
 from __future__ import annotations
@@ -49,14 +49,24 @@ def exchange(rows: torch.Tensor, axis: Axis, output_splits: list[int], input_spl
 
 class Dispatch:
     """Runs the experts of one layer across ``axis``: ``local(rows, expert_index, weights)`` is the model's own expert
-    forward over this rank's ``experts`` of ``total``; called as the experts module was, with the router's choice."""
+    forward over this rank's ``experts`` of ``total``, whose weights are ``params``; called as the experts module was,
+    with the router's choice."""
 
-    def __init__(self, local: Callable[..., torch.Tensor], total: int, axis: Axis) -> None:
-        self.local, self.total, self.axis = local, total, axis
+    def __init__(self, local: Callable[..., torch.Tensor], total: int, axis: Axis,
+                 params: list[torch.nn.Parameter]) -> None:
+        self.local, self.total, self.axis, self.params = local, total, axis, params
         self.per_rank = total // axis.size
         self.tokens = torch.zeros(total, dtype=torch.int64)  # this rank's choices per expert since `take`
         self.routed_bytes = 0  # what the all-to-alls send for the routing seen (`cost.call_bytes`), since `take`
         self.width = 0
+
+    def _link(self, rows: torch.Tensor) -> torch.Tensor:
+        """Zero, depending on ``rows`` and on every local expert weight, whatever the routing. With it, each rank's
+        backward runs both all-to-alls' backwards (collectives: a rank that skipped one would leave the others
+        waiting, a hang under NCCL) and gives every local expert weight a gradient at the same point of backward on
+        every rank: zeros where no row came, as one process's fused weight has for an expert no token chose (and the
+        gradient syncs launch in the same order everywhere). Empty slices: nothing is computed."""
+        return sum((t.reshape(-1)[:0].sum() for t in (rows, *self.params) if t.requires_grad), rows.new_zeros(()))
 
     def take(self) -> tuple[torch.Tensor, int]:
         """The tokens per expert and the routed bytes since the last take (the monitor's, once a step)."""
@@ -79,6 +89,10 @@ class Dispatch:
             self.tokens += counts.cpu()
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() != 2 or top_k_index.shape[0] != hidden.shape[0]:
+            raise ValueError(f"expert parallel: the experts are called with hidden states of shape "
+                             f"{tuple(hidden.shape)} and a choice of shape {tuple(top_k_index.shape)}; it takes "
+                             "(tokens, width) and (tokens, top_k), as Hugging Face's MoE blocks call them")
         n, per = self.axis.size, self.per_rank
         choices = top_k_index.reshape(-1)
         order = torch.argsort(choices, stable=True)
@@ -90,15 +104,10 @@ class Dispatch:
         got_splits = received.view(n, per).sum(1).tolist()
         rows = exchange(hidden[token], self.axis, got_splits, sent_splits)
         expert = torch.arange(per, device=hidden.device).repeat(n).repeat_interleave(received)
-        out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1))
+        out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1)) + self._link(rows)
         self.width = hidden.shape[-1]
         if self.axis.stats.counting:  # (not set-up work: the pipeline's traced forward)
-            self._count(counts, received, (hidden.element_size(), out.element_size()), rows.requires_grad)
-        if rows.requires_grad:
-            # Kept in the graph when no row came here (the experts' code returns a fresh zero tensor then): each
-            # all-to-all's backward is a collective, and a rank whose graph skipped it would leave the others
-            # waiting (a hang under NCCL).
-            out = out + rows * 0
+            self._count(counts, received, (hidden.element_size(), out.element_size()), out.requires_grad)
         back = exchange(out, self.axis, sent_splits, got_splits)
         weights = top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(hidden).index_add(0, token, back * weights)

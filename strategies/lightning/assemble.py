@@ -233,7 +233,6 @@ def gradient_syncs(model: nn.Module, optimizers: list, plan: ParallelPlan, mesh:
 
 def expert_sync(model: nn.Module, mesh: ParallelMesh, options: PlanOptions, experts: set[str]) -> GradSync:
     """Under `dp`, the experts' gradients averaged over the ranks that hold the same experts (`ParallelMesh.edp`).
-    An expert no token chose on any of them keeps no gradient, as in one process (an unused-parameter check would
-    refuse a step that is routine for a router)."""
-    return BucketedDataParallel(model, mesh.edp, bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=True,
-                                include=experts.__contains__)
+    Every local expert weight gets a gradient each backward, zeros where no row came (`dispatch.Dispatch._link`)."""
+    return BucketedDataParallel(model, mesh.edp, bucket_cap_mb=options.bucket_cap_mb,
+                                find_unused_parameters=options.find_unused_parameters, include=experts.__contains__)

@@ -499,7 +499,7 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     `step_pieces`)."""
     out = data_parallel_bytes(psi, plan, kept, experts)
     if plan.ep > 1:
-        out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, act_bytes, wide_bytes)
+        out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, wide_bytes)
     t = plan.tp
     elements = shape.batch * shape.seq / plan.cp * shape.hidden  # the step's b·s·h on a rank, all microbatches
     activation = elements * wide_bytes
@@ -531,16 +531,17 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     return out
 
 
-def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, act_bytes: int, wide_bytes: int) -> float:
+def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, wide_bytes: int) -> float:
     """Bytes an ep rank sends per MoE block and optimizer step, for a balanced router (each token's top_k choices
     spread evenly over the experts; `expert_parallel.cost` for a measured spread). Each forward (again under
     recompute) sends the counts, E/ep int64 to each other rank, and R = tokens x top_k x (ep-1)/ep rows out (the
-    norm's output: wide) and R back (the experts' output: act); backward the same rows' gradients the other way."""
+    norm's output) and R back (the experts' output, added into zeros of the hidden states' dtype): both wide under
+    autocast; backward the same rows' gradients the other way."""
     n, calls = plan.ep, (plan.microbatches if plan.pp > 1 else 1) * shape.accumulate
     forwards = 2 if plan.ac else 1
     rows = shape.batch * shape.seq / plan.cp * shape.top_k * (n - 1) / n
     counts = calls * forwards * 8 * (shape.experts // n) * (n - 1)
-    return counts + (forwards + 1) * rows * shape.hidden * (wide_bytes + act_bytes)
+    return counts + (forwards + 1) * rows * shape.hidden * 2 * wide_bytes
 
 
 def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float, act_bytes: int) -> dict[str, float]:

@@ -112,7 +112,8 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         parts[f"{axis} comm"] = 0.0
     for key, nbytes in est.comm.items():  # the data group's reduction partly hidden behind backward; the ring's not
         axis = _axis_of(key)
-        ranks = {"dp": plan.data_ranks, "tp": plan.tp, "ep": plan.ep}.get(axis, 2)
+        ranks = plan.expert_data_ranks if key.endswith("/edp") else {"dp": plan.data_ranks, "tp": plan.tp,
+                                                                      "ep": plan.ep}.get(axis, 2)
         seconds = hw.seconds(key, nbytes, calls.get(key, 1), ranks)
         parts[f"{axis} comm"] = parts.get(f"{axis} comm", 0.0) + seconds * (1 - hidden if axis == "dp" else 1)
     # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
@@ -179,7 +180,7 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              # critical path, and the fill and the drain's hops, 2(pp-1)
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
     if plan.ep > 1:  # per MoE block and microbatch: counts, rows out and back forward (again under recompute), two back
-        calls["all_to_all/ep"] = blocks * m * (6 if plan.ac else 5)
+        calls["all_to_all/ep"] = blocks * m * (8 if plan.ac else 5)
     if plan.cp > 1:  # the ring: n - 1 hops forward (again under recompute), n backward, per block and microbatch;
         #              the loss's mean once per training_step
         calls["send/cp"] = blocks * m * ((2 if plan.ac else 1) * (plan.cp - 1) + plan.cp)

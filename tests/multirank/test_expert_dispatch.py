@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, skewed: bool):
         experts.proj = torch.nn.Parameter(experts.proj[rank * per : (rank + 1) * per].clone())
     local_forward = experts.forward
     experts.num_experts = per
-    out = Dispatch(local_forward, EXPERTS, axis)(x, index, weights)
+    out = Dispatch(local_forward, EXPERTS, axis, [experts.fc, experts.proj])(x, index, weights)
     out.pow(2).sum().backward()
     counts = torch.bincount(index.reshape(-1), minlength=EXPERTS)
     return {"out": out.detach(), "x": x.grad, "w": weights.grad, "fc": experts.fc.grad, "counts": counts,
@@ -63,14 +63,15 @@ def test_dispatch_equals_one_process_and_counts_its_bytes(skewed: bool):
         torch.testing.assert_close(got["x"], x.grad, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got["w"], weights.grad, rtol=1e-6, atol=1e-6)
         assert got["sent"] == cost.all_to_all_bytes(choices, rank, WIDTH, 4)
-    # the experts' gradients: rank r's slice holds the sum over both ranks' tokens (one process sums them all)
+    # the experts' gradients: rank r's slice holds the sum over both ranks' tokens (one process sums them all); a
+    # slice whose experts no token chose (rank 1's, skewed) holds zeros, as the one process's fused weight does
     whole = torch.zeros(EXPERTS, 4 * WIDTH, WIDTH)
     for rank in range(2):
         experts, x, index, weights = _inputs(rank, skewed)
         experts(x, index, weights).pow(2).sum().backward()
-        whole += experts.fc.grad if experts.fc.grad is not None else 0
-    torch.testing.assert_close(torch.cat([r["fc"] if r["fc"] is not None else torch.zeros(2, 4 * WIDTH, WIDTH)
-                                          for r in results]), whole, rtol=1e-6, atol=1e-6)
+        whole += experts.fc.grad
+    assert all(r["fc"] is not None for r in results)
+    torch.testing.assert_close(torch.cat([r["fc"] for r in results]), whole, rtol=1e-6, atol=1e-6)
     if skewed:
         assert results[1]["sent"] == 8 * 2 + 2 * WIDTH * 4 * TOKENS * TOP_K  # rank 1 sends all its rows out
     else:
