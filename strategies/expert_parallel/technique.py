@@ -10,8 +10,6 @@ dp x cp ranks, what the dense weights get from their average over dp x cp.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -46,9 +44,9 @@ class ExpertParallel(Technique):
         self._hooks = []
         for name, experts in self.layers.items():
             self._split(name, experts)
-        # the router's load-balancing loss over every data rank's tokens (`balance`)
+        # the router's load-balancing loss over every data rank's tokens (`balance`); the first-batch check's copy
+        # computes it so too, every rank at its first batch: its loss on this rank's batch is then this rank's share
         self._balance = balance.install(model, data) if data is not None and data.size > 1 else []
-        self._balanced = getattr(self._balance[0][0], balance.NAME) if self._balance else None
 
     def _split(self, name: str, experts: nn.Module) -> None:
         total, n, i = experts.num_experts, self.axis.size, self.axis.index
@@ -76,16 +74,6 @@ class ExpertParallel(Technique):
         taken = {name: experts.forward.take() for name, experts in self.layers.items()}
         return {"tokens": {name: counts.tolist() for name, (counts, _) in taken.items()},
                 "routed_bytes": sum(sent for _, sent in taken.values())}
-
-    @contextlib.contextmanager
-    def outside(self) -> Iterator[None]:
-        """The first-batch check's one process computes the router's loss as Hugging Face does (`balance`)."""
-        balance.restore(self._balance)
-        try:
-            yield
-        finally:
-            for module, _ in self._balance:
-                setattr(module, balance.NAME, self._balanced)
 
     def expert_names(self) -> set[str]:
         """The parameters split by expert, by their names in the model."""

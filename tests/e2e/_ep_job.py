@@ -5,6 +5,7 @@ popen launcher re-runs this script for the other ranks. ``plant``: the return al
 (`PLANT`)."""
 
 import contextlib
+import dataclasses
 import itertools
 import sys
 from unittest import mock
@@ -13,7 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import strategies  # noqa: F401  (registers the plan strings)
+import strategies  # (registers the plan strings)
 from strategies.expert_parallel import dispatch
 from tests.helpers import finish_job
 from tests.models import zoo
@@ -61,14 +62,16 @@ def reference(name: str, optimizer: str = "sgd") -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
 
-def fit(name: str, plan: str, optimizer: str, world: int) -> dict[str, torch.Tensor]:
+def fit(name: str, plan: str, optimizer: str, world: int, check: bool = True) -> dict:
     module = MoeModule(name, optimizer)
     data_ranks = world // (2 if "tp2" in plan else 1) // (2 if "pp2" in plan else 1)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=plan, max_steps=STEPS, logger=False,
+    strategy = strategies.PlanStrategy(plan, check_first_batch=check)  # its outcome: "check"
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data(), batch_size=BATCH // data_ranks, drop_last=True))
-    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    return {"params": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
+            "check": dataclasses.asdict(trainer.strategy.first_batch) if check else None}
 
 
 def planted_exchange():
@@ -82,9 +85,9 @@ def planted_exchange():
 
 
 if __name__ == "__main__":
-    world = int(sys.argv[2])
-    cases = CASES[world][:1] if sys.argv[3:] == ["plant"] else CASES[world]
-    with mock.patch.object(dispatch, "exchange", planted_exchange()) if sys.argv[3:] == ["plant"] else \
-            contextlib.nullcontext():
-        results = {case: fit(*case, world) for case in cases}
+    world, plant = int(sys.argv[2]), sys.argv[3:] == ["plant"]
+    cases = CASES[world][:1] if plant else CASES[world]
+    # (planted: without the first-batch check, which stops such a run at its first batch, so that it trains)
+    with mock.patch.object(dispatch, "exchange", planted_exchange()) if plant else contextlib.nullcontext():
+        results = {case: fit(*case, world, check=not plant) for case in cases}
     finish_job(results, sys.argv[1])
