@@ -181,6 +181,8 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
     if plan.ep > 1:  # per MoE block and microbatch: counts, rows out and back forward (again under recompute), two back
         calls["all_to_all/ep"] = blocks * m * (8 if plan.ac else 5)
+        for key in [k for k in calls if k.endswith(f"/{data}")]:  # the experts' reduction: as the data group's
+            calls[key.replace(f"/{data}", "/edp")] = calls[key]
     if plan.cp > 1:  # the ring: n - 1 hops forward (again under recompute), n backward, per block and microbatch;
         #              the loss's mean once per training_step
         calls["send/cp"] = blocks * m * ((2 if plan.ac else 1) * (plan.cp - 1) + plan.cp)
