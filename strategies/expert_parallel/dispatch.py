@@ -58,7 +58,6 @@ class Dispatch:
         self.per_rank = total // axis.size
         self.tokens = torch.zeros(total, dtype=torch.int64)  # this rank's choices per expert since `take`
         self.routed_bytes = 0  # what the all-to-alls send for the routing seen (`cost.call_bytes`), since `take`
-        self.width = 0
 
     def _link(self, rows: torch.Tensor) -> torch.Tensor:
         """Zero, depending on ``rows`` and on every local expert weight, whatever the routing. With it, each rank's
@@ -75,7 +74,8 @@ class Dispatch:
         self.routed_bytes = 0
         return out
 
-    def _count(self, counts: torch.Tensor, received: torch.Tensor, sizes: tuple[int, int], training: bool) -> None:
+    def _count(self, counts: torch.Tensor, received: torch.Tensor, width: int, sizes: tuple[int, int],
+               training: bool) -> None:
         """Note the routing of one call. Activation checkpointing runs the forward again inside backward: that call
         sends again, its tokens are not new, and its backward is the first call's. ``training``: a backward follows."""
         n, me = self.axis.size, self.axis.index
@@ -83,7 +83,7 @@ class Dispatch:
         rows_out = int(counts.sum() - mine[me].sum())
         rows_in = int(received.sum() - received.view(n, self.per_rank)[me].sum())
         recompute = torch._C._current_graph_task_id() != -1
-        self.routed_bytes += cost.call_bytes(rows_out, rows_in, self.per_rank, n, self.width, sizes,
+        self.routed_bytes += cost.call_bytes(rows_out, rows_in, self.per_rank, n, width, sizes,
                                              backward=training and not recompute)
         if training and not recompute:  # (evaluation sends, and routes no training token)
             self.tokens += counts.cpu()
@@ -105,9 +105,9 @@ class Dispatch:
         rows = exchange(hidden[token], self.axis, got_splits, sent_splits)
         expert = torch.arange(per, device=hidden.device).repeat(n).repeat_interleave(received)
         out = self.local(rows, expert[:, None], rows.new_ones(rows.shape[0], 1)) + self._link(rows)
-        self.width = hidden.shape[-1]
         if self.axis.stats.counting:  # (not set-up work: the pipeline's traced forward)
-            self._count(counts, received, (hidden.element_size(), out.element_size()), out.requires_grad)
+            sizes = (hidden.element_size(), out.element_size())
+            self._count(counts, received, hidden.shape[-1], sizes, out.requires_grad)
         back = exchange(out, self.axis, sent_splits, got_splits)
         weights = top_k_weights.reshape(-1)[order, None].to(back.dtype)
         return torch.zeros_like(hidden).index_add(0, token, back * weights)
