@@ -190,23 +190,42 @@ def describe(cfg: BenchConfig, names: tuple[str, ...] = ()) -> str:
 # -- the command line ---------------------------------------------------------------------------------------
 
 
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    defaults = BenchConfig()
-    p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio")
+    from strategies.cli import bench_gpu
+
+    p = sub.add_parser("bench", help="our engines vs torch DDP, FSDP2, DeepSpeed: alternating pairs, median ratio; "
+                                     "--accelerator gpu: our plans vs Lightning's single device and a plain loop")
+    p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: the pairs on gloo ranks; gpu: one GPU, our plans beside Lightning and a plain loop "
+                        "(`bench_gpu`)")
     p.add_argument("--pairs", default=None, help=f"comma-separated comparisons (default: all of {', '.join(PAIRS)})")
-    p.add_argument("--repeat", type=int, default=5, help="pairs of runs per comparison")
+    p.add_argument("--repeat", type=int, default=None, help="pairs of runs per comparison (default 5; gpu: runs "
+                                                            "per row, default 1)")
     for name in ("world_size", "steps", "n_layer", "n_embd", "seq_len", "batch_per_rank", "experts", "top_k"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps of each run not timed")
-    p.add_argument("--workload", default=defaults.workload, help="a registered workload or module:object")
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None, help="steps of each run not timed")
+    p.add_argument("--workload", default=BenchConfig.workload, help="a registered workload or module:object")
     p.add_argument("--out", default=None, help="also write the results as JSON")
     p.add_argument("--report", action="append", help="write the table here: .md for markdown, else CSV (repeatable)")
     p.add_argument("--runs-dir", default=None, help="the run store (default $STRATPACK_RUNS or ./runs)")
     p.add_argument("--no-store", action="store_true", help="do not write the runs to the run store")
+    bench_gpu.add_arguments(p)
     p.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:
+    if args.accelerator == "gpu" or args.rows is not None:  # one device: plain loop, Lightning, our plans
+        from strategies.cli import bench_gpu
+
+        args.repeat = args.repeat or 1
+        return bench_gpu.command(args)
+    defaults = BenchConfig()
+    for name in ("world_size", "steps", "n_layer", "n_embd", "seq_len", "batch_per_rank", "experts", "top_k",
+                 "warmup_steps"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
+    args.repeat = args.repeat or 5
     names = [n.strip() for n in args.pairs.split(",") if n.strip()] if args.pairs else list(PAIRS)
     unknown = [n for n in names if n not in PAIRS]
     if unknown:

@@ -62,6 +62,8 @@ class RunConfig:
     check_first_batch: bool = True  # a plan's first loss against the whole model's (`lightning.first_batch`)
     configure_model: bool = False  # the model built in configure_model: on meta, each rank making its slice
     vocab: int | None = None  # a sized workload's vocabulary (`gpt-shape`); the demo's is its corpus's characters
+    profile: str | None = None  # trace two steps before the timed ones with torch's profiler, into this folder
+    label: str | None = None  # the run's name in the run store (default: the strategy)
 
 
 def data_parallel_degree(strategy: str, devices: int) -> int:
@@ -242,11 +244,16 @@ def _trainer(config: RunConfig, predicted: dict | None, params_out: str | None =
 
     single = config.strategy == SINGLE
     monitor = StrategyMonitor(warmup_steps=config.warmup_steps, runs_dir=config.runs_dir,
-                              comparison=config.comparison, label=config.strategy,
+                              comparison=config.comparison, label=config.label or config.strategy,
                               meta={"seed": config.seed, "run_config": asdict(config), "predicted": predicted},
                               heap=config.heap)
     final = _final_parameters(params_out)
     callbacks: list = [monitor, final]
+    if config.profile:
+        from strategies.measure.profile import ProfileSteps
+
+        # the last two untimed steps but one: the trace's export (seconds) falls in the step before the timing
+        callbacks.append(ProfileSteps(config.profile, first=max(0, config.warmup_steps - 3), count=2))
     if config.checkpoint_dir:
         every = {"every_n_train_steps": config.checkpoint_every} if config.checkpoint_every else {"every_n_epochs": 1}
         callbacks.append(ModelCheckpoint(dirpath=config.checkpoint_dir, save_top_k=-1, **every))
@@ -410,6 +417,10 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
 
 
 def _workload_options(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    p.add_argument("--label", default=None, help="the run's name in the run store (default: the strategy)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace two untimed steps with torch's profiler: the trace, the operators' table and the "
+                        "device's split of a step, in DIR (give --warmup-steps 5 or more)")
     p.add_argument("--vocab", type=int, default=None,
                    help="the vocabulary of a workload built to a shape (gpt-shape); the demo's is its corpus's")
     p.add_argument("--workload", default=defaults.workload,

@@ -45,7 +45,14 @@ from strategies.lightning.first_batch import FirstBatchCheck, Outcome
 from strategies.lightning.launcher import ExitingMultiProcessingLauncher, elastic_store
 from strategies.lightning.options import PlanOptions
 from strategies.lightning.resume import resumable
-from strategies.lightning.steps import DirectSteps, PipelineSteps, check_finite, deferred_logs
+from strategies.lightning.steps import (
+    DirectSteps,
+    LossWatch,
+    PipelineSteps,
+    check_finite,
+    deferred_logs,
+    free_stale_grads,
+)
 from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
 from strategies.pipeline import PipelineParallel
@@ -94,6 +101,8 @@ class PlanStrategy(ParallelStrategy):
         self.built_num_params = 0
         self._saver: AsyncSaver | None = None  # async_save: the save in flight
         self.save_stalls = SaveStalls()  # how long training waited on each save
+        self._losses_to_check = LossWatch()  # one process on a GPU: losses checked without stalling the host
+        self._grads_stale = False  # an optimizer step ran: its gradients are freed before the next forward
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -328,6 +337,9 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._grads_stale:
+            self._grads_stale = False
+            free_stale_grads(self.lightning_module, self.optimizers)
         check, self._first_batch = self._first_batch, None
         if check is None:
             return self._training_step(*args, **kwargs)
@@ -404,7 +416,13 @@ class PlanStrategy(ParallelStrategy):
         # (Under pipeline parallel the schedule's own backward runs in training_step, which checks there.)
         if self.options.stop_on_nonfinite_loss:
             module = self.lightning_module
-            check_finite(closure_loss, self.global_rank, module.trainer.global_step if module is not None else "?")
+            step = module.trainer.global_step if module is not None else "?"
+            if self.world_size == 1 and self.compute_device.type == "cuda":
+                # Nothing to spread it to: the loss is read once the backward is queued, before the step (a read
+                # here would stall the host until the forward is done, and the GPU while backward is launched).
+                self._losses_to_check.add(closure_loss, self.global_rank, step)
+            else:
+                check_finite(closure_loss, self.global_rank, step)
         super().pre_backward(closure_loss)
 
     @override
@@ -472,7 +490,13 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        def checked() -> Any:  # the losses read after the backward was queued, before clipping and the step
+            out = closure()
+            self._losses_to_check.check()
+            return out
+
+        output = super().optimizer_step(optimizer, checked, model, **kwargs)
+        self._grads_stale = True
         self._steps.optimizer_stepped()
         for technique in self.techniques:
             technique.after_step()  # ZeRO: all-gather the updated shards, refresh offloaded ones
