@@ -214,18 +214,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=command)
 
 
-def command(args: argparse.Namespace) -> int:
-    if args.accelerator == "gpu" or args.rows is not None:  # one device: plain loop, Lightning, our plans
-        from strategies.cli import bench_gpu
-
-        args.repeat = args.repeat or 1
-        return bench_gpu.command(args)
+def _cpu_defaults(args: argparse.Namespace) -> None:
+    """The pairs' sizes where the command line gives none (the GPU bench has its own)."""
     defaults = BenchConfig()
     for name in ("world_size", "steps", "n_layer", "n_embd", "seq_len", "batch_per_rank", "experts", "top_k",
                  "warmup_steps"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
     args.repeat = args.repeat or 5
+
+
+def command(args: argparse.Namespace) -> int:
+    if args.accelerator == "gpu" or args.rows is not None:  # one device: plain loop, Lightning, our plans
+        from strategies.cli import bench_gpu
+
+        args.repeat = args.repeat or 1
+        return bench_gpu.command(args)
+    _cpu_defaults(args)
     names = [n.strip() for n in args.pairs.split(",") if n.strip()] if args.pairs else list(PAIRS)
     unknown = [n for n in names if n not in PAIRS]
     if unknown:

@@ -131,32 +131,16 @@ def run_row(row: str, cfg: GpuBenchConfig, store: dict[str, Any], profile_dir: s
 def plain_loop(cfg: GpuBenchConfig, compiled: bool = False, profile_dir: str | None = None) -> dict[str, Any]:
     """The hand-written loop, in this process: the workload's LightningModule used as a plain module."""
     import torch
-    from torch.utils.data import DataLoader
 
-    from strategies.cli.train import RunConfig
-    from strategies.cli.workload import find_workload
     from strategies.measure.profile import ProfileWindow
     from strategies.measure.readings import device_peak_flops
 
-    run = RunConfig(strategy="single", steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, max_chars=cfg.max_chars,
-                    seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
-    module, dataset = find_workload(cfg.workload).lightning(run)
     device = torch.device("cuda" if cfg.accelerator != "cpu" else "cpu")
-    module = module.to(device)
-    optimizer = module.configure_optimizers()
-    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
-    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    if compiled:
-        module.model = torch.compile(module.model)
+    module, optimizer, batches = _plain_parts(cfg, device, compiled)
     step_loss = getattr(module, "compute_loss", None) or (lambda batch: module.training_step(batch, 0))
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    batches = _forever(loader)
     half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.precision)
     window = ProfileWindow(profile_dir, first=max(0, cfg.warmup_steps - 3), count=2) if profile_dir else None
-    times, loss = [], None
+    times, loss_value = [], None
     for step in range(cfg.steps):
         if window is not None:
             window.before(step)
@@ -179,7 +163,32 @@ def plain_loop(cfg: GpuBenchConfig, compiled: bool = False, profile_dir: str | N
             "mfu": per_token * tokens_per_s / peak if peak and per_token and tokens_per_s else None,
             "max_allocated": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
             "max_reserved": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
-            "loss": loss_value if loss is not None else None, "step_times": times}
+            "loss": loss_value, "step_times": times}
+
+
+def _plain_parts(cfg: GpuBenchConfig, device: Any, compiled: bool) -> tuple[Any, Any, Any]:
+    """The plain loop's module (on ``device``; its ``model`` compiled whole with ``compiled``), its optimizer (the
+    module's own) and its batches (shuffled, epoch after epoch)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from strategies.cli.train import RunConfig
+    from strategies.cli.workload import find_workload
+
+    run = RunConfig(strategy="single", steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, max_chars=cfg.max_chars,
+                    seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    module, dataset = find_workload(cfg.workload).lightning(run)
+    module = module.to(device)
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    if compiled:
+        module.model = torch.compile(module.model)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    return module, optimizer, _forever(loader)
 
 
 def _forever(loader: Any) -> Any:
@@ -348,20 +357,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--folder", default=None, help="gpu: where the report, the runs' JSON and the traces go")
 
 
-def command(args: argparse.Namespace) -> int:
-    """``stratpack bench --accelerator gpu`` (or cpu for its smoke test: ``--accelerator cpu --model gpt`` with a
-    tiny size)."""
+def config_of(args: argparse.Namespace) -> GpuBenchConfig:
+    """The bench's config: ``--model``'s sizes, where the command line gives none."""
     sizes = MODELS[args.model][1]
     given = {k: getattr(args, k, None) for k in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size")}
     cfg = GpuBenchConfig(model=args.model, precision=args.precision, accelerator=args.accelerator,
                          **{k: v if v is not None else sizes[k] for k, v in given.items()})
-    cfg = replace(cfg, **{k: getattr(args, k) for k in ("steps", "warmup_steps") if getattr(args, k) is not None})
+    return replace(cfg, **{k: getattr(args, k) for k in ("steps", "warmup_steps") if getattr(args, k) is not None})
+
+
+def command(args: argparse.Namespace) -> int:
+    """``stratpack bench --accelerator gpu`` (or ``--rows ...`` on the CPU, its smoke test at a tiny size)."""
+    import torch
+
+    cfg = config_of(args)
     if not 3 <= cfg.warmup_steps < cfg.steps:
         print(f"error: --warmup-steps must be 3 or more (two of them are traced) and below --steps ({cfg.steps})",
               file=sys.stderr)
         return 2
-    import torch
-
     if cfg.accelerator == "gpu" and not torch.cuda.is_available():
         print("error: --accelerator gpu needs a CUDA GPU, and torch sees none here (a CPU build of torch, or no "
               "driver); the CPU comparison is `stratpack bench` without it", file=sys.stderr)
@@ -383,6 +396,14 @@ def command(args: argparse.Namespace) -> int:
     print(f"bench on {env['device']}: {', '.join(rows)} x {args.repeat}; comparison {store['comparison']}",
           file=sys.stderr, flush=True)
     results = bench(cfg, rows, args.repeat, profile, folder, store, args.budget_s, log=sys.stderr)
+    _write_outputs(results, cfg, env, store, folder, args)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def _write_outputs(results: list[dict[str, Any]], cfg: GpuBenchConfig, env: dict[str, Any], store: dict[str, Any],
+                   folder: str, args: argparse.Namespace) -> None:
+    """The table (printed, and to each ``--report``), the raw figures in ``folder``, the plain loop's runs in the
+    run store."""
     text = report(results, cfg, env, args.repeat)
     print(text)
     with open(os.path.join(folder, f"bench-gpu-{cfg.model}.json"), "w") as f:
@@ -396,7 +417,6 @@ def command(args: argparse.Namespace) -> int:
     if not args.no_store:
         write_plain_runs(results, cfg, env, store)
         print(f"comparison id: {store['comparison']} (in the run store; `stratpack dashboard` shows it)")
-    return 0 if all("error" not in r for r in results) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,23 +60,20 @@ class LossWatch:
             check_finite(host, rank, step)
 
 
-def free_stale_grads(module: Any, optimizers: list[Any]) -> None:
-    """The last optimizer step's gradients freed before the next forward, as a hand-written loop frees them after its
-    step: Lightning's own zero_grad comes after training_step, so they would be held through the forward, at its
-    peak (4.5 GiB of a 1.2B model's fp32 gradients). Only where Lightning's zero_grad would have run unchanged:
-    automatic optimization, with neither ``optimizer_zero_grad`` nor ``on_before_zero_grad`` overridden by the module
-    or a callback (those see the gradients as Lightning leaves them)."""
+def frees_grads_early(module: Any) -> bool:
+    """Whether the last optimizer step's gradients may be freed before the next forward, as a hand-written loop frees
+    them after its step. Lightning's own zero_grad comes after training_step, so they would be held through the
+    forward, at its peak (4.5 GiB of a 1.2B model's fp32 gradients). Only where Lightning's zero_grad would run
+    unchanged: automatic optimization, with neither ``optimizer_zero_grad`` nor ``on_before_zero_grad`` overridden by
+    the module or a callback (those see the gradients as Lightning leaves them)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     trainer = getattr(module, "_trainer", None)
     if module is None or trainer is None or not module.automatic_optimization:
-        return
+        return False
     if is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module):
-        return
-    if any(is_overridden("on_before_zero_grad", callback) for callback in trainer.callbacks):
-        return
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
+        return False
+    return not any(is_overridden("on_before_zero_grad", callback) for callback in trainer.callbacks)
 
 
 class DirectSteps:

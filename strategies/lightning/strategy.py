@@ -51,7 +51,7 @@ from strategies.lightning.steps import (
     PipelineSteps,
     check_finite,
     deferred_logs,
-    free_stale_grads,
+    frees_grads_early,
 )
 from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
@@ -102,7 +102,8 @@ class PlanStrategy(ParallelStrategy):
         self._saver: AsyncSaver | None = None  # async_save: the save in flight
         self.save_stalls = SaveStalls()  # how long training waited on each save
         self._losses_to_check = LossWatch()  # one process on a GPU: losses checked without stalling the host
-        self._grads_stale = False  # an optimizer step ran: its gradients are freed before the next forward
+        self._grads_stale = False  # an optimizer step ran: its gradients are freed before the next forward ...
+        self._free_grads_early: bool | None = None  # ... where Lightning's zero_grad is not customised (each fit)
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class PlanStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
         refuse_left_in_slices(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._grads_stale, self._free_grads_early = False, None  # (asked again for this fit's module and callbacks)
         if fitting and isinstance(self._launcher, AutoResume) and self._launcher.chosen is not None:
             chosen = self._launcher.chosen
             agree(chosen, comm.broadcast_object(chosen, self.mesh.world), self.global_rank)
@@ -337,9 +339,12 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._grads_stale:
+        if self._grads_stale:  # the last step's gradients, freed before this forward (`frees_grads_early`)
             self._grads_stale = False
-            free_stale_grads(self.lightning_module, self.optimizers)
+            if self._free_grads_early is None:
+                self._free_grads_early = frees_grads_early(self.lightning_module)
+            for optimizer in self.optimizers if self._free_grads_early else ():
+                optimizer.zero_grad(set_to_none=True)
         check, self._first_batch = self._first_batch, None
         if check is None:
             return self._training_step(*args, **kwargs)

@@ -434,10 +434,10 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
     (`messages.posts_early`)."""
     n = plan.data_ranks
     naive = plan.data is DataMode.NAIVE and n > 1
-    # naive's flat and ZeRO-2/3's shards are the optimizer's .grad: Lightning's zero_grad frees them after the
-    # (first) training_step, before backward; under pp the schedule runs inside training_step, which first drops
-    # the module's .grad (naive's flat) but not the shards (the optimizer's own parameters).
-    release = states["grads"] if naive or _plain_grads(plan) or (plan.data.stage >= 2 and plan.pp == 1) else 0.0
+    # naive's flat, one data rank's plain .grad and ZeRO-2/3's shards are the optimizer's .grad: the strategy frees
+    # them as a step begins, before its forward (`steps.frees_grads_early`, where Lightning's zero_grad is not
+    # customised; Lightning's own would come after training_step), under pp too.
+    release = states["grads"] if naive or _plain_grads(plan) or plan.data.stage >= 2 else 0.0
     # ZeRO-2/3 make a flat's full gradient when its first parameter's gradient arrives in the reducing backward,
     # beside the .grad not yet moved into it: ZeRO-2's flats follow DDP's buckets over all of the rank's chunks (the
     # first one at most FIRST_BUCKET_BYTES), ZeRO-3's are one per block.
@@ -448,7 +448,7 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = sum(chunk_grads) / max(blocks, 1)
     held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early) \
         if plan.pp > 1 else None
-    return Rules(release=release, release_at_start=plan.pp > 1, flats=flats, flats_early=plan.data.stage < 3,
+    return Rules(release=release, release_at_start=True, flats=flats, flats_early=plan.data.stage < 3,
                  early=held[rank] if held else ())
 
 

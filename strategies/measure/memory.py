@@ -16,24 +16,27 @@ from strategies.runs.schema import MODEL_STATE
 from strategies.tensors import storage_id
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), storage_id(t))
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return (t.device, storage_id(t))
 
 
 def count_bytes(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
-    """Bytes per category; a storage already counted under an earlier category is not counted again."""
-    seen: set[tuple[str, int]] = set()
+    """Bytes per category; a storage already counted under an earlier category is not counted again. (Read at
+    every step's end, for a thousand tensors and more: each storage is asked for once.)"""
+    seen: set[tuple[torch.device, int]] = set()
     out = {}
     for category, tensors in groups.items():
         total = 0
         for t in tensors:
             if t is None or not isinstance(t, torch.Tensor):
                 continue
-            key = _storage_key(t)
-            if key in seen or t.untyped_storage().nbytes() == 0:
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            key = (t.device, storage._cdata if t.device.type == "meta" else storage.data_ptr())  # (`storage_id`)
+            if nbytes == 0 or key in seen:
                 continue
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += nbytes
         out[category] = total
     return out
 

@@ -118,8 +118,8 @@ class Rules:
     """How a plan's step treats its gradients and messages (see `walk`)."""
 
     release: float = 0.0  # gradients kept between steps that the step frees (naive's flat, ZeRO-2/3's shards) ...
-    release_at_start: bool = False  # ... before its first action (pp: the window starts with no .grad), else
-    #                                     before its first backward (Lightning's zero_grad after training_step)
+    release_at_start: bool = False  # ... before its first action (the strategy's early zero_grad), else before
+    #                                     its first backward (Lightning's own zero_grad, after training_step)
     flats: float = 0.0  # ZeRO-2/3: the full-gradient flat made at the start of the rank's first reducing backward,
     #                     beside the gradients not yet moved into it (freed once the last one has reduced) ...
     flats_early: bool = True  # ... before the block's first matmul (ZeRO-2's buckets start at the chunk's last

@@ -213,7 +213,7 @@ class ColumnParallelLinear(nn.Module):
         weight, bias, transposed = linear_parts(linear)
         out_dim = 1 if transposed else 0
         blocks = column_blocks(weight.shape[out_dim], chunks, axis)
-        rows = block_rows(blocks, axis)
+        rows = block_rows(blocks, axis, weight.device)  # (a checkpoint's lazy weight: on the CPU)
         weight = weight.detach().index_select(out_dim, rows).clone()
         bias = bias.detach()[rows].clone() if bias is not None else None
         layer = cls(weight, bias, axis, gather_output, transposed)
@@ -297,12 +297,13 @@ def column_blocks(out: int, chunks: int | tuple[int, ...], axis: Axis) -> tuple[
     return blocks
 
 
-def block_rows(blocks: tuple[int, ...], axis: Axis) -> torch.Tensor:
-    """Indices, along the split dimension, that rank ``axis.index`` keeps: its 1/p slice of each block."""
+def block_rows(blocks: tuple[int, ...], axis: Axis, device: torch.device | str | None = None) -> torch.Tensor:
+    """Indices, along the split dimension, that rank ``axis.index`` keeps: its 1/p slice of each block. On
+    ``device``: the tensor they index (CUDA's index_select and index_copy_ refuse an index on the CPU)."""
     out, start = [], 0
     for size in blocks:
         part = size // axis.size
-        out.append(torch.arange(start + axis.index * part, start + (axis.index + 1) * part))
+        out.append(torch.arange(start + axis.index * part, start + (axis.index + 1) * part, device=device))
         start += size
     return torch.cat(out)
 

@@ -44,13 +44,14 @@ def _unsplit(local: torch.Tensor, split: ParamSplit, axis: Axis) -> torch.Tensor
     shape[split.dim] = sum(split.blocks)
     full = torch.empty(shape, dtype=local.dtype, device=local.device)
     for rank in range(axis.size):
-        full.index_copy_(split.dim, block_rows(split.blocks, Axis(axis.name, None, axis.ranks, rank)), pieces[rank])
+        rows = block_rows(split.blocks, Axis(axis.name, None, axis.ranks, rank), full.device)
+        full.index_copy_(split.dim, rows, pieces[rank])
     return full
 
 
 def split_like(full: torch.Tensor, split: ParamSplit, axis: Axis) -> torch.Tensor:
     """This rank's slice of a full-shaped tensor (a weight, or its optimizer state), as the layers split."""
-    return full.index_select(split.dim, block_rows(split.blocks, axis).to(full.device)).clone()
+    return full.index_select(split.dim, block_rows(split.blocks, axis, full.device)).clone()
 
 
 def unsplit_optimizer_state(per_param: dict[str, dict[str, Any]], order: list[str], splits: dict[str, ParamSplit],

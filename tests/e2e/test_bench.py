@@ -85,3 +85,29 @@ def test_the_expert_parallel_side_of_its_pair_trains_and_is_predicted():
     ranks = run_ranks(_train, 2, "ep", cfg, timeout_s=120)
     assert all(r["tokens_per_s"] > 0 for r in ranks)
     assert predict("ep", cfg)["comm"]["all_to_all/ep"] > 0
+
+
+def test_the_one_device_bench_writes_its_table_traces_and_a_comparison_the_dashboard_shows(tmp_path):
+    # `--accelerator gpu`'s rows (`bench_gpu`) on the CPU at a tiny size: a plain loop and a plan, one traced. Speed
+    # is not asserted; that every figure is there, and the traced row's device split is read off its trace.
+    runs, md, folder = tmp_path / "runs", tmp_path / "gpu.md", tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "strategies.cli", "bench", "--rows", "plain,dp", "--profile", "dp",
+                           "--steps", "7", "--warmup-steps", "4", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                           "--seq-len", "16", "--batch-size", "4", "--precision", "32-true", "--runs-dir", str(runs),
+                           "--folder", str(folder), "--report", str(md)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = md.read_text()
+    assert "| plain |" in table and "| dp |" in table and "| 1.000 |" in table  # plain against itself
+    traced = folder / "profile-dp"
+    assert {p.name for p in traced.iterdir()} == {"trace.json.gz", "ops.txt", "split.json"}
+    loaded, problems = data.load_runs(runs)
+    assert not problems and sorted(r["meta"]["label"] for r in loaded) == ["dp", "plain"]
+    assert len({r["meta"]["comparison"] for r in loaded}) == 1
+    assert all(r["summary"]["tokens_per_s"] > 0 for r in loaded)
+
+
+def test_the_gpu_bench_says_what_to_do_where_no_gpu_is_visible(capsys):
+    from strategies.cli import main
+
+    assert main(["bench", "--accelerator", "gpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

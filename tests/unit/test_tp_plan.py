@@ -94,3 +94,30 @@ def test_sizes_that_do_not_divide_by_tp_are_refused():
         ColumnParallelLinear.from_linear(nn.Linear(4, 6), _axis(4))
     with pytest.raises(ValueError, match="input features = 6 does not divide by tp = 4"):
         RowParallelLinear.from_linear(nn.Linear(6, 4), _axis(4))
+
+
+def test_the_split_indexes_a_weight_with_an_index_on_the_weights_own_device(monkeypatch):
+    # On a GPU the weights are on the device when tp splits them (the model is moved first, or made there from
+    # meta), and CUDA's index_select refuses an index on the CPU: every tp plan failed at set-up on a GPU (found by
+    # `stratpack rehearse zero3_tp2 --real --target cuda`, docs/gpu-2026-11-28.md). The CPU accepts it, so here a
+    # meta weight stands for the GPU's and the index's device is checked.
+    import torch
+
+    from strategies.tensor_parallel.layers import block_rows
+    from strategies.tensor_parallel.plans import ParamSplit
+    from strategies.tensor_parallel.state import split_like
+
+    seen = []
+    original = torch.Tensor.index_select
+
+    def index_select(self, dim, index):
+        seen.append((self.device.type, index.device.type))
+        return original(self, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", index_select)
+    with torch.device("meta"):
+        fused = nn.Linear(8, 24)
+    layer = ColumnParallelLinear.from_linear(fused, _axis(2, 1), chunks=3)
+    split_like(torch.empty(24, 8, device="meta"), ParamSplit(0, (8, 8, 8)), _axis(2, 0))
+    assert layer.weight.shape == (12, 8) and seen == [("meta", "meta")] * 2
+    assert block_rows((8, 8, 8), _axis(2, 1), "meta").device.type == "meta"
