@@ -103,6 +103,10 @@ class Experts(nn.Module):
         self.num_experts = config.n_experts
         self.fc = nn.Parameter(torch.empty(config.n_experts, 4 * config.n_embd, config.n_embd))
         self.proj = nn.Parameter(torch.empty(config.n_experts, config.n_embd, 4 * config.n_embd))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02), as the dense MLP's linears (also what a model built on meta is made with)."""
         nn.init.normal_(self.fc, std=0.02)
         nn.init.normal_(self.proj, std=0.02)
 

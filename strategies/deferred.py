@@ -123,6 +123,21 @@ def to_device(module: nn.Module, device: torch.device) -> None:
     module._apply(lambda t: t if t.device.type == "meta" else t.to(device))
 
 
+@contextlib.contextmanager
+def meta_safe_cpu(module: nn.Module | None) -> Iterator[None]:
+    """Inside, ``module.cpu()`` (Lightning's teardown calls it) moves what is real and leaves what is still on meta,
+    where torch would raise "Cannot copy out of meta tensor": after a failure at set-up or in the first step, a model
+    built on meta is partly made, and that error would become the last one the user reads."""
+    if module is None or not has_meta_parameters(module):
+        yield
+        return
+    module.cpu = lambda: to_device(module, torch.device("cpu")) or module  # (an instance attribute: this call only)
+    try:
+        yield
+    finally:
+        del module.cpu
+
+
 def seed_of(seed: int, name: str) -> int:
     """A stable 63-bit seed for module ``name`` (Python's ``hash`` of a string changes with each process)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1

@@ -96,3 +96,23 @@ def meta_autocast_again() -> Any:
     """`MetaAutocast` entered again where it is on (a recompute inside backward, which runs without it), else
     nothing."""
     return MetaAutocast(_AUTOCASTING[-1].device_type) if _AUTOCASTING else contextlib.nullcontext()
+
+
+# A number read off a meta tensor while a step is traced on shapes: `StandInReads`.
+_NUMBER_READS = {torch.Tensor.item: 1.0, torch.Tensor.__float__: 1.0, torch.Tensor.__int__: 1,
+                 torch.Tensor.__index__: 1}
+
+
+class StandInReads(torch.overrides.TorchFunctionMode):
+    """While a step runs on meta tensors to learn shapes (the pipeline's trace of a model built in configure_model),
+    a number read off a meta tensor (``loss.item()``, ``float(loss)``, ``int(n)``: a user's logging, a perplexity)
+    gets a stand-in, 1, instead of torch's "cannot be called on meta tensors": nothing read there reaches the
+    model's shapes. A truth value (``if``, ``assert`` on a tensor) gets none: no stand-in is right for both branches.
+    The read of a real tensor is untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NUMBER_READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            value = _NUMBER_READS[func]
+            return float(value) if args[0].is_floating_point() and func is torch.Tensor.item else value
+        return func(*args, **kwargs)

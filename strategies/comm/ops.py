@@ -343,3 +343,28 @@ def register_peers(world: Axis) -> None:
 def barrier(axis: Axis) -> None:
     if axis.size > 1:
         _run(Op.BARRIER, axis, lambda: dist.barrier(group=axis.group), 0, 0, False)
+
+
+_LEAVING = [False]  # `leave_group_at_exit` registered in this process
+
+
+def leave_group_at_exit() -> None:
+    """Destroy this process's default process group when the interpreter exits, if nothing did before (a user's
+    script ends after ``trainer.fit`` as Lightning's docs show, without ``destroy_process_group``). Left to the
+    interpreter's own teardown, gloo's and NCCL's threads can be destroyed while still joinable, and the process
+    aborts ("terminate called without an active exception", exit code -6) after a run that succeeded. Local: no
+    barrier (another rank may be gone)."""
+    import atexit
+
+    if _LEAVING[0]:
+        return
+    _LEAVING[0] = True
+
+    def leave() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway; an error here must not replace the run's status
+                pass
+
+    atexit.register(leave)

@@ -10,6 +10,7 @@ dp x cp ranks, what the dense weights get from their average over dp x cp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -27,9 +28,12 @@ from strategies.tensor_parallel.plans import ParamSplit
 class ExpertParallel(Technique):
     """The experts of ``model``'s MoE layers split over ``axis`` (ep); ``sharded``: ZeRO holds their gradients (as
     disjoint shards over the data axis, which counts each expert once), else each rank holds its experts' whole.
-    ``data``: the data ranks (dp x cp), over which a Hugging Face router's load-balancing loss is computed."""
+    ``data``: the data ranks (dp x cp), over which a Hugging Face router's load-balancing loss is computed.
+    ``materialise``: the model was built on meta; each layer's experts are made (whole, seeded by their name, as on
+    every rank) just before they are cut."""
 
-    def __init__(self, model: nn.Module, axis: Axis, sharded: bool = False, data: Axis | None = None) -> None:
+    def __init__(self, model: nn.Module, axis: Axis, sharded: bool = False, data: Axis | None = None,
+                 materialise: Callable[[nn.Module], None] | None = None) -> None:
         if comm.rehearsing():  # the exchange's split sizes are values other ranks send, which a rehearsal lacks
             raise ValueError("expert parallel cannot be rehearsed yet: how many rows each all-to-all carries depends "
                              "on the other ranks' routing; estimate it instead (`stratpack plan`)")
@@ -43,6 +47,8 @@ class ExpertParallel(Technique):
         self._restore: list[tuple[nn.Module, Any, int]] = []
         self._hooks = []
         for name, experts in self.layers.items():
+            if materialise is not None:  # built on meta: made whole (one layer's experts at a time), then cut
+                materialise(experts)
             self._split(name, experts)
         # the router's load-balancing loss over every data rank's tokens (`balance`); the first-batch check's copy
         # computes it so too, every rank at its first batch: its loss on this rank's batch is then this rank's share
@@ -55,9 +61,6 @@ class ExpertParallel(Technique):
                              f"that divides {total}")
         per = total // n
         for pname, param in list(experts.named_parameters(recurse=False)):
-            if param.device.type == "meta":
-                raise ValueError("expert parallel does not yet build a model on meta by slice: build it whole "
-                                 "(no empty_init / configure_model on meta) or drop ep<N>")
             local = nn.Parameter(param.detach()[i * per : (i + 1) * per].clone(), requires_grad=param.requires_grad)
             setattr(experts, pname, local)
             self.splits[f"{name}.{pname}"] = ParamSplit(0, (total,))

@@ -56,7 +56,8 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
             techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred))
     broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     if plan.ep > 1:  # after the broadcast (each ep rank keeps its own experts) and tensor parallel's set-up proof
-        techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero, data=mesh.data))
+        techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero, data=mesh.data,
+                                         materialise=deferred))
     if plan.ac:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks)),
                                                   model))

@@ -59,6 +59,14 @@ from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import split_microbatches
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.technique import HeldGrad, OptimizerState, Technique, optimizer_names, outside_all
+from strategies.tensors import StandInReads
+
+_TRACE_READ = (
+    "training_step read a tensor's value while the pipeline traced it on shapes ({error}). A model built in "
+    "configure_model has no values until each stage makes its own part, and the pipeline learns where to cut it by "
+    "running training_step once on meta tensors first. Numbers read there (loss.item(), float(loss), int(n)) get a "
+    "stand-in; a truth value (an `if` or `assert` on a tensor), .tolist() or .numpy() cannot. Guard that line with "
+    "`if not loss.is_meta:` (true only in this trace), or build the model in __init__.")
 
 
 class PlanStrategy(ParallelStrategy):
@@ -186,6 +194,7 @@ class PlanStrategy(ParallelStrategy):
         store = elastic_store(self.world_size, self.options.timeout)  # (a restarted torchrun attempt's own keys)
         _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id,
                               **({"store": store} if store is not None else {}))
+        comm.leave_group_at_exit()  # a script that ends after fit, as Lightning's docs show, exits 0
         comm.RECORDER.timeout = self.options.timeout
         self.mesh = ParallelMesh(self.resolved_plan, self.root_device.type, self.comm_stats)
         comm.set_ordered_sums(self.options.deterministic)  # for this run (teardown turns it off)
@@ -252,12 +261,20 @@ class PlanStrategy(ParallelStrategy):
         if self._deferred is not None:  # the model is on meta: traced with shapes only
             micro = apply_to_collection(micro, Tensor, lambda t: t.to("meta"))
 
+        on_shapes = self._deferred is not None
+
         def run_forward() -> None:  # set-up, not a step: what it logs is dropped, what it draws is given back
             # (a resumed run traces at its first step too: a draw here would shift its dropout masks)
             devices = [self.root_device] if self.root_device.type == "cuda" else []
+            reads = StandInReads() if on_shapes else contextlib.nullcontext()  # loss.item() in the user's step
             with torch.no_grad(), deferred_logs(self.lightning_module), torch.random.fork_rng(devices=devices), \
-                    self._tracing():
-                self._lightning_hook("training_step", micro, batch_idx, *args)
+                    self._tracing(), reads:
+                try:
+                    self._lightning_hook("training_step", micro, batch_idx, *args)
+                except (RuntimeError, NotImplementedError) as error:
+                    if on_shapes and "meta" in str(error):
+                        raise RuntimeError(_TRACE_READ.format(error=error)) from error
+                    raise
 
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward,
                                             self._deferred)
@@ -682,6 +699,7 @@ class PlanStrategy(ParallelStrategy):
         self.techniques = []
         self._steps = DirectSteps(self._lightning_hook)
         module = self.lightning_module
-        super().teardown()  # (moves the module to the CPU: before its weights go to meta)
+        with deferred.meta_safe_cpu(module):  # (a failure can leave a model built on meta unmade: no data to move)
+            super().teardown()  # (moves the module to the CPU: before its weights go to meta)
         if healthy and not whole:
             leave_in_slices(module, self.plan)

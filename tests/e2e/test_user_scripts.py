@@ -1,0 +1,53 @@
+"""Users' own scripts, not the suite's: a plain Lightning script that ends after ``fit`` (`_user_script.py`) exits 0
+under every plan, with a ``training_step`` that reads values, its model built in ``__init__`` and in
+``configure_model``. Before: the pipeline's trace on shapes stopped at ``loss.item()`` of a model built on meta, and
+a script under pp could abort at exit ("terminate called without an active exception") after training well."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("_user_script.py")
+TWO_RANKS = ["dp", "zero3", "tp2", "cp2", "ep2", "pp2_1f1b_mb4", "pp2_gpipe_mb4", "pp2_interleaved_v2_mb4",
+             "pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4"]
+
+
+def _script(tmp_path: Path, devices: int, plans: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "fits.txt"), str(devices), *plans],
+                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2],
+                          env={**os.environ, **env})
+
+
+def _run(tmp_path: Path, devices: int, plans: list[str]) -> None:
+    out = tmp_path / "fits.txt"
+    proc = _script(tmp_path, devices, plans)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "terminate called" not in proc.stderr
+    lines = out.read_text().split()
+    assert [(p, b) for p, b in zip(lines[::3], lines[1::3])] == [(p, b) for p in plans
+                                                                  for b in ("init", "configure_model")]
+    assert all(float(x) > 1 for x in lines[2::3])  # the perplexity logged from loss.item()
+
+
+def test_two_rank_plans_from_a_script_that_ends_after_fit(tmp_path):
+    _run(tmp_path, 2, TWO_RANKS)
+
+
+@pytest.mark.slow
+def test_a_3d_plan_from_a_script_that_ends_after_fit(tmp_path):
+    _run(tmp_path, 8, ["zero3_tp2_pp2"])
+
+
+def test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_script_prints(tmp_path):
+    # The fit stops at its first batch, which does not split into 4 microbatches, with the model still on meta.
+    # Teardown used to add its own traceback under it ("Cannot copy out of meta tensor").
+    proc = _script(tmp_path, 2, ["pp2_1f1b_mb4"], BATCH="6", BUILDS="configure_model")
+    assert proc.returncode != 0
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert "does not split into mb4 equal microbatches" in last, proc.stderr[-3000:]
+    assert "meta tensor" not in proc.stderr
