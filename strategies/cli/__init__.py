@@ -1,7 +1,13 @@
-"""``stratpack``: compare strategies on a workload, train once, bench against the peers, plan, convert, dashboard.
+"""stratpack: distributed-training strategies for PyTorch Lightning, compared and measured.
 
-One module per command, each with ``add_parser(subparsers)`` and ``command(args)``; what the commands train is a
-workload (`workload`), the demo GPT unless told otherwise.
+Everyday: compare (several strategies on one workload, a table), train (one strategy), plan (a strategy string's
+layout, or the plans that fit a model), rehearse (one rank of a large job, alone on this machine), dashboard (the
+run store, side by side), convert (a sharded checkpoint to one file or a Hugging Face directory).
+
+Benchmarks and the pack's own measurements: bench (our engines against torch's and DeepSpeed's; --accelerator gpu:
+one GPU against Lightning and a plain loop), bench-saves, drift, heap, large, sweep.
+
+`stratpack COMMAND --help` for each.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from strategies.cli import (
     train,
 )
 
-COMMANDS = (compare, train, bench, bench_saves, drift, heap, large, sweep, dashboard, convert, plan, rehearse)
+# The everyday commands first, then the benchmarks (the order `stratpack --help` lists them in).
+COMMANDS = (compare, train, plan, rehearse, dashboard, convert, bench, bench_saves, drift, heap, large, sweep)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stratpack", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="stratpack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
     args = parser.parse_args(argv)
