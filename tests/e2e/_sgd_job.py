@@ -7,6 +7,7 @@ reference for all of them (`reference`)."""
 
 import contextlib
 import itertools
+import os
 import sys
 from collections.abc import Iterator
 from unittest import mock
@@ -44,6 +45,20 @@ CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CON
 # it averages (x dp), and the pipeline dropping one microbatch's gradient (1 of 4).
 BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
         ("zero2+bf16+plant_sum", 1), ("pp2_mb4+bf16+plant_drop", 1)]
+# AdamW (what users train with; its normalised step hides a gradient's scale, which the SGD cases above catch): the
+# data modes, tp (with sp, ac) and every pipeline path once, with accumulation where it changes the path. `+gloo`:
+# strict p2p off, the program users run on gloo (a step's receives posted together). Each fit also returns its
+# collectives' bytes (the formulas: `test_sgd_matrix`) and the loss it logged.
+ADAMW = {2: [("dp+adamw", 1), ("naive+adamw", 3), ("zero2+adamw", 3), ("zero3+adamw", 3), ("zero2_offload+adamw", 1),
+             ("tp2+adamw", 1), ("tp2_sp+adamw", 3), ("zero3_ac+adamw", 1), ("pp2_gpipe_mb4+adamw", 1),
+             ("pp2_1f1b_mb4+adamw+gloo", 1), ("pp2_interleaved_v2_mb4+adamw+gloo", 1), ("pp2_mb4+adamw", 3),
+             ("pp2_gpipe_mb4_ac+adamw", 1)],
+         4: [("dp_tp2+adamw", 3), ("dp_pp2+adamw", 1), ("pp4_1f1b_mb8+adamw+gloo", 1), ("naive_pp2+adamw", 1)],
+         8: []}
+# What the Trainer tests read off these fits (`test_trainer`): activation checkpointing against `dp+adamw`; the
+# gradient clipped by the whole model's norm (`+clip`: SGD, gradient_clip_val=CLIP, against a clipped reference).
+ADAMW[2] += [("dp_ac+adamw", 1)]
+CLIPPED, CLIP = [("zero3+clip", 1), ("pp2_mb4+clip", 1)], 0.05  # at 2 ranks
 FULL = {2: CASES[2], 4: [(f"{m}_{p}", a) for m in MODES for p in MODELS for a in (1, 3)]
         + [(m, a) for m in MODES for a in (1, 3)],
         8: [(f"{m}_tp2_pp2_{s}", a) for m in MODES for s in ("mb4", "interleaved_v2_mb4") for a in (1, 3)]}
@@ -69,31 +84,53 @@ def loss_of(net: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor) -> torc
     return net.loss(x) if kind == "llama" else F.cross_entropy(net(x).flatten(0, 1), y.flatten())
 
 
+# eps 1e-6: a gradient near AdamW's eps moves its weight by about lr x g / (|g| + eps), so a smaller eps would turn
+# the float noise of the order of sums in a ~1e-8 gradient into a 1e-4 difference (seen at eps 1e-8, lr 1e-2)
+ADAMW_LR, ADAMW_EPS = 1e-2, 1e-6
+
+
+def optimizer_for(name: str, params) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=ADAMW_LR, eps=ADAMW_EPS)
+    return torch.optim.SGD(params, lr=LR)
+
+
 class Module(L.LightningModule):
-    def __init__(self, kind: str = "gpt") -> None:
+    def __init__(self, kind: str = "gpt", optimizer: str = "sgd") -> None:
         super().__init__()
-        self.model, self.kind = model(kind), kind
+        self.model, self.kind, self.optimizer_name = model(kind), kind, optimizer
 
     def training_step(self, batch, index):
-        return loss_of(self.model, self.kind, *batch)
+        loss = loss_of(self.model, self.kind, *batch)
+        self.log("train_loss", loss)  # under pp: the batch's, on every stage (`steps.PipelineSteps._replay_logs`)
+        return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return optimizer_for(self.optimizer_name, self.parameters())
 
 
-def reference(bf16: bool = False, chunks: int = 1, kind: str = "gpt") -> dict[str, torch.Tensor]:
+def reference(bf16: bool = False, chunks: int = 1, kind: str = "gpt", optimizer: str = "sgd",
+              losses: list[float] | None = None, clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process, one batch of GLOBAL samples per step: Lightning's DistributedSampler (shuffled, seed 0) gives
     the k-th micro-step of every dp rank together the k-th slice of the same permutation. ``bf16``: the forward
     under CPU autocast to bfloat16, as Lightning's bf16-mixed runs training_step; ``chunks``: the step's batch in
-    that many accumulated parts (the same samples summed in another order); ``kind``: the model (`model`)."""
+    that many accumulated parts (the same samples summed in another order); ``kind``: the model (`model`);
+    ``optimizer``: sgd or adamw (`optimizer_for`); ``losses``: each step's loss is appended there; ``clip``: the
+    gradient clipped to that global norm before each step."""
     net, (x, y) = model(kind), data().tensors
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    opt = optimizer_for(optimizer, net.parameters())
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
+        total = 0.0
         for rows in order[step * GLOBAL : (step + 1) * GLOBAL].chunk(chunks):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = loss_of(net, kind, x[rows], y[rows])
             (loss / chunks).backward()
+            total += float(loss) / chunks
+        if losses is not None:
+            losses.append(total)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in net.state_dict().items()}
@@ -127,28 +164,72 @@ def planted(option: str) -> Iterator[None]:
         yield
 
 
-def fit(case: str, accumulate: int, world: int) -> dict[str, torch.Tensor]:
+class Counted(L.Callback):
+    """The strategy's collectives as the training ends (before teardown gathers the model back)."""
+
+    comm: dict = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.comm = trainer.strategy.comm_stats.snapshot()
+
+
+@contextlib.contextmanager
+def strict_p2p(on: bool) -> Iterator[None]:
+    """Strict p2p mode (`comm.p2p`, on for the whole suite) off for one fit: ``gloo``'s cases."""
+    from strategies.comm import STRICT_ENV
+
+    saved = os.environ.get(STRICT_ENV)
+    if not on:
+        os.environ[STRICT_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(STRICT_ENV, None)
+        else:
+            os.environ[STRICT_ENV] = saved
+
+
+def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> dict[str, torch.Tensor]:
     """``case``: a plan, then options after ``+``: ``deterministic`` (the strategy's ordered sums), ``bf16``
-    (bf16-mixed), ``plant_*`` (`planted`)."""
+    (bf16-mixed), ``plant_*`` (`planted`), ``adamw`` (the optimizer), ``gloo`` (`strict_p2p` off), ``llama``.
+    ``extras``: gets the fit's collectives per step (`CommStats.snapshot` over the steps) and its logged loss."""
     from strategies import PlanStrategy
     from strategies.plan import ParallelPlan
 
     plan, *options = case.split("+")
     dp = ParallelPlan.parse(plan).resolve(world).dp
-    module = Module("llama" if "llama" in options else "gpt")
+    module = Module("llama" if "llama" in options else "gpt", "adamw" if "adamw" in options else "sgd")
     strategy = PlanStrategy(plan, deterministic=True) if "deterministic" in options else plan
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
-                        precision="bf16-mixed" if "bf16" in options else "32-true")
+                        precision="bf16-mixed" if "bf16" in options else "32-true",
+                        gradient_clip_val=CLIP if "clip" in options else None)
     plant = next((o for o in options if o.startswith("plant_")), "")
-    with planted(plant):
+    counted = Counted()
+    trainer.callbacks.append(counted)
+    if extras is not None:  # what the monitor reads: the activations kept for backward, the pipeline's timeline
+        from strategies.measure.monitor import StrategyMonitor
+
+        monitor = StrategyMonitor(warmup_steps=0, store=False)
+        trainer.callbacks.append(monitor)
+    with planted(plant), strict_p2p("gloo" not in options):
         trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
+    if extras is not None:
+        extras["comm"] = {key: {k: v / STEPS for k, v in rec.items()} for key, rec in counted.comm.items()}
+        extras["logged"] = float(trainer.callback_metrics["train_loss"])
+        extras["activations_peak"] = monitor.summary["memory_bytes"]["activations_peak"]
+        extras["pipeline"] = monitor.summary.get("pipeline")
     return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
 if __name__ == "__main__":
     world = int(sys.argv[2])
-    cases = (FULL if sys.argv[3:] == ["full"] else CASES)[world] + (BF16 if world == 2 else [])
-    results = {case: fit(*case, world) for case in cases}
+    full = sys.argv[3:] == ["full"]
+    measured = [] if full else ADAMW[world] + (CLIPPED if world == 2 else [])
+    cases = (FULL if full else CASES)[world] + (BF16 if world == 2 else []) + measured
+    extras = {case: {} if case in measured else None for case in cases}
+    results = {"states": {case: fit(*case, world, extras[case]) for case in cases},
+               "extras": {case: e for case, e in extras.items() if e is not None}}
     finish_job(results, sys.argv[1])

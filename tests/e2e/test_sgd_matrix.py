@@ -25,23 +25,19 @@ accumulation micro-step and so reducing it early (the bug this matrix found unde
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.e2e._sgd_job import BF16, CASES, FULL, model, reference
-from tests.helpers import run_job
+from tests.e2e._sgd_job import ADAMW, BF16, CASES, FULL, GLOBAL, STEPS, model, reference
+from tests.e2e.conftest import sgd_job
 
 pytestmark = pytest.mark.slow
-JOB = os.path.join(os.path.dirname(__file__), "_sgd_job.py")
 PARAM_ATOL = 1e-6
 
 
-def _job(tmp_path_factory, world: int, which: str) -> dict:
-    # PL_GLOBAL_SEED: the samplers' seed, as the reference's, not whatever this process was seeded with
-    return run_job(JOB, tmp_path_factory.mktemp(f"sgd{world}"), str(world), which, timeout_s=900,
-                   env={"PL_GLOBAL_SEED": "0"})[0]
+@pytest.fixture(scope="module")
+def jobs(sgd_jobs) -> dict:
+    return sgd_jobs
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +51,13 @@ def expected_llama() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    return {world: _job(tmp_path_factory, world, "ci") for world in CASES}
+def results(jobs) -> dict:
+    return {world: job["states"] for world, job in jobs.items()}
 
 
 @pytest.fixture(scope="module")
 def full_results(tmp_path_factory) -> dict:
-    return {world: _job(tmp_path_factory, world, "full") for world in (4, 8)}
+    return {world: sgd_job(tmp_path_factory, world, "full")["states"] for world in (4, 8)}
 
 
 def _check(state: dict, expected: dict, kind: str = "gpt") -> None:
@@ -123,3 +119,60 @@ def test_errors_planted_in_the_pack_fail_the_bf16_tolerance(results, bf16):
 @pytest.mark.parametrize("world,plan,accumulate", [(w, *case) for w in (4, 8) for case in FULL[w]])
 def test_sgd_matrix(full_results, expected, world: int, plan: str, accumulate: int):
     _check(full_results[world][plan, accumulate], expected)
+
+
+# -- AdamW, what users train with: the same processes, its own reference ------------------------------------------
+
+ADAMW_RTOL, ADAMW_ATOL = 1e-5, 5e-5  # the key bias's exactly-zero gradient: its float noise moves it by ~1e-5 (eps)
+
+
+@pytest.fixture(scope="module")
+def expected_adamw() -> tuple[dict[str, torch.Tensor], list[float]]:
+    losses: list[float] = []
+    return reference(optimizer="adamw", losses=losses), losses
+
+
+def _bytes_per_step(plan: str, world: int, accumulate: int, psi_bytes: int) -> dict[str, float]:
+    """What rank 0's collectives send per optimizer step under ``plan`` (Megatron's counts for tp; DDP's ring
+    all-reduce; ZeRO's reduce-scatter; the naive server's send), on the job's model (4 blocks, width 16, sequence 8)."""
+    from strategies.plan import ParallelPlan
+
+    resolved = ParallelPlan.parse(plan).resolve(world)
+    if resolved.tp > 1:  # 4 all-reduces of b*s*h per block per micro-batch (2 forward, 2 backward)
+        b, s, h, layers = GLOBAL // resolved.dp // accumulate, 8, 16, 4
+        half = (resolved.tp - 1) / resolved.tp * b * s * h * 4  # a reduce-scatter or an all-gather of b*s*h
+        if resolved.sp:  # each all-reduce split into its halves, + entering and leaving the blocks
+            return {"all_gather/tp": (4 * layers + 2) * accumulate * half,
+                    "reduce_scatter/tp": 4 * layers * accumulate * half}
+        per_block = 5 if resolved.ac else 4  # ac: the attention's all-reduce runs again in the recompute
+        return {"all_reduce/tp": per_block * layers * accumulate * 2 * half}
+    if resolved.pp > 1:
+        return {}
+    n = resolved.dp
+    if plan.startswith("naive"):
+        return {"send/dp": (n - 1) * psi_bytes}  # rank 0 is the server
+    if resolved.data.is_zero:
+        return {"reduce_scatter/dp": (n - 1) / n * psi_bytes}  # (psi is even: no padding at 2 ranks)
+    return {"all_reduce/dp": 2 * (n - 1) / n * psi_bytes}
+
+
+@pytest.mark.parametrize("world,plan,accumulate", [(w, *case) for w, cases in ADAMW.items() for case in cases])
+def test_adamw_matches_one_process_and_sends_what_the_formulas_say(jobs, expected_adamw, world: int, plan: str,
+                                                                    accumulate: int):
+    # Each data mode, tp (sp, ac) and every pipeline path (gloo's program too) through the Trainer with AdamW:
+    # parameters after 2 steps, the collectives' bytes per step, and under pp the loss rank 0 logs (the last
+    # stage's batch loss, sent back to every stage).
+    state, extras = jobs[world]["states"][plan, accumulate], jobs[world]["extras"][plan, accumulate]
+    want, losses = expected_adamw
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=ADAMW_RTOL, atol=ADAMW_ATOL,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+    name = plan.split("+")[0]
+    psi_bytes = sum(p.numel() for p in model().parameters()) * 4
+    for key, expected in _bytes_per_step(name, world, accumulate, psi_bytes).items():
+        assert extras["comm"][key]["bytes_sent"] == pytest.approx(expected), (key, extras["comm"])
+    if name.startswith("pp") and accumulate == 1:
+        assert extras["comm"]["send/pp"]["bytes_sent"] > 0
+        assert extras["logged"] == pytest.approx(losses[-1], rel=1e-5)
+    assert len(losses) == STEPS
