@@ -104,19 +104,6 @@ def run_job(script: str, folder, *args: str, timeout_s: float = 600, collective_
     return torch.load(out), proc
 
 
-def finish_job(results, path: str) -> None:
-    """The end of a job script, on every rank: rank 0 saves ``results`` to ``path``, then every rank leaves the
-    process group together. A gloo group left for the interpreter's exit to tear down can abort the process
-    ("terminate called without an active exception", seen once in CI after a fit stopped by an error), and
-    Lightning's launcher then fails the whole job."""
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        torch.save(results, path)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tuple[str, ...] = (),
                timeout_s: float = 420) -> tuple[dict, dict]:
     """Train the demo GPT with ``strategy`` on ``devices`` CPU ranks (a subprocess); return the run's result

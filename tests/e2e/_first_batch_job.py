@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import strategies
 from strategies import Colwise, Rowwise
 from strategies.pipeline import stages
-from tests.helpers import finish_job
 from tests.models import zoo
 
 _PARTITION = stages.partition
@@ -105,4 +104,5 @@ def fit(case: str):
 
 if __name__ == "__main__":
     results = {case: fit(case) for case in CASES}
-    finish_job(results, sys.argv[1])
+    if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
+        torch.save(results, sys.argv[1])

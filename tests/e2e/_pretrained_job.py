@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import strategies
-from tests.helpers import finish_job
 from tests.models import zoo
 
 CASES = [("llama", "tp2"), ("llama", "zero3"), ("llama", "pp2_1f1b_mb2"), ("gpt2", "zero3_tp2_pp2_1f1b_mb2"),
@@ -86,4 +85,5 @@ def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
 if __name__ == "__main__":
     results = {(name, plan): fit(name, plan, sys.argv[2]) for name, plan in CASES}
     results |= {("export", name, plan): fit(name, plan, sys.argv[2], export=True) for name, plan in EXPORTS}
-    finish_job(results, sys.argv[1])
+    if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
+        torch.save(results, sys.argv[1])

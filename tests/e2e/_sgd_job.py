@@ -1,12 +1,14 @@
 """The scale-sensitive matrix (issue 20): plain SGD, no momentum, no clipping, so that any error in a gradient's
 scale (a wrong 1/mb, 1/accumulate, a sum over dp ranks where a mean belongs) moves the parameters by as much on the
-first step. Every case trains through the Trainer in one set of processes: ``python _sgd_job.py OUT WORLD [full]``.
+first step. Every case trains through the Trainer in one set of processes: ``python _sgd_job.py OUT WORLD [full]``,
+a script that ends as a user's does (no barrier, no ``destroy_process_group``; its step reads ``loss.item()``).
 Lightning's popen launcher re-runs this script for the other ranks; the later Trainers find the process group there.
 Every case sees the same GLOBAL samples per optimizer step, in the same order, so one single-process run is the
 reference for all of them (`reference`)."""
 
 import contextlib
 import itertools
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -20,7 +22,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import strategies  # noqa: F401  (registers the plan strings)
 from demos.gpt import GPT, GPTConfig
-from tests.helpers import finish_job
 
 GLOBAL, STEPS, LR = 24, 2, 0.5  # samples per optimizer step: divides over dp (1, 2, 4) x accumulate (1, 3) x mb 4
 CONFIG = GPTConfig(vocab_size=32, n_layer=4, n_head=2, n_embd=16, seq_len=8)  # 4 blocks: pp2 x v2
@@ -103,6 +104,7 @@ class Module(L.LightningModule):
     def training_step(self, batch, index):
         loss = loss_of(self.model, self.kind, *batch)
         self.log("train_loss", loss)  # under pp: the batch's, on every stage (`steps.PipelineSteps._replay_logs`)
+        self.log("perplexity", math.exp(loss.item()))  # a value read, as users' steps do
         return loss
 
     def configure_optimizers(self):
@@ -232,4 +234,5 @@ if __name__ == "__main__":
     extras = {case: {} if case in measured else None for case in cases}
     results = {"states": {case: fit(*case, world, extras[case]) for case in cases},
                "extras": {case: e for case, e in extras.items() if e is not None}}
-    finish_job(results, sys.argv[1])
+    if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
+        torch.save(results, sys.argv[1])
