@@ -14,6 +14,17 @@ import pytest
 
 os.environ.setdefault("STRATPACK_STRICT_P2P", "60")
 
+# `pytest -m quick`, the inner loop (under 3 minutes here): every unit test and the multi-rank tests (each technique's
+# engine against one process on forked gloo ranks), not the model zoo's matrix nor anything under `-m matrix`.
+QUICK_DIRS, NOT_QUICK = ("unit", "multirank"), ("test_model_zoo.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path
+        if path.parent.name in QUICK_DIRS and path.name not in NOT_QUICK and not item.get_closest_marker("matrix"):
+            item.add_marker(pytest.mark.quick)
+
 TINY_RUN = ["--devices", "2", "--n-embd", "16", "--seq-len", "16", "--max-chars", "8000", "--wandb", "off"]
 COMPARED = "single,dp,ddp,zero2,pp2"
 

@@ -52,8 +52,8 @@ def test_sharded_save_is_a_directory_of_parts_with_a_manifest(saved, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,devices", [("zero1_pp2", 4), ("single", 1), ("zero3_tp2_pp2", 8),
-                                              ("dp_tp2_sp", 4)])
+@pytest.mark.parametrize("strategy,devices", [("zero1_pp2", 4), ("single", 1), ("dp_tp2_sp", 4),
+                                              pytest.param("zero3_tp2_pp2", 8, marks=pytest.mark.matrix)])  # (its own)
 def test_resume_under_another_plan_and_world_size(tmp_path, saved, reference, strategy: str, devices: int):
     result, params = train_demo(tmp_path, strategy, devices, *EPOCHS, "--resume", saved[2])
     _assert_continues(result, params, reference)
