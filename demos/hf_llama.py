@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from strategies.cli.workload import needs
+
 VOCAB, KV_HEADS = 32000, 4
 
 
@@ -33,8 +35,7 @@ class LlamaModule(L.LightningModule):
 
     def __init__(self, n_layer: int, n_embd: int, n_head: int, seq_len: int, lr: float = 3e-4) -> None:
         super().__init__()
-        import transformers
-
+        transformers = needs("transformers", "models", "the hf-llama workload")
         self.config = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=n_embd, intermediate_size=4 * n_embd, num_hidden_layers=n_layer,
             num_attention_heads=n_head, num_key_value_heads=min(KV_HEADS, n_head), max_position_embeddings=seq_len)

@@ -16,6 +16,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from strategies.cli.workload import needs
+
 # (transformers class names, config) per model: Llama 3 (Meta, 2024, model cards), Qwen2 (Alibaba, 2024), GPT-2 XL.
 _LLAMA3 = {"vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
            "num_key_value_heads": 8, "tie_word_embeddings": False}
@@ -39,8 +41,7 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 def hf_config(name: str, n_layer: int = 0) -> Any:
     """The ``transformers`` config of ``name`` (SDPA attention), ``n_layer`` blocks deep where given."""
-    import transformers
-
+    transformers = needs("transformers", "models", f"the {name} workload")
     config_cls, _, values = CONFIGS[name]
     config = getattr(transformers, config_cls)(**values)
     if n_layer:
@@ -62,8 +63,7 @@ class CausalLMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            import transformers
-
+            transformers = needs("transformers", "models", f"the {self.name} workload")
             self.model = getattr(transformers, CONFIGS[self.name][1])(self.config)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

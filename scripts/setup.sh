@@ -5,8 +5,10 @@
 # requirement is already met and pip does not pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="[dashboard,tracking]"  # tracking: wandb, offline unless logged in (every run is logged from the first command)
-[[ "${1:-}" == "--dev" ]] && extras="[dev,dashboard,tracking]"
+# tracking: wandb, offline unless logged in (every run is logged from the first command); models: transformers, for
+# the Hugging Face workloads the README's rehearsals and the GPU bench use
+extras="[dashboard,tracking,models]"
+[[ "${1:-}" == "--dev" ]] && extras="[dev,dashboard,tracking,models]"
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then

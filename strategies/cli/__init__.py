@@ -41,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     for command in COMMANDS:
         command.add_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from strategies.cli.workload import MissingExtra
+
+    try:
+        return args.func(args)
+    except MissingExtra as missing:  # one line, not a traceback: what to install
+        print(f"stratpack {args.command}: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--every", type=int, default=10, help="save every this many optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--runs-dir", default=None)
-    p.add_argument("--report", default=None, help="markdown report (default docs/bench-saves-<date>.md)")
+    p.add_argument("--report", default=None,
+                   help="write the markdown here (default: the run store's reports/bench-saves-<date>.md)")
     p.set_defaults(func=command)
 
 

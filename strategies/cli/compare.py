@@ -52,14 +52,23 @@ def parse_plans(text: str) -> list[tuple[str, int]]:
     return plans
 
 
-def write_report(text: str, path: str | None, name: str) -> str:
-    """A benchmark's markdown to ``path`` (default ``docs/<name>-<today>.md``), and to stdout; the path."""
+def write_report(text: str, path: str | None, name: str) -> str | None:
+    """A benchmark's markdown to stdout first, then to ``path`` (its folder made; default
+    ``<run store>/reports/<name>-<today>.md``, wherever the command runs from); the path, or None where it could not
+    be written (said, and the table already printed: minutes of measuring are not lost to a path)."""
     import datetime
 
-    path = path or f"docs/{name}-{datetime.date.today().isoformat()}.md"
-    with open(path, "w") as f:
-        f.write(text)
-    print(text)
+    from strategies.runs import runs_dir
+
+    print(text, flush=True)
+    path = path or os.path.join(str(runs_dir()), "reports", f"{name}-{datetime.date.today().isoformat()}.md")
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as error:
+        print(f"the report was printed above; it could not be written to {path}: {error}", file=sys.stderr)
+        return None
     print(f"written to {path}", file=sys.stderr)
     return path
 
@@ -112,9 +121,13 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
     ok_of = {label: [r for r in runs if "error" not in r] for label, runs in rows.items()}
     base_tps = _mean([r.get("tokens_per_s") for r in ok_of.get(baseline, [])])
     reference = (ok_of.get("single") or [None])[0]
+    # Set-up memory beside the estimator's only where it was measured as the estimator counts it (the heap, with
+    # --heap): without it the measured figure is resident memory's growth (the allocator's pages, gloo's buffers,
+    # the first-batch check's copy), 2-3x the model's build on the demo: not a like-for-like pair.
+    heap = all((r.get("config") or {}).get("heap") for runs in ok_of.values() for r in runs)
     header = (f"{'strategy':<18}{'ranks':>6}{'final loss':>11}{'loss match':>11}{'tokens/s':>10}"
               f"{'vs ' + (baseline or '-'):>10}{'state KiB meas/pred':>22}{'comm KiB/step meas/pred':>26}"
-              f"{'act KiB':>9}{'setup KiB meas/pred':>22}")
+              f"{'act KiB':>9}" + (f"{'setup KiB meas/pred':>22}" if heap else ""))
     lines = [header, "-" * len(header)]
     for label, runs in rows.items():
         ok = ok_of[label]
@@ -134,15 +147,19 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
         lines.append(
             f"{label:<18}{first['world_size']:>6}{_fmt(_mean([r['losses'][-1] for r in ok]), '.4f'):>11}"
             f"{_fmt(match, '.1e'):>11}{_fmt(tps, ',.0f'):>10}{_fmt(ratio, '.3f'):>10}{state:>22}{comm:>26}"
-            f"{_fmt(act / 1024 if act else None, ',.0f'):>9}{setup:>22}"
+            f"{_fmt(act / 1024 if act else None, ',.0f'):>9}" + (f"{setup:>22}" if heap else "")
         )
-    lines.append("loss match: largest relative difference of a step's loss from single's; meas/pred: rank 0 "
-                 "measured / the estimator (strategies.measure.estimate); '-': not counted (the communication of "
-                 "Lightning's own strategies) or no plan; act: what autograd saved for backward, every strategy alike; "
-                 "setup: rank 0's peak from before the model was built to the end of the first step (on CPU the "
-                 "heap's with --heap, else resident memory's growth), and the estimator's (a meta build with "
-                 "--configure-model, else the model built whole)")
+    lines.append(_legend(heap))
     return "\n".join(lines)
+
+
+def _legend(heap: bool) -> str:
+    return ("loss match: largest relative difference of a step's loss from single's; meas/pred: rank 0 measured / the "
+            "estimator (strategies.measure.estimate); '-': not counted (the communication of Lightning's own "
+            "strategies) or no plan; act: what autograd saved for backward, every strategy alike; "
+            + ("setup: rank 0's heap peak from before the model was built to the end of the first step, and the "
+               "estimator's (a meta build with --configure-model, else the model built whole)" if heap else
+               "set-up memory beside the estimator's: with --heap (measured as the estimator counts it)"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

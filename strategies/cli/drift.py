@@ -3,7 +3,8 @@
 steps, the largest relative difference of a step's loss from the reference's. The runs differ only in the order of float
 sums, so this shows how far that rounding carries over a long run (the equivalence tests take 2-8 steps).
 
-A benchmark, not a test: minutes of CPU; the result goes to a markdown file (``docs/drift-<date>.md``).
+A benchmark, not a test: minutes of CPU; the result is printed, and written
+to ``--report`` (default: the run store's ``reports/drift-<date>.md``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drift", help="train plans for many steps beside one process and report the loss drift")
     p.add_argument("--plans", default=DEFAULT, help=f"plan:devices, comma-separated (default {DEFAULT})")
     p.add_argument("--window", type=int, default=100, help="steps per column of the table")
-    p.add_argument("--report", default=None, help="write the markdown here (default docs/drift-<date>.md)")
+    p.add_argument("--report", default=None,
+                   help="write the markdown here (default: the run store's reports/drift-<date>.md)")
     add_run_options(p)
     p.set_defaults(func=command, steps=1000, wandb="off", warmup_steps=0)
     p.set_defaults(batch_size=8, seq_len=32, n_embd=32)

@@ -6,7 +6,8 @@ shown) the table gives the estimator's peak (model states + host + activations) 
 after the first), the tensors counted at the end (states, activations autograd saved), and the first step's peak
 (which holds the pipeline's cut: forwards of the whole model on every rank). On CPU the host is the same heap.
 
-A benchmark, not a test: minutes of CPU; the result goes to a markdown file (``docs/heap-<date>.md``).
+A benchmark, not a test: minutes of CPU; the result is printed, and written
+to ``--report`` (default: the run store's ``reports/heap-<date>.md``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("heap", help="the estimator's memory per rank beside the measured heap, for the 3D matrix")
     p.add_argument("--plans", default=DEFAULT, help="plan:devices, comma-separated (default: the 3D matrix)")
-    p.add_argument("--report", default=None, help="write the markdown here (default docs/heap-<date>.md)")
+    p.add_argument("--report", default=None,
+                   help="write the markdown here (default: the run store's reports/heap-<date>.md)")
     add_run_options(p)
     p.set_defaults(func=command, steps=6, wandb="off", warmup_steps=0, heap=True)
     p.set_defaults(batch_size=16, seq_len=128, n_embd=128, n_layer=4, n_head=4)

@@ -6,7 +6,8 @@ peak (the heap's, over the later steps) beside the estimator's; and for the same
 on every rank) the estimator's set-up peak summed over the ranks against this machine's memory: not run, since it
 would not fit. A plan whose predicted set-up, summed over its ranks, would not fit either is skipped, with why.
 
-A benchmark, not a test: minutes of CPU; the result goes to a markdown file (``docs/large-<date>.md``).
+A benchmark, not a test: minutes of CPU; the result is printed, and written
+to ``--report`` (default: the run store's ``reports/large-<date>.md``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("large", help="train a model larger than this machine holds once per rank, by slice, with "
                                      "each rank's set-up and steady peaks beside the estimator's")
     p.add_argument("--plans", default=DEFAULT, help="plan:devices, comma-separated")
-    p.add_argument("--report", default=None, help="write the markdown here (default docs/large-<date>.md)")
+    p.add_argument("--report", default=None,
+                   help="write the markdown here (default: the run store's reports/large-<date>.md)")
     add_run_options(p)
     p.set_defaults(func=command, steps=2, wandb="off", warmup_steps=0, heap=True, configure_model=True,
                    optimizer="sgd-plain", check_first_batch=False)

@@ -1,7 +1,8 @@
 """``stratpack sweep``: does the planner pick what a measured sweep would? Every candidate plan for the workload at
 ``--devices`` ranks is predicted with this machine's calibration (`strategies.measure.calibrate`) and then trained
 for a few steps; the table puts predicted beside measured step time, and compares the planner's top pick with the
-fastest plan measured. A benchmark (minutes), written to ``docs/sweep-<date>.md``.
+fastest plan measured. A benchmark (minutes), printed and written to
+``--report`` (default: the run store's ``reports/sweep-<date>.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="predict and measure every candidate plan for the workload; the planner's pick "
                                      "against the fastest")
     p.add_argument("--plans", default=None, help="comma-separated (default: the planner's candidates, no offload)")
-    p.add_argument("--report", default=None, help="write the markdown here (default docs/sweep-<date>.md)")
+    p.add_argument("--report", default=None,
+                   help="write the markdown here (default: the run store's reports/sweep-<date>.md)")
     add_run_options(p)
     p.add_argument("--repeat", type=int, default=3,
                    help="runs per plan, in alternating order (the median is measured: one run is noisy here)")

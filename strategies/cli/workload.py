@@ -40,6 +40,19 @@ class Workload(Protocol):
         blocks ``blocks``, with what comes before them on the first stage and after them on the last."""
 
 
+class MissingExtra(ImportError):
+    """What a workload needs and the installed pack lacks: `stratpack` says so in one line and exits 2."""
+
+
+def needs(module: str, extra: str, what: str) -> Any:
+    """``module`` imported, or `MissingExtra` naming the pack's extra that installs it (``what``: who needs it)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(f"{what} needs {module}, which is not installed: pip install 'stratpack[{extra}]' (or "
+                           f"bash scripts/setup.sh, which installs it)") from None
+
+
 def find_workload(name: str = DEFAULT) -> Workload:
     """The workload called ``name`` (an entry point of the ``stratpack.workloads`` group), or ``module:object``."""
     if ":" in name:
