@@ -408,13 +408,17 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
     plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
     grads, n = psi * grad_bytes, plan.data_ranks
-    reduce = 0.0
+    reduce = in_flight = 0.0
     if n > 1 and plan.data.is_zero:
         flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
         # ZeRO-3's flats are a block each: as backward ends, the IN_FLIGHT last launched are still reducing, each
         # holding its full gradient (and on gloo its copies), beside the shards already reduced
         behind = min(IN_FLIGHT, max(blocks - 1, 0)) if plan.data.stage == 3 else 0
-        reduce = grads / n + behind * flat + (max(behind, 1) * (1 + 1 / n) * flat if backend == GLOO else 0.0)
+        copy = (1 + 1 / n) * flat if backend == GLOO else 0.0
+        reduce = grads / n + behind * flat + max(behind, 1) * copy
+        # ... and from its second block on, the block before still reducing: its shard, and on gloo one copy of its
+        # flat (seen by tracking every storage through a step: `_behind`)
+        in_flight = flat / n + (flat if backend == GLOO else 0.0) if behind else 0.0
     elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
         reduce = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
@@ -423,7 +427,7 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     plain = _plain_grads(plan)
     keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2 or plain
     return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if (held or plain) and keeps else 0.0,
-                 reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0)
+                 reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0, in_flight=in_flight)
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,

@@ -17,7 +17,8 @@ micro-step (the accumulation window's micro-steps one after the other, the table
   incoming gradient, the MLP's input gradient, one weight gradient before it is accumulated), the embedding's fresh
   gradient, the block rebuilt by recompute, ZeRO-3's gathered blocks (the current one and the one prefetched; at the
   loss the output layer's and a block's), gradients ZeRO-2/3 keep whole across the backwards of a step that are not
-  its last (under pp, or accumulation: they are reduce-scattered only in the last), the messages a
+  its last (under pp, or accumulation: they are reduce-scattered only in the last) and, from such a step's second
+  block on, the block before still reducing (`_behind`), the messages a
   program in rounds receives ahead of use (the runner lets go of a send once it has completed, before its next action:
   no send is counted as held), and two costs of the machine: the communication backend's working memory (gloo copies a
   reduce-scatter's input and gathers through a buffer the size of the output; NCCL does neither) and the matrix
@@ -86,6 +87,8 @@ class Chunk:
     grads: float = 0.0  # gradients its backwards leave in param.grad until the step's last one (ZeRO-2/3)
     reduce: float = 0.0  # what its last backward's reduction holds beyond the gradients (the backend's copies)
     weights: float = 0.0  # split backwards: the gradients W makes at once, before autograd accumulates them
+    in_flight: float = 0.0  # ZeRO-3, a chunk of 2+ blocks: in its reducing backward, from the second block on, what
+    #                         the block before still holds while it reduces (its shard, gloo's copy of its flat)
     cast: float = 0.0  # under autocast: the half copy of its matmuls' weights each forward makes and its matmuls save
     #                    for backward (not under recompute): one per microbatch in flight, since Lightning's autocast
     #                    region, whose cache would share it, is one training_step call: one microbatch under pp
@@ -135,7 +138,7 @@ class Rules:
 # 600 structures among them.
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
-_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights")
+_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -175,9 +178,24 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: R
         c = chunks[s]
         mine = {"saved": p.saved(c.blocks, c.first, c.last) + c.cast, "stashed": p.stashed(c.blocks),
                 "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
-                "weights": c.weights}
+                "weights": c.weights, **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
+
+
+def _behind(p: Pieces, c: Chunk, r: Rules) -> dict[str, float]:
+    """A ZeRO-3 chunk's reducing backward at its second block where a backward before kept the gradients whole (pp's
+    microbatches, accumulation), beyond the first block's working set (`_Walk.backward`): the block before still
+    reducing (``in_flight``) and this block's new flat, less the kept gradients moved out of ``param.grad`` into the
+    flat before; one block gathered, no prefetch. Found by tracking every storage through a step of
+    `zero3_tp2_pp2_1f1b_ac`@8 (the first block's point was 4.6% under the heap's peak, this one is within 1%); where
+    the gradients are made in the reducing backward itself (no pp, no accumulation) the first block's point is the
+    peak within 1% (`zero3`@4, `zero3_tp2`@4), so nothing is added there (``behind_fresh``)."""
+    if not c.in_flight:
+        return {"behind_kept": 0.0, "behind_fresh": 0.0}
+    # the first block's activations are freed by then, but for its input (the second's output; all of it under ac)
+    freed = p.block - p.boundary
+    return {"behind_kept": c.in_flight + r.flats - p.unit - p.gathers - freed, "behind_fresh": -r.flats - freed}
 
 
 def _compile(stages: tuple, actions: list[Action], rules: Rules) -> tuple:
@@ -235,6 +253,8 @@ class _Terms:
     grads: int = 0
     reduce: int = 0
     weights: int = 0
+    behind_kept: int = 0  # a ZeRO-3 chunk's reducing backward at its second block (`_behind`), its gradients kept ...
+    behind_fresh: int = 0  # ... or made in this backward
     first: bool = False
     last: bool = False
 
@@ -278,6 +298,10 @@ class _Walk:
         start = q.zero3 + q.recompute + ahead + q.backward + q.workspace + q.weight
         top = start + (q.flats_top if reducing else 0)
         self._working(action, chunk, ahead, top)
+        if action is self.last_backward[action.stage]:
+            kept = action.stage in self.seen
+            self.consider(self.saved + self.stash - (q.head if chunk.last else 0),
+                          self.held + start + (chunk.behind_kept if kept else chunk.behind_fresh), action)
         self.held += q.flats if reducing else 0
         self.saved -= chunk.saved
         self._embedding(action, chunk, ahead)

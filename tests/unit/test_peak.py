@@ -102,3 +102,26 @@ def test_autocasts_copy_of_the_weights_is_saved_with_each_microbatch_in_flight()
         return walk(PIECES, chunks, step_actions(table[0], 1, 4)).activations
     assert first_stage(gpipe(2, 4), 1000) == first_stage(gpipe(2, 4), 0) + 4 * 1000
     assert first_stage(one_f_one_b(2, 4), 1000) == first_stage(one_f_one_b(2, 4), 0) + 2 * 1000
+
+
+def test_zero3s_reduction_in_flight_at_a_chunks_second_block_where_gradients_were_kept():
+    # ZeRO-3 under pp: the step's last backward of a 2-block chunk reduces block by block; at its second block the
+    # first still reduces (its shard and gloo's copy: in_flight) beside the new flat, the kept .grad moved out, one
+    # unit gathered where the first block had two and gloo's buffer. Where gradients were not kept, nothing is added.
+    pieces = Pieces(boundary=1, block=1, recompute=0, embedding=2, head=4, logits=8, backward=32, unit=64, gathers=64,
+                    mlp_grad=1024)
+    table = one_f_one_b(2, 2)[0]  # the first stage: F F B B
+    rules = Rules(flats=1024, flats_early=False)  # ZeRO-3's: its first block's point has no flat (the MLP's gradient
+    #                                               is as large)
+
+    def total(in_flight: float, grads: float = 4096) -> float:
+        chunk = {0: Chunk(blocks=2, first=True, last=False, grads=grads, in_flight=in_flight)}
+        return walk(pieces, chunk, step_actions(table, 1, 2), rules=rules).total
+
+    # Without it the peak is the reduction's end: the kept .grad, the flat, the units (4096 + 1024 + 2 * 64 + 64).
+    assert total(0) == 4096 + 1024 + 192
+    # With it, B0.1's second block: microbatch 1's activations (2 blocks + the embedding's), the kept .grad, the
+    # working set (the units, backward's 32), the reduction in flight and the new flat, one unit and gloo's buffer
+    # less (the first block's own activations beyond its input: none here, block = boundary)
+    assert total(2048) == (2 + 2) + 4096 + (192 + 32) + (2048 + 1024 - 64 - 64)
+    assert total(16) == total(0)  # a small one stays below
