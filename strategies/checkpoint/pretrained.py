@@ -156,7 +156,8 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
     """Write the model weights of the pack's sharded ``checkpoint`` as a Hugging Face ``save_pretrained`` directory at
     ``out`` (one safetensors file per block, their index, the config), which ``from_pretrained`` loads. ``config``: a
     directory with the model's ``config.json`` (the one it was loaded from); ``strip_prefix``: the LightningModule's
-    name for the model (``net.``). One tensor at a time is read whole; a weight tied to another is written once, as
+    name for the model (``net.``; found where not
+    given and only one fits). One tensor at a time is read whole; a weight tied to another is written once, as
     ``save_pretrained`` writes it. Returns the files written."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -167,6 +168,7 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
     with torch.device("meta"):  # the names and ties only: no weights made
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
     keep = first_names(model)
+    strip_prefix = strip_prefix or model_prefix(keep, reader.index)
     stored = {k.removeprefix(strip_prefix): k for k in reader.index if k.startswith(strip_prefix)}
     missing = sorted(keep - set(stored))
     if missing:
@@ -183,6 +185,17 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
         weight_map.update(dict.fromkeys(keys, file))
     write_index(out, weight_map, model)
     return sorted(set(weight_map.values()))
+
+
+def model_prefix(names: set[str], keys) -> str:
+    """The one prefix (the LightningModule's name for the model: ``model.``, ``net.``) under which every one of the
+    model's ``names`` is among a checkpoint's ``keys``; "" where there is none or more than one (the error then says
+    what to pass)."""
+    keys = set(keys)
+    some = min(names, default="")
+    found = {k[:-len(some)] for k in keys if some and k.endswith(some) and (k == some or k[-len(some) - 1] == ".")}
+    fits = [p for p in found if all(p + n in keys for n in names)]
+    return fits[0] if len(fits) == 1 else ""
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

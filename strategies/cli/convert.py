@@ -14,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-only", action="store_true",
                    help="write only the model's state_dict, which model.load_state_dict accepts")
     p.add_argument("--strip-prefix", default="", help="with --model-only or --hf: keep keys under this prefix, "
-                   "without it (e.g. 'model.' for the nn.Module inside the LightningModule)")
+                   "without it (e.g. 'model.' for the nn.Module inside the LightningModule; with --hf found where "
+                   "only one fits)")
     p.add_argument("--hf", metavar="CONFIG", default=None,
                    help="write OUT as a Hugging Face save_pretrained directory (safetensors by block, their index, "
                    "the config) of the model CONFIG describes (a directory with its config.json), reading one "

@@ -323,7 +323,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--world-size are ignored): a markdown table beside the estimator's")
     p.add_argument("--report", default=None, help="with --matrix: write the table here (docs/rehearsals-*.md)")
     add_run_options(p)
-    p.set_defaults(func=command, steps=2)
+    p.set_defaults(func=command, steps=2, batch_size=None)  # (None: `_batch`)
 
 
 def default_target(world_size: int | None) -> str:
@@ -341,6 +341,23 @@ def _choose_target(args: argparse.Namespace) -> None:
                   "gloo ranks)", file=sys.stderr)
 
 
+def _batch(args: argparse.Namespace) -> int:
+    """The global batch: the one given, else train's (16) made a multiple of the job's data-parallel ranks (one
+    sample each at least: a rehearsal of 64 ranks of `zero3` has 64), saying so where it differs."""
+    from strategies.cli.train import RunConfig, data_parallel_degree
+
+    if args.batch_size is not None:
+        return args.batch_size
+    batch = RunConfig.batch_size
+    if args.world_size and not args.matrix:
+        replicas = data_parallel_degree(args.plan, args.world_size)
+        if batch % replicas:
+            batch = -(-batch // replicas) * replicas
+            print(f"--batch-size {batch}: one that splits over the job's {replicas} data-parallel ranks (give "
+                  "--batch-size for another)", file=sys.stderr)
+    return batch
+
+
 def command(args: argparse.Namespace) -> int:
     from strategies.cli.train import HEAP_ENV, config_from
 
@@ -354,15 +371,17 @@ def command(args: argparse.Namespace) -> int:
         # as `stratpack train --heap`: MKL's workspace is measured, and read as the real run's heap reads it
         os.environ.update(env)
         os.execv(sys.executable, sys.orig_argv)
+    args.batch_size = _batch(args)
     config = config_from(args, args.plan)
     if args.matrix:
         return run_matrix(args, replace(config, seq_len=8192, precision="bf16-mixed", optimizer="adamw"))
     if args.real and args.target == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
-            raise SystemExit("stratpack rehearse --real --target cuda: this machine has no GPU. --real --target cpu "
-                             "runs the rank's compute on this CPU; without --real it is rehearsed on meta")
+        if not torch.cuda.is_available():  # what this machine lacks: one line, exit 2 (as bench --accelerator gpu)
+            print("stratpack rehearse --real --target cuda: this machine has no GPU. --real --target cpu runs the "
+                  "rank's compute on this CPU; without --real it is rehearsed on meta", file=sys.stderr)
+            return 2
     if args.world_size is None:
         raise SystemExit("stratpack rehearse: give the job's ranks, --world-size N (or --matrix)")
     ranks = roles(args.plan, args.world_size) if args.all_roles else [int(r) for r in args.rank.split(",")]

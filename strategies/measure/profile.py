@@ -131,10 +131,16 @@ def write_profile(prof: Any, folder: str, steps: int, wall_s: float) -> dict[str
 
 
 class ProfileSteps(L.Callback):
-    """`ProfileWindow` over a Trainer's optimizer steps (``stratpack train --profile DIR``)."""
+    """`ProfileWindow` over a Trainer's optimizer steps (``stratpack train --profile DIR``): each rank's files in
+    ``DIR/rank<r>`` where the job has several (one process: in ``DIR``)."""
 
     def __init__(self, folder: str, first: int = 2, count: int = 2) -> None:
+        self.folder = folder
         self.window = ProfileWindow(folder, first, count)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1:  # (the ranks would write, and remove, the same trace.json)
+            self.window.folder = os.path.join(self.folder, f"rank{trainer.global_rank}")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:

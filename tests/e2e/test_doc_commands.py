@@ -1,0 +1,176 @@
+"""Every `stratpack` command line README.md and docs/ show (found as `tests/unit/test_docs.py` finds and parses them)
+runs after the README's install: it exits 0, or, where what it needs is not here (an optional extra, a GPU), prints
+one line saying what and exits 2.
+
+A page's lines run in its order in one folder of the page's own, as a reader would type them: a later line reads what
+an earlier one wrote (docs/checkpoints.md resumes from the checkpoint its first line saved, then converts it). A line
+shown on several pages runs once. A command that trains gets tiny sizes (`TINY`; steps are kept, a checkpoint's name
+counts them) and benchmarks repeat once; a rehearsal (on meta) and a line that needs a GPU run as written. Synopses
+in prose name their arguments in capitals: `SYNOPSIS` gives each a value (`CKPT` and `CONFIG`: a Hugging Face
+Llama's checkpoint saved by `stratpack train --workload hf-llama`, and its config). `stratpack dashboard` serves
+until stopped: it passes when its health check answers.
+
+The lines that take minutes whatever their size (the rehearsal matrix, the planner's rehearsals and published
+runs, the benchmarks, `compare`, `large`, inductor's compile on CPU) run under `pytest -m matrix`; the README's
+`compare` runs in CI at tiny sizes as the session's `compared` fixture (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_docs import commands
+
+TINY = {"--n-layer": "4", "--n-embd": "16", "--n-head": "2", "--seq-len": "16", "--max-chars": "8000",
+        "--batch-per-rank": "2"}
+DEFAULTS = {"--wandb": "off"}  # where the line does not say
+ALWAYS = {"--repeat": "1"}
+SIZED = ("train", "compare", "bench", "bench-saves", "large")  # (a rehearsal on meta takes as long at any size)
+SYNOPSIS = {"PLAN": "zero3", "DIR": "ckpt", "OUT": "hf-out"}
+# What takes minutes at any size: run under -m matrix
+SLOW = [r"^rehearse --matrix", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
+        r"^bench-saves", r"^compare", r"^large", r"--compile inductor"]
+# What a machine without a GPU answers in one line with exit 2
+NEEDS_GPU = [r"--accelerator gpu", r"--real --target cuda"]
+
+
+def _lines() -> list[tuple[str, list[str]]]:
+    """(where, arguments) of each command line to run: inline names of a command left out, a line shown again (on
+    any page) once, where it is first shown."""
+    seen, found = set(), []
+    for where, inline, args in commands():
+        if (inline and len(args) == 1) or tuple(args) in seen:
+            continue
+        seen.add(tuple(args))
+        found.append((where, args))
+    return found
+
+
+def _params():
+    out = []
+    for where, args in _lines():
+        line = shlex.join(args)
+        marks = [pytest.mark.matrix] if any(re.search(p, line) for p in SLOW) else []
+        out.append(pytest.param(where, args, marks=marks, id=f"{where} {line}"))
+    return out
+
+
+def _options(command: str) -> set[str]:
+    from strategies import cli
+
+    for module in cli.COMMANDS:
+        if module.__name__.rsplit(".", 1)[-1].replace("_", "-") == command:
+            import argparse
+
+            sub = argparse.ArgumentParser().add_subparsers()
+            module.add_parser(sub)
+            return {o for a in sub.choices[command]._actions for o in a.option_strings}
+    raise AssertionError(f"no command {command}")
+
+
+def tiny(args: list[str], values: dict[str, str]) -> list[str]:
+    """``args`` with the synopsis' capitals given ``values``, and for a command that trains, its sizes made tiny and
+    the defaults where absent. A line that needs a GPU runs as written (this machine says so, or runs it)."""
+    args = [values.get(a, a) for a in args]
+    if args[0] not in SIZED or any(re.search(p, shlex.join(args)) for p in NEEDS_GPU):
+        return args
+    known, out, i = _options(args[0]), [], 0
+    while i < len(args):  # drop the sizes the line gives (each with its value), to add the tiny ones after
+        if args[i] in TINY or args[i] in ALWAYS:
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    extra = {**TINY, **ALWAYS, **{k: v for k, v in DEFAULTS.items() if k not in args}}
+    return out + [w for k, v in extra.items() if k in known for w in (k, v)]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Each page's folder (made when its first line runs), and the synopsis' values."""
+    return {"values": dict(SYNOPSIS), "root": tmp_path_factory.mktemp("doc-commands")}
+
+
+def _hf_checkpoint(root: Path, env: dict) -> dict[str, str]:
+    """A Hugging Face Llama trained two steps under `dp` at 2 ranks, its checkpoint saved: CKPT, and CONFIG its
+    config.json's folder."""
+    cwd = root / "hf"
+    cwd.mkdir(exist_ok=True)
+    shape = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+    run([sys.executable, "-m", "strategies.cli", "train", "dp", "--workload", "hf-llama", "--steps", "2",
+         "--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--wandb", "off", *shape], cwd, env)
+    from demos.hf_llama import LlamaModule
+
+    LlamaModule(2, 32, 2, 16).config.save_pretrained(cwd / "config")
+    (ckpt,) = (cwd / "ckpt").glob("*.ckpt")
+    return {"CKPT": str(ckpt), "CONFIG": str(cwd / "config")}
+
+
+def run(cmd: list[str], cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{shlex.join(cmd[3:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _serve(args: list[str], cwd: Path, env: dict) -> None:
+    """`stratpack dashboard ...` on a free port: up (its health check answers), then stopped."""
+    from strategies.cli.dashboard import wait_until_up
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    args = [a for i, a in enumerate(args) if a != "--port" and (i == 0 or args[i - 1] != "--port")]
+    server = subprocess.Popen([sys.executable, "-m", "strategies.cli", *args, "--port", port], cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until_up(f"http://127.0.0.1:{port}", 90), f"stratpack {shlex.join(args)} did not come up"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.mark.parametrize("where,args", _params())
+def test_command_line_from_the_docs_runs(folders, where, args):
+    page = re.sub(r"\W", "_", where.split(":")[0])
+    cwd = folders["root"] / page
+    cwd.mkdir(exist_ok=True)
+    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(cwd / "runs"),
+           "STRATPACK_CALIBRATION": str(folders["root"] / "calibration.json")}
+    env.pop("STRATPACK_STRICT_P2P", None)  # as a user runs them
+    if {"CKPT", "CONFIG"} & set(args) and "CKPT" not in folders["values"]:
+        folders["values"].update(_hf_checkpoint(folders["root"], env))
+    line = tiny(args, folders["values"])
+    if line[0] == "dashboard":
+        return _serve(line, cwd, env)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "strategies.cli", *line], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    said = proc.stderr.strip().splitlines()
+    gpu = any(re.search(p, shlex.join(args)) for p in NEEDS_GPU)
+    if proc.returncode == 2:  # what this machine lacks, said in one line: a GPU, or an extra and how to install it
+        assert len(said) == 1 and ("GPU" in said[0] if gpu else "pip install" in said[0]), \
+            (where, proc.stderr[-2000:])
+        return
+    assert proc.returncode == 0, (f"{where}: stratpack {shlex.join(line)} exited {proc.returncode} after "
+                                  f"{time.monotonic() - start:.0f} s:\n{proc.stderr[-3000:]}")
+
+
+def test_tiny_gives_the_synopsis_values_and_tiny_sizes():
+    line = tiny(["train", "PLAN", "--n-embd", "1024", "--steps", "8", "--checkpoint-dir", "DIR"],
+                {"PLAN": "zero3", "DIR": "ckpt"})
+    assert line[:5] == ["train", "zero3", "--steps", "8", "--checkpoint-dir"] and line[5] == "ckpt"
+    assert "1024" not in line and line[line.index("--n-embd") + 1] == "16" and line[-2:] == ["--wandb", "off"]
+    assert tiny(["bench", "--repeat", "9"], {})[1:3] == ["--n-layer", "4"] and tiny(["bench", "--repeat", "9"], {})[
+        -4:] == ["--batch-per-rank", "2", "--repeat", "1"]
+    for kept in (["plan", "--params", "7e9"], ["rehearse", "zero3", "--seq-len", "8192"], ["bench", "--accelerator",
+                                                                                            "gpu", "--n-layer", "24"]):
+        assert tiny(kept, {}) == kept
