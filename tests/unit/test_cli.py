@@ -29,3 +29,28 @@ def test_a_workload_whose_library_is_missing_says_which_extra_in_one_line(monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "needs transformers" in err[0] and "pip install 'stratpack[models]'" in err[0]
+
+
+def test_a_rehearsal_without_a_batch_gets_one_that_splits_over_its_data_ranks(capsys):
+    import argparse
+
+    from strategies.cli.rehearse import _batch
+
+    def batch(plan: str, world: int | None, given: int | None = None, matrix: bool = False) -> int:
+        return _batch(argparse.Namespace(plan=plan, world_size=world, batch_size=given, matrix=matrix))
+
+    assert batch("zero3", 64) == 64 and "splits over the job's 64" in capsys.readouterr().err
+    assert batch("zero3_tp8_pp16", 1024) == 16 and capsys.readouterr().err == ""  # 8 data ranks: 16 splits
+    assert batch("zero3", 24) == 24 and batch("dp", 4) == 16 and batch("zero3", 64, given=8) == 8
+    assert batch("zero3", None) == 16 and batch("zero3", 64, matrix=True) == 16
+
+
+def test_convert_finds_the_lightning_modules_name_for_the_model_where_only_one_fits():
+    from strategies.checkpoint.pretrained import model_prefix
+
+    names = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert model_prefix(names, {"net.model.embed_tokens.weight", "net.lm_head.weight", "loss.w"}) == "net."
+    assert model_prefix(names, set(names)) == ""  # saved bare
+    assert model_prefix(names, {"a.model.embed_tokens.weight", "a.lm_head.weight", "b.model.embed_tokens.weight",
+                                "b.lm_head.weight"}) == ""  # two fit: the user says which
+    assert model_prefix(names, {"net.model.embed_tokens.weight"}) == ""  # the head missing: none fits
