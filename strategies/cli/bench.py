@@ -239,6 +239,13 @@ def command(args: argparse.Namespace) -> int:
     if not 0 <= args.warmup_steps < args.steps:
         print(f"error: --warmup-steps must be at least 0 and below --steps ({args.steps})", file=sys.stderr)
         return 2
+    from strategies.cli.bench_engines import microbatches
+
+    split = microbatches(args.world_size)
+    if any(n.startswith("pp-") for n in names) and args.batch_per_rank % split:
+        print(f"error: the pipeline pairs run {split} microbatches: --batch-per-rank {args.batch_per_rank} does not "
+              f"split into them (give a multiple of {split})", file=sys.stderr)
+        return 2
     cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps,
                       n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len,
                       batch_per_rank=args.batch_per_rank, workload=args.workload, experts=args.experts,

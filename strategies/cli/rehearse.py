@@ -280,6 +280,8 @@ def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
 
 
 def run_matrix(args: argparse.Namespace, base: Any) -> int:
+    from strategies.cli.compare import write_report
+
     rows = []
     for workload, world, plan, batch in MATRIX:
         try:
@@ -289,10 +291,10 @@ def run_matrix(args: argparse.Namespace, base: Any) -> int:
                          "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
         print(rows[-1], flush=True)
     text = matrix_report(rows, "stratpack rehearse --matrix")
-    print(text)
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text)
+    if args.report:  # printed first, then written (its folder made), as the benchmarks' reports
+        write_report(text, args.report, "rehearsals")
+    else:
+        print(text)
     return 0
 
 

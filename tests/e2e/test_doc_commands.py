@@ -30,7 +30,7 @@ import pytest
 from tests.unit.test_docs import commands
 
 TINY = {"--n-layer": "4", "--n-embd": "16", "--n-head": "2", "--seq-len": "16", "--max-chars": "8000",
-        "--batch-per-rank": "2"}
+        "--batch-per-rank": "4"}
 DEFAULTS = {"--wandb": "off"}  # where the line does not say
 ALWAYS = {"--repeat": "1"}
 SIZED = ("train", "compare", "bench", "bench-saves", "large")  # (a rehearsal on meta takes as long at any size)
@@ -170,7 +170,7 @@ def test_tiny_gives_the_synopsis_values_and_tiny_sizes():
     assert line[:5] == ["train", "zero3", "--steps", "8", "--checkpoint-dir"] and line[5] == "ckpt"
     assert "1024" not in line and line[line.index("--n-embd") + 1] == "16" and line[-2:] == ["--wandb", "off"]
     assert tiny(["bench", "--repeat", "9"], {})[1:3] == ["--n-layer", "4"] and tiny(["bench", "--repeat", "9"], {})[
-        -4:] == ["--batch-per-rank", "2", "--repeat", "1"]
+        -4:] == ["--batch-per-rank", "4", "--repeat", "1"]
     for kept in (["plan", "--params", "7e9"], ["rehearse", "zero3", "--seq-len", "8192"], ["bench", "--accelerator",
                                                                                             "gpu", "--n-layer", "24"]):
         assert tiny(kept, {}) == kept
