@@ -224,6 +224,22 @@ def _cpu_defaults(args: argparse.Namespace) -> None:
     args.repeat = args.repeat or 5
 
 
+def _refusal(args: argparse.Namespace, names: list[str]) -> str | None:
+    """Why the CPU pairs cannot run as asked, in one line (before any rank starts), or None."""
+    from strategies.cli.bench_engines import microbatches
+
+    unknown = [n for n in names if n not in PAIRS]
+    if unknown:
+        return f"unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}"
+    if not 0 <= args.warmup_steps < args.steps:
+        return f"--warmup-steps must be at least 0 and below --steps ({args.steps})"
+    split = microbatches(args.world_size)
+    if any(n.startswith("pp-") for n in names) and args.batch_per_rank % split:
+        return (f"the pipeline pairs run {split} microbatches: --batch-per-rank {args.batch_per_rank} does not split "
+                f"into them (give a multiple of {split})")
+    return None
+
+
 def command(args: argparse.Namespace) -> int:
     if args.accelerator == "gpu" or args.rows is not None:  # one device: plain loop, Lightning, our plans
         from strategies.cli import bench_gpu
@@ -232,19 +248,9 @@ def command(args: argparse.Namespace) -> int:
         return bench_gpu.command(args)
     _cpu_defaults(args)
     names = [n.strip() for n in args.pairs.split(",") if n.strip()] if args.pairs else list(PAIRS)
-    unknown = [n for n in names if n not in PAIRS]
-    if unknown:
-        print(f"error: unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}", file=sys.stderr)
-        return 2
-    if not 0 <= args.warmup_steps < args.steps:
-        print(f"error: --warmup-steps must be at least 0 and below --steps ({args.steps})", file=sys.stderr)
-        return 2
-    from strategies.cli.bench_engines import microbatches
-
-    split = microbatches(args.world_size)
-    if any(n.startswith("pp-") for n in names) and args.batch_per_rank % split:
-        print(f"error: the pipeline pairs run {split} microbatches: --batch-per-rank {args.batch_per_rank} does not "
-              f"split into them (give a multiple of {split})", file=sys.stderr)
+    refused = _refusal(args, names)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     cfg = BenchConfig(world_size=args.world_size, steps=args.steps, warmup_steps=args.warmup_steps,
                       n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len,

@@ -86,7 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import run_in_subprocess, write_report
+    from strategies.cli.compare import run_in_subprocess
+    from strategies.cli.reports import write_report
 
     folder = tempfile.mkdtemp(prefix="stratpack-saves-")
     rows, results = [], {}

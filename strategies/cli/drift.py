@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import parse_plans, write_report
+    from strategies.cli.compare import parse_plans
+    from strategies.cli.reports import write_report
     from strategies.cli.train import SINGLE, config_from
 
     base = config_from(args, SINGLE)

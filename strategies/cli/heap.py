@@ -93,7 +93,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import parse_plans, run_in_subprocess, write_report
+    from strategies.cli.compare import parse_plans, run_in_subprocess
+    from strategies.cli.reports import write_report
     from strategies.cli.train import config_from
 
     rows: dict[str, list[dict[str, Any]] | str] = {}

@@ -55,7 +55,8 @@ def _predict(base: Any, plan: str, devices: int, deferred: bool) -> dict | None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import parse_plans, run_in_subprocess, write_report
+    from strategies.cli.compare import parse_plans, run_in_subprocess
+    from strategies.cli.reports import write_report
     from strategies.cli.train import config_from
 
     base = config_from(args, "dp")

@@ -280,7 +280,7 @@ def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
 
 
 def run_matrix(args: argparse.Namespace, base: Any) -> int:
-    from strategies.cli.compare import write_report
+    from strategies.cli.reports import write_report
 
     rows = []
     for workload, world, plan, batch in MATRIX:
@@ -343,6 +343,14 @@ def _choose_target(args: argparse.Namespace) -> None:
                   "gloo ranks)", file=sys.stderr)
 
 
+def _lacks_gpu(args: argparse.Namespace) -> bool:
+    if not (args.real and args.target == "cuda"):
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _batch(args: argparse.Namespace) -> int:
     """The global batch: the one given, else train's (16) made a multiple of the job's data-parallel ranks (one
     sample each at least: a rehearsal of 64 ranks of `zero3` has 64), saying so where it differs."""
@@ -377,13 +385,10 @@ def command(args: argparse.Namespace) -> int:
     config = config_from(args, args.plan)
     if args.matrix:
         return run_matrix(args, replace(config, seq_len=8192, precision="bf16-mixed", optimizer="adamw"))
-    if args.real and args.target == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():  # what this machine lacks: one line, exit 2 (as bench --accelerator gpu)
-            print("stratpack rehearse --real --target cuda: this machine has no GPU. --real --target cpu runs the "
-                  "rank's compute on this CPU; without --real it is rehearsed on meta", file=sys.stderr)
-            return 2
+    if _lacks_gpu(args):  # what this machine lacks: one line, exit 2 (as bench --accelerator gpu)
+        print("stratpack rehearse --real --target cuda: this machine has no GPU. --real --target cpu runs the "
+              "rank's compute on this CPU; without --real it is rehearsed on meta", file=sys.stderr)
+        return 2
     if args.world_size is None:
         raise SystemExit("stratpack rehearse: give the job's ranks, --world-size N (or --matrix)")
     ranks = roles(args.plan, args.world_size) if args.all_roles else [int(r) for r in args.rank.split(",")]

@@ -32,8 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from strategies.cli.compare import write_report
     from strategies.cli.plan import calibrated_hardware, workload_costs, workload_shape
+    from strategies.cli.reports import write_report
     from strategies.cli.train import config_from
 
     base = config_from(args, "dp")
