@@ -25,6 +25,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,6 +92,12 @@ def has_meta_parameters(module: nn.Module) -> bool:
 
 
 LEFT = "_stratpack_left_in_slices"  # on a LightningModule that fit left in slices: the plan it trained under
+
+
+def holds_whole_weights(plan: Any) -> bool:
+    """Whether each rank of ``plan`` (a resolved `ParallelPlan`) holds every weight whole through a fit: its data
+    ranks replicate them (dp, naive, ZeRO-1/2, cp) and nothing splits them (no ZeRO-3, tp, pp or ep)."""
+    return plan.data.stage < 3 and plan.tp == 1 and plan.pp == 1 and plan.ep == 1
 
 
 def leave_in_slices(root: nn.Module, plan: str) -> None:

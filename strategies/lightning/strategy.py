@@ -37,7 +37,13 @@ from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
-from strategies.deferred import Deferred, has_meta_parameters, leave_in_slices, refuse_left_in_slices
+from strategies.deferred import (
+    Deferred,
+    has_meta_parameters,
+    holds_whole_weights,
+    leave_in_slices,
+    refuse_left_in_slices,
+)
 from strategies.files import pack_version
 from strategies.lightning import assemble
 from strategies.lightning.auto_resume import AutoResume, agree
@@ -221,7 +227,9 @@ class PlanStrategy(ParallelStrategy):
         # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
         meta = has_meta_parameters(self.model)
         self._deferred = Deferred(self.lightning_module, self.compute_device) if meta else None
-        self._sliced = fitting and self._deferred is not None
+        # Left in slices after fit only where the plan split the weights: under dp, naive and ZeRO-1/2 (no tp, pp, ep)
+        # every rank holds them whole, so the module keeps them (`test(ckpt_path="best")` after fit, as Lightning's)
+        self._sliced = fitting and self._deferred is not None and not holds_whole_weights(self.resolved_plan)
         self.built_num_params = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before any split
         self.model_to_device()
         check = fitting and self.options.check_first_batch and self.first_batch is None
