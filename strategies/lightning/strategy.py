@@ -227,8 +227,7 @@ class PlanStrategy(ParallelStrategy):
         # Built on meta (configure_model, init_module(empty_init=True)): each technique makes only what it keeps.
         meta = has_meta_parameters(self.model)
         self._deferred = Deferred(self.lightning_module, self.compute_device) if meta else None
-        # Left in slices after fit only where the plan split the weights: under dp, naive and ZeRO-1/2 (no tp, pp, ep)
-        # every rank holds them whole, so the module keeps them (`test(ckpt_path="best")` after fit, as Lightning's)
+        # left in slices after fit where the plan split them; else kept, for test(ckpt_path="best") (larger-models.md)
         self._sliced = fitting and self._deferred is not None and not holds_whole_weights(self.resolved_plan)
         self.built_num_params = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before any split
         self.model_to_device()
