@@ -49,13 +49,13 @@ def test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_scrip
 
 
 def test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model(tmp_path):
-    # Lightning's flow (`_fit_then_test.py`): fit with a ModelCheckpoint, then test(ckpt_path="best"). Where every rank
+    # Lightning's flow (`_fit_test_job.py`): fit with a ModelCheckpoint, then test(ckpt_path="best"). Where every rank
     # holds the weights whole (dp, ZeRO-1/2) the module keeps them after fit; it used to be left on meta and refused.
     # The two plans train alike (plain SGD): the same test loss. (ZeRO-3, tp, pp: the sharded checkpoint work.)
     losses = {}
     for plan in ("dp", "zero2"):
         out = tmp_path / plan
-        proc = subprocess.run([sys.executable, str(SCRIPT.with_name("_fit_then_test.py")), str(out), "2", plan,
+        proc = subprocess.run([sys.executable, str(SCRIPT.with_name("_fit_test_job.py")), str(out), "2", plan,
                                "configure_model"], capture_output=True, text=True, timeout=600,
                               cwd=Path(__file__).parents[2])
         assert proc.returncode == 0, proc.stderr[-4000:]

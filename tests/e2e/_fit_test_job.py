@@ -1,7 +1,7 @@
 """A user's script as Lightning's docs write one: ``trainer.fit(model, train, val)`` with a ``ModelCheckpoint``, then
 ``trainer.test(model, test, ckpt_path="best")``.
 
-    python _fit_then_test.py OUT DEVICES PLAN BUILT
+    python _fit_test_job.py OUT DEVICES PLAN BUILT
 
 ``BUILT``: ``init`` or ``configure_model`` (the model built on meta there, each rank making what it keeps). Rank 0
 writes the test loss to OUT."""
