@@ -156,9 +156,8 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
     """Write the model weights of the pack's sharded ``checkpoint`` as a Hugging Face ``save_pretrained`` directory at
     ``out`` (one safetensors file per block, their index, the config), which ``from_pretrained`` loads. ``config``: a
     directory with the model's ``config.json`` (the one it was loaded from); ``strip_prefix``: the LightningModule's
-    name for the model (``net.``; found where not
-    given and only one fits). One tensor at a time is read whole; a weight tied to another is written once, as
-    ``save_pretrained`` writes it. Returns the files written."""
+    name for the model (``net.``; found where not given and only one fits). One tensor at a time is read whole; a
+    weight tied to another is written once, as ``save_pretrained`` writes it. Returns the files written."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
