@@ -83,11 +83,14 @@ def planted_exchange():
     return broken
 
 
-if __name__ == "__main__":
-    world, plant = int(sys.argv[2]), sys.argv[3:] == ["plant"]
+def main(world: int, plant: str = "") -> dict:
     cases = CASES[world][:1] if plant else CASES[world]
     # (planted: without the first-batch check, which stops such a run at its first batch, so that it trains)
     with mock.patch.object(dispatch, "exchange", planted_exchange()) if plant else contextlib.nullcontext():
-        results = {case: fit(*case, world, check=not plant) for case in cases}
+        return {case: fit(*case, world, check=not plant) for case in cases}
+
+
+if __name__ == "__main__":
+    results = main(int(sys.argv[2]), *sys.argv[3:])
     if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
         torch.save(results, sys.argv[1])

@@ -41,8 +41,12 @@ def fit(strategy) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-results = {}
-for make, plan in CASES:
-    results[plan] = {"named": fit(make()), "string": fit(plan), "class": type(make()).__name__}
-if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
-    torch.save(results, sys.argv[1])
+def main(world: int = 2) -> dict:
+    assert world == 2, world
+    return {plan: {"named": fit(make()), "string": fit(plan), "class": type(make()).__name__} for make, plan in CASES}
+
+
+if __name__ == "__main__":
+    results = main()
+    if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
+        torch.save(results, sys.argv[1])

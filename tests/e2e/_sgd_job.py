@@ -226,13 +226,16 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
     return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
-if __name__ == "__main__":
-    world = int(sys.argv[2])
-    full = sys.argv[3:] == ["full"]
+def main(world: int, which: str = "ci") -> dict:
+    full = which == "full"
     measured = [] if full else ADAMW[world] + (CLIPPED if world == 2 else [])
     cases = (FULL if full else CASES)[world] + (BF16 if world == 2 else []) + measured
     extras = {case: {} if case in measured else None for case in cases}
-    results = {"states": {case: fit(*case, world, extras[case]) for case in cases},
-               "extras": {case: e for case, e in extras.items() if e is not None}}
+    return {"states": {case: fit(*case, world, extras[case]) for case in cases},
+            "extras": {case: e for case, e in extras.items() if e is not None}}
+
+
+if __name__ == "__main__":
+    results = main(int(sys.argv[2]), *sys.argv[3:])
     if torch.distributed.get_rank() == 0:  # and the script ends, as a user's does: no barrier, no destroy
         torch.save(results, sys.argv[1])

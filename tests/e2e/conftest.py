@@ -1,27 +1,105 @@
-"""The shared processes of the end-to-end tests: the Trainer fits of `_sgd_job` (every plan's equivalence with one
-process under plain SGD and AdamW, their bytes, clipping, activation checkpointing, the pipeline's timeline), run
-once per world size for the session and read by `test_sgd_matrix` and `test_trainer`."""
+"""The shared processes of the end-to-end tests. A set of ranks costs more than most fits in it (each rank imports
+torch and Lightning), so the job scripts' Trainer fits run in one set of ranks per world size for the session
+(`_jobs.py`): every plan's equivalence with one process under plain SGD and AdamW, their bytes, clipping, activation
+checkpointing and the pipeline's timeline (`_sgd_job`), expert parallel (`_ep_job`), the named classes (`_named_job`),
+the models people bring (`_zoo_job`), models built on meta (`_deferred_job`) and Hugging Face checkpoints loaded by
+slice (`_pretrained_job`). Each test file reads its job's part."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from collections.abc import Mapping
 
 import pytest
 
 from tests.helpers import run_job
 
-JOB = os.path.join(os.path.dirname(__file__), "_sgd_job.py")
+HERE = os.path.dirname(__file__)
+JOB = os.path.join(HERE, "_sgd_job.py")
+HF = ("_ep_job", "_zoo_job", "_deferred_job", "_pretrained_job")  # (these need transformers)
+JOBS = {2: ("_sgd_job", "_ep_job", "_named_job"), 4: ("_sgd_job", "_ep_job"),
+        8: ("_sgd_job", "_ep_job", "_zoo_job", "_deferred_job", "_pretrained_job")}
 
 
 def sgd_job(tmp_path_factory, world: int, which: str) -> dict:
-    """``_sgd_job.py`` at ``world`` ranks (``which``: ci, or full for the matrix): {"states", "extras"}."""
+    """``_sgd_job.py`` at ``world`` ranks on its own (``which``: ci, or full for the matrix): {"states", "extras"}."""
     # PL_GLOBAL_SEED: the samplers' seed, as the reference's, not whatever this process was seeded with
     return run_job(JOB, tmp_path_factory.mktemp(f"sgd{world}"), str(world), which, timeout_s=900,
                    env={"PL_GLOBAL_SEED": "0"})[0]
 
 
-@pytest.fixture(scope="session")
-def sgd_jobs(tmp_path_factory) -> dict:
-    from tests.e2e._sgd_job import CASES
+class Jobs:
+    """``jobs(world)``: {job: its results}, the world's jobs run together on first use, once for the session."""
 
-    return {world: sgd_job(tmp_path_factory, world, "ci") for world in CASES}
+    def __init__(self, tmp_path_factory) -> None:
+        self.factory, self.done = tmp_path_factory, {}
+        self.hf = importlib.util.find_spec("transformers") is not None
+
+    def __call__(self, world: int) -> dict:
+        if world not in self.done:
+            specs = [self._spec(job) for job in JOBS[world] if self.hf or job not in HF]
+            self.done[world] = run_job(os.path.join(HERE, "_jobs.py"), self.factory.mktemp(f"jobs{world}"),
+                                       str(world), *specs, timeout_s=1800, env={"PL_GLOBAL_SEED": "0"})[0]
+        return self.done[world]
+
+    def _spec(self, job: str) -> str:
+        return f"{job}={hf_saved(self.factory)}" if job == "_pretrained_job" else job
+
+
+class _Part(Mapping):
+    """One job's results by world size, each world's jobs run when first read."""
+
+    def __init__(self, jobs: Jobs, job: str) -> None:
+        self.jobs, self.job = jobs, job
+
+    def __getitem__(self, world: int) -> dict:
+        return self.jobs(world)[self.job]
+
+    def __iter__(self):
+        return iter(w for w, names in JOBS.items() if self.job in names)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+_SAVED = {}
+
+
+def hf_saved(factory):
+    """Hugging Face checkpoints of the zoo's models (`_pretrained_job`'s), sharded, with an index; once a session."""
+    if "folder" not in _SAVED:
+        from tests.e2e._pretrained_job import CASES, EXPORTS
+        from tests.models import zoo
+
+        folder = factory.mktemp("hf")
+        for name in {name for name, _ in CASES + EXPORTS}:
+            model = zoo.build(name, seed=3).model
+            model.save_pretrained(folder / name, max_shard_size="40KB")
+            assert len(list((folder / name).glob("*.safetensors"))) > 1  # sharded, with an index
+        _SAVED["folder"] = folder
+    return _SAVED["folder"]
+
+
+@pytest.fixture(scope="session")
+def shared_jobs(tmp_path_factory) -> Jobs:
+    return Jobs(tmp_path_factory)
+
+
+def _part(job: str):
+    """A session fixture named ``job`` without its underscore and "_job", plus "s": its results by world size."""
+
+    @pytest.fixture(scope="session", name=job.strip("_").replace("_job", "_jobs"))
+    def fixture(shared_jobs) -> Mapping:
+        return _Part(shared_jobs, job)
+
+    return fixture
+
+
+sgd_jobs, named_jobs, ep_jobs, zoo_jobs, deferred_jobs, pretrained_jobs = (_part(job) for job in (
+    "_sgd_job", "_named_job", *HF))
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    return hf_saved(tmp_path_factory)

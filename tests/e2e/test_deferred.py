@@ -5,19 +5,16 @@ where one process ends. The demo GPT and Hugging Face Llama, untied and tied (`_
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from strategies.deferred import Deferred, meta_parameters
 from strategies.runs import MEMORY_CATEGORIES
 from tests.e2e._deferred_job import BATCH, CASES, LR, STEPS, Built, data
-from tests.helpers import run_job, train_demo
+from tests.helpers import train_demo
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
-JOB = os.path.join(os.path.dirname(__file__), "_deferred_job.py")
 ATOL = 1e-5  # 2 steps of SGD in fp32: sums in another order
 
 
@@ -40,8 +37,8 @@ def one_process(name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_job(JOB, tmp_path_factory.mktemp("deferred"))[0]
+def results(deferred_jobs):
+    return deferred_jobs[8]  # (the session's shared ranks: tests/e2e/conftest.py)
 
 
 @pytest.mark.parametrize("name,plan", CASES)

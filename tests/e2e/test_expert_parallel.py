@@ -30,8 +30,8 @@ def _job(tmp_path_factory, world: int, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    return {world: _job(tmp_path_factory, world) for world in CASES}
+def results(ep_jobs) -> dict:
+    return ep_jobs  # (the session's shared ranks: tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")

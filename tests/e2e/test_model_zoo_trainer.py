@@ -45,8 +45,8 @@ def _job(tmp_path_factory, which: str):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return _job(tmp_path_factory, "ci")
+def results(zoo_jobs):
+    return zoo_jobs[8]  # (the session's shared ranks: tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,11 @@ for every named class: the same losses and final parameters, bit for bit, in the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tests.helpers import run_job
 
-JOB = os.path.join(os.path.dirname(__file__), "_named_job.py")
-
-
-def test_named_classes_train_exactly_as_their_plan_strings(tmp_path):
-    results, _ = run_job(JOB, tmp_path, collective_timeout="60")
+def test_named_classes_train_exactly_as_their_plan_strings(named_jobs):
+    results = named_jobs[2]  # (the session's shared ranks: tests/e2e/conftest.py)
     assert len(results) == 6
     for plan, got in results.items():
         (named_losses, named_params), (losses, params) = got["named"], got["string"]

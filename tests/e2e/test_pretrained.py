@@ -8,35 +8,21 @@ tied Llama load with ``from_pretrained`` as one process trained the same way."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tests.e2e._pretrained_job import BATCH, CASES, EXPORTS, LR, STEPS
-from tests.helpers import run_job
 from tests.models import zoo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
-JOB = os.path.join(os.path.dirname(__file__), "_pretrained_job.py")
 # Every plan: a pipeline stage loads after the cut (pp2 is validated before it, so it reads the whole model then)
 SLICED = {"tp2", "zero3", "pp2_1f1b_mb2", "zero3_tp2_pp2_1f1b_mb2"}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf")
-    for name in {name for name, _ in CASES + EXPORTS}:
-        model = zoo.build(name, seed=3).model
-        model.save_pretrained(folder / name, max_shard_size="40KB")
-        assert len(list((folder / name).glob("*.safetensors"))) > 1  # sharded, with an index
-    return folder
-
-
-@pytest.fixture(scope="module")
-def results(saved, tmp_path_factory):
-    return run_job(JOB, tmp_path_factory.mktemp("pretrained"), str(saved))[0]
+def results(pretrained_jobs):
+    return pretrained_jobs[8]  # (the session's shared ranks, and `saved`: tests/e2e/conftest.py)
 
 
 @pytest.mark.parametrize("name,plan", CASES)
