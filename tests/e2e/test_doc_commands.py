@@ -12,7 +12,8 @@ until stopped: it passes when its health check answers.
 
 The lines that take minutes whatever their size (the rehearsal matrix, the planner's rehearsals and published
 runs, the benchmarks, `compare`, `large`, inductor's compile on CPU) run under `pytest -m matrix`; the README's
-`compare` runs in CI at tiny sizes as the session's `compared` fixture (tests/conftest.py)."""
+`compare` runs in CI at tiny sizes as the session's `compared` fixture (tests/conftest.py). So do the lines whose
+command and options another CI test runs already (`SAME` names it)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ SYNOPSIS = {"PLAN": "zero3", "DIR": "ckpt", "OUT": "hf-out"}
 # What takes minutes at any size: run under -m matrix
 SLOW = [r"^rehearse --matrix", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
         r"^bench-saves", r"^compare", r"^large", r"--compile inductor"]
+# A line whose command and options another CI test already runs, each with what runs it: under -m matrix
+SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `train dp` at 2 ranks",
+        r"^train dp --heap$": "test_heap's and test_rehearse's `train PLAN --heap`",
+        r"^train dp --checkpoint-dir ckpt --checkpoint-every 10 --async-save$": "README.md's `train dp "
+        "--checkpoint-dir DIR --async-save` (above)",
+        r"^train zero3 --resume auto --checkpoint-dir DIR$": "README.md's `train dp --resume auto` (above) and "
+        "test_restart's `--resume auto` under `zero3_pp2`",
+        r"^train ep2 --experts 8 --top-k 2$": "test_expert_bytes' `train ep2 --experts 2 --top-k 2`"}
 # What a machine without a GPU answers in one line with exit 2
 NEEDS_GPU = [r"--accelerator gpu", r"--real --target cuda"]
 
@@ -58,7 +67,7 @@ def _params():
     out = []
     for where, args in _lines():
         line = shlex.join(args)
-        marks = [pytest.mark.matrix] if any(re.search(p, line) for p in SLOW) else []
+        marks = [pytest.mark.matrix] if any(re.search(p, line) for p in [*SLOW, *SAME]) else []
         out.append(pytest.param(where, args, marks=marks, id=f"{where} {line}"))
     return out
 
