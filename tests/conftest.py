@@ -25,6 +25,19 @@ def pytest_collection_modifyitems(config, items):
         if path.parent.name in QUICK_DIRS and path.name not in NOT_QUICK and not item.get_closest_marker("matrix"):
             item.add_marker(pytest.mark.quick)
 
+
+
+@pytest.fixture(autouse=True)
+def _main_module_kept():
+    """Streamlit's AppTest (the dashboard's, the bench's and the dashboard surface's tests) runs the app as
+    ``__main__`` and leaves it there. Multiprocessing's spawn and forkserver children re-run a ``__main__`` that has a
+    file, so every rank `run_ranks` started after such a test imported the dashboard first (0.8 s a rank: the
+    multi-rank tests took 2-5 times as long). Put pytest's back after each test."""
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
+
+
 TINY_RUN = ["--devices", "2", "--n-embd", "16", "--seq-len", "16", "--max-chars", "8000", "--wandb", "off"]
 COMPARED = "single,dp,ddp,zero2,pp2"
 

@@ -127,3 +127,12 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
     # Set-up memory is measured on every rank (peak from before the model was built to the end of the first step).
     assert all(m["setup_peak"] > 0 for m in result["memory_bytes_per_rank"]), result["memory_bytes_per_rank"]
     return result, torch.load(params)
+
+
+def record_figure(test: str, **values) -> None:
+    """Append a sampled figure a test compares (a heap peak beside its estimate, an elapsed time) to the JSON-lines
+    file ``STRATPACK_TEST_FIGURES`` names, if any: `scripts/stress.sh` reads the spread over many runs from it."""
+    path = os.environ.get("STRATPACK_TEST_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **values}) + "\n")

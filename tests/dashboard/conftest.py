@@ -4,7 +4,6 @@ folder whose meta.json is not JSON and one of an older schema."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -12,15 +11,6 @@ from strategies import runs as runstore
 
 CMP = "cmp-test"
 
-
-@pytest.fixture(autouse=True)
-def _main_module_kept():
-    """Streamlit's AppTest runs the app as ``__main__`` and leaves it there. Multiprocessing's spawn and forkserver
-    children re-run a ``__main__`` that has a file, so every rank that `run_ranks` started after these tests imported
-    the dashboard first (0.8 s a rank: the multi-rank tests took 2-5 times as long). Put pytest's back."""
-    main = sys.modules["__main__"]
-    yield
-    sys.modules["__main__"] = main
 
 
 def _memory(total: int, act: int) -> dict:

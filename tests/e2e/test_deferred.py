@@ -11,7 +11,7 @@ import torch
 from strategies.deferred import Deferred, meta_parameters
 from strategies.runs import MEMORY_CATEGORIES
 from tests.e2e._deferred_job import BATCH, CASES, LR, STEPS, Built, data
-from tests.helpers import train_demo
+from tests.helpers import record_figure, train_demo
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -82,5 +82,6 @@ def test_a_meta_build_starts_within_the_predicted_steady_peak_and_one_block(tmp_
     predicted = result["predicted"]
     for rank, memory in enumerate(result["memory_bytes_per_rank"]):
         steady = sum(predicted["memory"][rank][k] for k in MEMORY_CATEGORIES if k != "host")
+        record_figure("setup", plan=plan, rank=rank, setup_peak=memory["setup_peak"], limit=1.1 * (steady + block))
         assert memory["setup_peak"] <= 1.1 * (steady + block), (plan, rank, memory["setup_peak"] / 2**20,
                                                                   steady / 2**20)

@@ -19,7 +19,7 @@ import pytest
 from strategies.cli.heap import EIGHT, FOUR
 from strategies.plan import ParallelPlan
 from strategies.runs import MEMORY_CATEGORIES
-from tests.helpers import train_demo
+from tests.helpers import record_figure, train_demo
 
 SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
 CI = [("zero2_tp2", 4), ("zero1_pp2_interleaved_v2_mb4", 4), ("zero1_pp2_zb1p_mb4", 4), ("zero3_tp2_pp2_1f1b_ac", 8)]
@@ -47,6 +47,8 @@ def check_heap(tmp_path, plan: str, devices: int) -> None:
         stages.setdefault(resolved.coordinates(rank)["pp"], []).append((expected, peak))
     for stage, pairs in stages.items():  # its ranks are predicted alike: their median heap peak within 5%
         expected, middle = pairs[0][0], statistics.median(peak for _, peak in pairs)
+        record_figure("heap", plan=plan, stage=stage, predicted=expected, median=middle,
+                      peaks=[p for _, p in pairs])
         assert abs(expected - middle) <= GOAL * middle, (plan, stage, expected / 2**20, [p / 2**20 for _, p in pairs])
 
 

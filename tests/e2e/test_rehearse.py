@@ -19,7 +19,7 @@ import pytest
 
 from dashboard import data
 from strategies.plan import ParallelPlan
-from tests.helpers import COMMON, train_demo
+from tests.helpers import COMMON, record_figure, train_demo
 
 SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
 STEPS = 3
@@ -80,6 +80,8 @@ def holds_and_sends_what_the_real_rank_did(r: dict, real: dict) -> None:
     stage = ParallelPlan.parse(plan).coordinates(rank)["pp"]
     reached = max(m["heap_peak"] for other, m in enumerate(real["memory_bytes_per_rank"])
                   if ParallelPlan.parse(plan).coordinates(other)["pp"] == stage)
+    record_figure("rehearse", plan=plan, rank=rank, real=r["real"], rehearsed=got["heap_peak"], reached=reached,
+                  activations=got["activations_peak"], measured_activations=measured["activations_peak"])
     assert abs(got["heap_peak"] - reached) <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
 
 

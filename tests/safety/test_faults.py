@@ -15,6 +15,7 @@ import time
 import pytest
 
 from strategies import runs as runstore
+from tests.helpers import record_figure
 
 JOB = os.path.join(os.path.dirname(__file__), "_fault_job.py")
 # The collective timeout the job runs with (STRATPACK_TIMEOUT). Each fault must be seen, not waited out: the whole
@@ -42,6 +43,7 @@ def _assert_stopped(tmp_path, proc, elapsed: float, world: int) -> None:
     """Non-zero exit within the timeout, no rank left running, and the run store: one run, incomplete, with
     each rank's records of steps 1..STEP, nothing lost and nothing after the fault."""
     assert proc.returncode != 0, proc.stderr[-2000:]
+    record_figure("faults", world=world, elapsed=elapsed)
     assert elapsed < TIMEOUT_S, f"the job took {elapsed:.0f}s to stop"  # seen, not waited out
     deadline = time.monotonic() + 15
     while _leftovers(tmp_path) and time.monotonic() < deadline:
