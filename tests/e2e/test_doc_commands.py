@@ -46,7 +46,10 @@ SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `
         "--checkpoint-dir DIR --async-save` (above)",
         r"^train zero3 --resume auto --checkpoint-dir DIR$": "README.md's `train dp --resume auto` (above) and "
         "test_restart's `--resume auto` under `zero3_pp2`",
-        r"^train ep2 --experts 8 --top-k 2$": "test_expert_bytes' `train ep2 --experts 2 --top-k 2`"}
+        r"^train ep2 --experts 8 --top-k 2$": "test_expert_bytes' `train ep2 --experts 2 --top-k 2`",
+        r"^plan --params 7e9 --gpus 8$": "docs/commands.md's `plan --params 7e9 --gpus 8 --gpu-mem 80`",
+        r"^rehearse PLAN --world-size 64$": "README.md's `rehearse PLAN --world-size 64 --all-roles` (rank 0 among "
+        "them)"}
 # What a machine without a GPU answers in one line with exit 2
 NEEDS_GPU = [r"--accelerator gpu", r"--real --target cuda"]
 
