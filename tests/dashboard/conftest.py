@@ -12,7 +12,6 @@ from strategies import runs as runstore
 CMP = "cmp-test"
 
 
-
 def _memory(total: int, act: int) -> dict:
     return {"params": total // 4, "grads": total // 4, "optimizer": total // 2, "host": 0, "total": total,
             "activations_peak": act, "peak_rss": 300 * 2**20}
