@@ -23,8 +23,7 @@ if [ -n "${STRESS_PLANT:-}" ]; then
 fi
 : > "$out/summary.txt"
 : > "$out/figures.jsonl"
-export STRATPACK_TEST_FIGURES="$PWD/$out/figures.jsonl"
-case "$out" in /*) export STRATPACK_TEST_FIGURES="$out/figures.jsonl" ;; esac
+export STRATPACK_TEST_FIGURES="$(realpath "$out")/figures.jsonl"
 for k in $(seq 1 "$runs"); do
   start=$SECONDS
   .venv/bin/python -m pytest -q -p no:cacheprovider "$@" > "$out/run-$k.log" 2>&1
