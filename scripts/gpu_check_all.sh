@@ -7,6 +7,8 @@
 #      real tensors (the allocator's peak);
 #   3. stratpack bench --accelerator gpu on a Hugging Face Llama 16 x 2048 (single, dp, zero1-3, compiled).
 # Usage: bash scripts/gpu_check_all.sh OUT_DIR [TOTAL_SECONDS]
+# Env: ORDER (parts and their order, default "gpt rehearse llama"), GPT_ROWS, LLAMA_ROWS, GPT_PROFILE, LLAMA_PROFILE,
+# GPT_SHARE / LLAMA_SHARE (percent of the time left that the part may take).
 # OUT_DIR gets report.md (what to read first), log.txt and bundle.tar.gz (every JSON, trace and run-store folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,11 +46,14 @@ bench() {  # name, seconds, args...
 }
 
 # 1. the demo GPT (the acceptance's dp eager and compiled, zero3 within 2%, the peak beside the plain loop's)
-bench gpt $(( $(left) * 45 / 100 )) --model gpt --steps 16 --warmup-steps 6 \
-  --rows plain,dp,zero3,single,dp+compile,plain+compile --profile plain,dp,single,dp+compile
+part_gpt() {
+  bench gpt $(( $(left) * ${GPT_SHARE:-45} / 100 )) --model gpt --steps 16 --warmup-steps 6 \
+    --rows "${GPT_ROWS:-plain,dp,zero3,single,dp+compile,plain+compile}" --profile "${GPT_PROFILE:-plain,dp,single,dp+compile}"
+}
 
 # 2. the rehearsal of rank 0 of zero3_tp2 at 8 ranks, Llama 3 8B, beside the GPU's allocator
 # sequence 4096 needs ~79 GiB on rank 0 (an H200's 139 fit it; an H100's 80 do not): 2048 on a smaller GPU
+part_rehearse() {
 seq=$("$py" -c 'import torch; print(4096 if torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2048)' 2>/dev/null || echo 2048)
 reh=(zero3_tp2 --world-size 8 --workload demos.sizes:LLAMA3_8B --seq-len "$seq" --batch-size 8 --precision bf16-mixed
      --steps 4 --runs-dir "$work/runs")
@@ -75,10 +80,17 @@ except Exception as err:  # noqa: BLE001
     print(f"\n(no comparison: {type(err).__name__}: {err})")
 EOF
 } >> "$out/report.md"
+}
 
 # 3. the Hugging Face Llama (dp and zero1-3 against Lightning's single device, eager and compiled)
-bench llama $(( $(left) - 25 )) --model llama --steps 16 --warmup-steps 6 \
-  --rows single,dp,zero1,zero2,zero3,single+compile,zero3+compile,dp+compile,plain --profile single,dp
+part_llama() {
+  bench llama $(( $(left) * ${LLAMA_SHARE:-100} / 100 - 25 )) --model llama --steps 16 --warmup-steps 6 \
+    --rows "${LLAMA_ROWS:-single,dp,zero1,zero2,zero3,single+compile,zero3+compile,dp+compile,plain}" \
+    --profile "${LLAMA_PROFILE:-single,dp}"
+}
+
+# ORDER picks and orders the parts (a later window measures what the last one left open first)
+for part in ${ORDER:-gpt rehearse llama}; do "part_$part"; done
 
 log "done"
 cp "$out/log.txt" "$work/" 2>/dev/null
