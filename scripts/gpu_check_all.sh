@@ -8,7 +8,9 @@
 #   3. stratpack bench --accelerator gpu on a Hugging Face Llama 16 x 2048 (single, dp, zero1-3, compiled).
 # Usage: bash scripts/gpu_check_all.sh OUT_DIR [TOTAL_SECONDS]
 # Env: ORDER (parts and their order, default "gpt rehearse llama"), GPT_ROWS, LLAMA_ROWS, GPT_PROFILE, LLAMA_PROFILE,
-# GPT_SHARE / LLAMA_SHARE (percent of the time left that the part may take).
+# GPT_SHARE / LLAMA_SHARE (percent of the time left that the part may take), LLAMA_REPEAT (runs per row, alternating).
+# The next window (#61's open item, the compiled Llama within 2%): ORDER=llama LLAMA_REPEAT=3 LLAMA_PROFILE=
+#   LLAMA_ROWS=single+compile,dp+compile,zero1+compile,zero2+compile,zero3+compile bash scripts/gpu_check_all.sh $OUT 540
 # OUT_DIR gets report.md (what to read first), log.txt and bundle.tar.gz (every JSON, trace and run-store folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,7 +86,7 @@ EOF
 
 # 3. the Hugging Face Llama (dp and zero1-3 against Lightning's single device, eager and compiled)
 part_llama() {
-  bench llama $(( $(left) * ${LLAMA_SHARE:-100} / 100 - 25 )) --model llama --steps 16 --warmup-steps 6 \
+  bench llama $(( $(left) * ${LLAMA_SHARE:-100} / 100 - 25 )) --model llama --steps 16 --warmup-steps 6 --repeat "${LLAMA_REPEAT:-1}" \
     --rows "${LLAMA_ROWS:-single,dp,zero1,zero2,zero3,single+compile,zero3+compile,dp+compile,plain}" \
     --profile "${LLAMA_PROFILE:-single,dp}"
 }

@@ -15,6 +15,10 @@ Per row: tokens/s and MFU (6N + 12·L·h·s FLOP per token over the device's den
 optimizer...), from two traced steps inside the untimed ones. The Trainer rows go to the run store under one
 ``bench-gpu-...`` comparison, the plain loop's beside them, so the dashboard shows them side by side.
 
+Before each row the parent times a fixed bf16 matrix product and a large copy on the device (`device_probe`) and
+reports both beside the row: on a lent machine the device's own speed can move by a fifth between processes minutes
+apart (docs/gpu-2026-11-28.md), and a row run while it was slow must show as such, not as a slower strategy.
+
 ``--budget-s`` bounds the whole command (a GPU lent for minutes): a row that would not fit in what is left, by the
 rows timed so far, is reported as skipped. With ``--accelerator cpu`` and a tiny size it runs anywhere (its test).
 """
@@ -215,7 +219,9 @@ def bench(cfg: GpuBenchConfig, rows: list[str], repeat: int, profile: set[str], 
                 continue
             traced = row in profile and not any(r["row"] == row and "split" in r for r in results)
             where = os.path.join(folder, "profile-" + row.replace("+", "-")) if traced else None
-            got = run_row(row, cfg, store, where, timeout_s=max(30.0, left - 5) if left else 1800.0)
+            probe = device_probe(cfg.accelerator)
+            got = {**run_row(row, cfg, store, where, timeout_s=max(30.0, left - 5) if left else 1800.0),
+                   "probe": probe}
             if "error" not in got and "+" not in row:
                 eager_s.append(got["process_s"])
             results.append(got)
@@ -224,10 +230,53 @@ def bench(cfg: GpuBenchConfig, rows: list[str], repeat: int, profile: set[str], 
     return results
 
 
+def device_probe(accelerator: str, size: int | None = None, reps: int = 30) -> dict[str, float]:
+    """The device's speed now, in this process: TFLOP/s of a fixed square matrix product (bf16 on a GPU) and GB/s of
+    copying a large tensor, each the best of ``reps`` timed after three untimed. Its memory is given back before
+    the row's process starts (the context's few hundred MiB stay: the row's own allocator peak does not see them)."""
+    import torch
+
+    dev = torch.device("cuda" if accelerator != "cpu" else "cpu")
+    cuda = dev.type == "cuda"
+    n = size or (8192 if cuda else 256)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def best(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        sync()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    flops, bytes_per_s = _probe_rates(torch, dev, n, best)  # its tensors gone on return
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tflops": flops / 1e12, "gbps": bytes_per_s / 1e9}
+
+
+def _probe_rates(torch: Any, dev: Any, n: int, best: Any) -> tuple[float, float]:
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    b = torch.randn_like(a)
+    flops = 2 * n**3 / best(lambda: a @ b)
+    src = torch.empty((2**28 if dev.type == "cuda" else 2**22) // 4, device=dev)  # 256 MiB of fp32 (4 on the CPU)
+    dst = torch.empty_like(src)
+    return flops, 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # each byte read once and written once
+
+
 def _expected_s(row: str, eager_s: list[float]) -> float | None:
     if not eager_s:
         return None
     return statistics.median(eager_s) * (COMPILE_COST if row.endswith("+compile") else 1.0)
+
+
+def _figure(x: float) -> str:
+    """Whole units from 100 up, three significant digits below (a CPU's TFLOP/s)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _row_line(r: dict[str, Any]) -> str:
@@ -237,7 +286,9 @@ def _row_line(r: dict[str, Any]) -> str:
         return f"{r['row']}: FAILED after {r['process_s']:.0f} s: {r['error'].strip().splitlines()[-1][:300]}"
     mfu = f"MFU {r['mfu']:.3f}, " if r.get("mfu") else ""
     peak = f"peak {r['max_allocated'] / GiB:.2f} GiB, " if r.get("max_allocated") else ""
-    return f"{r['row']}: {r['tokens_per_s']:,.0f} tokens/s, {mfu}{peak}{r['process_s']:.0f} s"
+    probe = (f", device probe {_figure(r['probe']['tflops'])} TFLOP/s {_figure(r['probe']['gbps'])} GB/s"
+             if r.get("probe") else "")
+    return f"{r['row']}: {r['tokens_per_s']:,.0f} tokens/s, {mfu}{peak}{r['process_s']:.0f} s{probe}"
 
 
 def environment() -> dict[str, Any]:
@@ -273,7 +324,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     "runs": [r["tokens_per_s"] for r in ok],
                     "mfu": statistics.median(r["mfu"] for r in ok) if all(r.get("mfu") for r in ok) else None,
                     "max_allocated": max((r.get("max_allocated") or 0) for r in ok) or None, "split": split,
-                    "process_s": statistics.median(r["process_s"] for r in ok)}
+                    "process_s": statistics.median(r["process_s"] for r in ok),
+                    "probes": [r["probe"] for r in ok if r.get("probe")]}
     return out
 
 
@@ -285,12 +337,13 @@ def report(results: list[dict[str, Any]], cfg: GpuBenchConfig, env: dict[str, An
              f"{cfg.batch_size}, {cfg.precision}, {cfg.steps} steps ({cfg.warmup_steps} untimed), {repeat} run(s) per "
              f"row in alternating order, each a fresh process; {env.get('device')}, torch {env.get('torch')}, "
              f"Lightning {env.get('lightning')}.", "",
-             "| row | tokens/s | MFU | allocator peak GiB | vs single | vs plain | runs (tokens/s) |",
-             "|---|---|---|---|---|---|---|"]
+             "| row | tokens/s | MFU | allocator peak GiB | vs single | vs plain | runs (tokens/s) | device probe "
+             "before each run (TFLOP/s, GB/s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for row, r in rows.items():
         if "failed" in r:
             what = "skipped" if r["skipped"] else "failed"
-            lines.append(f"| {row} | {what}: {str(r['failed']).strip().splitlines()[-1][:200]} | | | | | |")
+            lines.append(f"| {row} | {what}: {str(r['failed']).strip().splitlines()[-1][:200]} | | | | | | |")
             continue
         compiled = "+compile" if row.endswith("+compile") else ""
         ratios = []
@@ -300,7 +353,9 @@ def report(results: list[dict[str, Any]], cfg: GpuBenchConfig, env: dict[str, An
         peak = f"{r['max_allocated'] / GiB:.2f}" if r.get("max_allocated") else "-"
         mfu = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
         runs = " / ".join(f"{x:,.0f}" for x in r["runs"])
-        lines.append(f"| {row} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratios[0]} | {ratios[1]} | {runs} |")
+        probes = " / ".join(f"{_figure(p['tflops'])}, {_figure(p['gbps'])}" for p in r["probes"]) or "-"
+        lines.append(f"| {row} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratios[0]} | {ratios[1]} | {runs} | "
+                     f"{probes} |")
     traced = [(row, r["split"]) for row, r in rows.items() if r.get("split")]
     if traced and any(s["events"] for _, s in traced):
         kinds = sorted({k for _, s in traced for k in s["kinds"]}, key=lambda k: -max(s["kinds"].get(k, 0)

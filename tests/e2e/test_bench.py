@@ -98,6 +98,10 @@ def test_the_one_device_bench_writes_its_table_traces_and_a_comparison_the_dashb
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = md.read_text()
     assert "| plain |" in table and "| dp |" in table and "| 1.000 |" in table  # plain against itself
+    # the device's own speed, timed before each row, in the row's last cell: "TFLOP/s, GB/s", both above zero
+    probes = [line.rstrip(" |").rsplit("| ", 1)[1] for line in table.splitlines()
+              if line.startswith(("| plain", "| dp"))]
+    assert len(probes) == 2 and all(float(x.replace(",", "")) > 0 for p in probes for x in p.split(", ")), probes
     traced = folder / "profile-dp"
     assert {p.name for p in traced.iterdir()} == {"trace.json.gz", "ops.txt", "split.json"}
     loaded, problems = data.load_runs(runs)
