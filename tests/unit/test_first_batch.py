@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from strategies.comm import Axis
-from strategies.lightning.first_batch import FP32_RTOL, LOW_PRECISION_FLOOR, FirstBatchCheck, FirstBatchMismatch
+from strategies.lightning.first_batch import ATOL, FP32_RTOL, LOW_PRECISION_FLOOR, FirstBatchCheck, FirstBatchMismatch
 
 BATCH = (torch.randn(4, 8), torch.randn(4, 1))
 
@@ -53,12 +53,16 @@ def test_equal_losses_pass_and_the_copy_is_dropped():
 def test_a_difference_above_the_tolerance_stops_with_both_losses():
     module = Net()
     check = _check(module)
-    wrong = module.training_step(BATCH, 0)["loss"] * (1 + 3 * FP32_RTOL)
+    loss = module.training_step(BATCH, 0)["loss"]
+    # the bound is relative with an absolute floor (FP32_RTOL * |loss| + ATOL): three bounds off, whatever the random
+    # loss is (a loss near zero once made "3 * FP32_RTOL relative" fall under the floor: CI stop 63)
+    bound = FP32_RTOL * abs(float(loss)) + ATOL
+    wrong = loss + 3 * bound
     with pytest.raises(FirstBatchMismatch, match=r"plan 'tp2' gives loss [\d.]+ on rank 0's first batch, where the "
                                                  r"whole model in one process's arithmetic gives [\d.]+"):
         check.compare(wrong, "tp2", WORLD)
     check = _check(module)  # within the tolerance: passes
-    assert check.compare(module.training_step(BATCH, 0)["loss"] * (1 + FP32_RTOL / 3), "tp2", WORLD)
+    assert check.compare(loss + bound / 3, "tp2", WORLD)
 
 
 def test_bf16_takes_its_tolerance_from_the_measured_spread():
@@ -75,6 +79,14 @@ def test_skipped_with_the_reason(module, reason: str):
     with pytest.warns(UserWarning, match=f"first-batch check of 'dp' skipped: .*{reason}"):
         outcome = check.compare(torch.tensor(1.0), "dp", WORLD)
     assert reason in outcome.skipped
+
+
+def test_dropout_is_seen_whatever_its_draws():
+    # 4 dropout draws: two runs from different seeds give one loss once in 16 seeds; the generators' states still
+    # moved (a run that compared the two losses alone checked such a model and stopped it: CI stop 63)
+    for seed in range(48):
+        torch.manual_seed(seed)
+        assert "draws random numbers" in (_check(Net(dropout=0.5)).mine.skipped or ""), seed
 
 
 def test_a_model_on_the_meta_device_is_skipped():
