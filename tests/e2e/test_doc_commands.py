@@ -49,7 +49,15 @@ SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `
         r"^train ep2 --experts 8 --top-k 2$": "test_expert_bytes' `train ep2 --experts 2 --top-k 2`",
         r"^plan --params 7e9 --gpus 8$": "docs/commands.md's `plan --params 7e9 --gpus 8 --gpu-mem 80`",
         r"^rehearse PLAN --world-size 64$": "README.md's `rehearse PLAN --world-size 64 --all-roles` (rank 0 among "
-        "them)"}
+        "them)",
+        # docs/checkpoints.md's chain: test_reshard's `saved` (the same train line), its resume under zero1_pp2 at 4
+        # from step 3, and its convert of step 6's checkpoint
+        r"^train zero3_tp2_pp2 --devices 8 --steps 8 --epoch-steps 4 --checkpoint-dir ckpt --checkpoint-every 3$":
+            "test_reshard's `saved` fixture",
+        r"^train zero1_pp2 --devices 4 --steps 8 --epoch-steps 4 --resume ckpt/epoch=0-step=3.ckpt$":
+            "test_reshard's resume under zero1_pp2 at 4",
+        r"^convert ckpt/epoch=1-step=6.ckpt model.pt --model-only --strip-prefix model.$":
+            "test_reshard's convert of the saved checkpoint"}
 # What a machine without a GPU answers in one line with exit 2
 NEEDS_GPU = [r"--accelerator gpu", r"--real --target cuda"]
 

@@ -60,6 +60,20 @@ def test_resume_under_another_plan_and_world_size(tmp_path, saved, reference, st
 
 
 @pytest.mark.slow
+def test_a_sharded_checkpoint_converts_to_the_model_s_own_state_dict(tmp_path, saved):
+    # docs/checkpoints.md's third line, on the headline plan's checkpoint of step 6 (its first two lines are
+    # `saved` and the resume under zero1_pp2 at 4 above, with the same options)
+    from strategies.cli import main
+
+    out, ckpt = tmp_path / "model.pt", os.path.join(os.path.dirname(saved[2]), "epoch=1-step=6.ckpt")
+    assert main(["convert", ckpt, str(out), "--model-only", "--strip-prefix", "model."]) == 0
+    state = torch.load(out)  # what model.load_state_dict takes: the model's own names, every parameter whole
+    final = {name.removeprefix("model."): p for name, p in saved[1].items()}
+    assert {k: v.shape for k, v in state.items() if k in final} == {k: p.shape for k, p in final.items()}
+    assert not any(k.startswith("model.") for k in state)
+
+
+@pytest.mark.slow
 def test_single_file_checkpoint_resumes_under_a_plan(tmp_path, reference):
     first = tmp_path / "single"
     first.mkdir()
