@@ -90,6 +90,13 @@ RTOL, ATOL, PARAM_ATOL = 1e-5, 1e-6, 5e-5
 DEEP = ("--n-layer", "4")  # four blocks: enough for pp4, and for pp2 with two virtual stages each
 COMMON = ["--steps", "5", "--batch-size", "8", "--seq-len", "32", "--n-embd", "32", "--max-chars", "20000"]
 
+# The 3D plan at 8 ranks (ZeRO-3 shards, tp slices, 1F1B stages and recompute on every rank together) at the heap
+# tests' size, built in configure_model (a rehearsal never makes values), plain SGD (no optimizer state to hide a
+# gradient's size behind), its heap sampled from the first step.
+REAL_3D = "zero3_tp2_pp2_1f1b_ac"
+REAL_3D_SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
+REAL_3D_RUN = ("--steps", "3", "--optimizer", "sgd-plain", "--configure-model", *REAL_3D_SIZE)
+
 
 def run_job(script: str, folder, *args: str, timeout_s: float = 600, collective_timeout: str = "120",
             env: dict[str, str] | None = None):

@@ -3,7 +3,10 @@ torch and Lightning), so the job scripts' Trainer fits run in one set of ranks p
 (`_jobs.py`): every plan's equivalence with one process under plain SGD and AdamW, their bytes, clipping, activation
 checkpointing and the pipeline's timeline (`_sgd_job`), expert parallel (`_ep_job`), the named classes (`_named_job`),
 the models people bring (`_zoo_job`), models built on meta (`_deferred_job`) and Hugging Face checkpoints loaded by
-slice (`_pretrained_job`). Each test file reads its job's part."""
+slice (`_pretrained_job`). Each test file reads its job's part.
+
+`real_3d`: one real gloo run of the 3D plan at 8 ranks with its heap sampled, which test_heap checks against the
+estimator and test_rehearse against each rank's rehearsal."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from tests.helpers import run_job
+from tests.helpers import REAL_3D, REAL_3D_RUN, run_job, train_demo
 
 HERE = os.path.dirname(__file__)
 JOB = os.path.join(HERE, "_sgd_job.py")
@@ -103,3 +106,11 @@ sgd_jobs, named_jobs, ep_jobs, zoo_jobs, deferred_jobs, pretrained_jobs = (_part
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
     return hf_saved(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def real_3d(tmp_path_factory) -> tuple[dict, str]:
+    """(the run's result, its folder) of `REAL_3D` at 8 ranks with `REAL_3D_RUN`, ``--heap``."""
+    tmp = tmp_path_factory.mktemp("real3d")
+    result, _ = train_demo(tmp, REAL_3D, 8, "--heap", "--warmup-steps", "0", *REAL_3D_RUN)
+    return result, str(tmp)

@@ -19,15 +19,15 @@ import pytest
 
 from dashboard import data
 from strategies.plan import ParallelPlan
-from tests.helpers import COMMON, record_figure, train_demo
+from tests.helpers import COMMON, REAL_3D, REAL_3D_RUN, record_figure, train_demo
 
-SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
 STEPS = 3
-RUN = ("--steps", str(STEPS), "--optimizer", "sgd-plain", "--configure-model", *SIZE)
-# CI: the 3D plan at 8 (ZeRO-3 shards, tp slices and pp stages on every rank together); each alone under -m matrix
+RUN = REAL_3D_RUN  # (3 steps, plain SGD, built in configure_model, the heap tests' size)
+# CI: the 3D plan at 8 (ZeRO-3 shards, tp slices, 1F1B stages and recompute on every rank together), test_heap's run
+# (`real_3d`); each alone under -m matrix
 CASES = [pytest.param("zero3", 4, marks=pytest.mark.matrix, id="zero3@4"),
          pytest.param("tp2_pp2", 4, marks=pytest.mark.matrix, id="tp2_pp2@4"),
-         pytest.param("zero3_tp2_pp2", 8, id="zero3_tp2_pp2@8")]
+         pytest.param("zero3_tp2_pp2", 8, marks=pytest.mark.matrix, id="zero3_tp2_pp2@8")]
 STATES = ("params", "grads", "optimizer", "host", "total")
 
 
@@ -58,9 +58,17 @@ def real_comm(run_dir: str, rank: int) -> dict[str, dict[str, float]]:
 @pytest.mark.parametrize("plan,world", CASES)
 def test_a_rehearsal_sends_and_holds_what_the_real_run_does(tmp_path, plan: str, world: int):
     real, _ = train_demo(tmp_path, plan, world, "--heap", "--warmup-steps", "0", *RUN)
-    # The 8-rank plan is also rehearsed on real tensors (`--real`: this CPU computes each rank's slice alone, its
-    # heap sampled as the real run's is), which must hold and send the same.
-    for how in ((), ("--real",)) if world == 8 else ((),):
+    compare_with_rehearsals(tmp_path, real, plan, world, ((), ("--real",)) if world == 8 else ((),))
+
+
+def test_the_3d_plan_at_8_ranks_rehearsed_on_meta_and_on_real_tensors_is_the_real_run(tmp_path, real_3d):
+    # The 3D plan is also rehearsed on real tensors (`--real`: this CPU computes each rank's slice alone, its heap
+    # sampled as the real run's is), which must hold and send the same.
+    compare_with_rehearsals(tmp_path, real_3d[0], REAL_3D, 8, ((), ("--real",)))
+
+
+def compare_with_rehearsals(tmp_path, real: dict, plan: str, world: int, hows) -> None:
+    for how in hows:
         rehearsed = rehearse(tmp_path, plan, world, (*RUN, *how))
         assert [r["rank"] for r in rehearsed] == list(range(world))
         assert all(r["real"] == bool(how) and (r.get("step_time_s", 0) > 0) == bool(how) for r in rehearsed)
