@@ -110,7 +110,7 @@ def measure(world: int, hidden: int = 256, tokens: int = 2048, cache: bool = Tru
 def kernel_workspace(rows: int, inner: int, cols: int, threads: int | None = None) -> float:
     """Bytes the matrix library holds inside one float32 ``(rows, inner) @ (inner, cols)`` beyond its output, with
     ``threads`` threads (MKL packs operands into buffers of its own and frees them at the end: the heap's peak is
-    that much above the output), measured on this host in a few milliseconds; the largest of three. 0 where the heap
+    that much above the output), measured on this host in about 20 milliseconds. 0 where the heap
     cannot be read (`memory.HeapSampler` needs glibc), or where the library keeps its buffers (MKL's fast allocator,
     on unless ``MKL_DISABLE_FAST_MM=1``: then they sit in the heap for good, not in the step's peak)."""
     from strategies.measure.memory import HeapSampler
@@ -121,14 +121,17 @@ def kernel_workspace(rows: int, inner: int, cols: int, threads: int | None = Non
     torch.set_num_threads(threads or before)
     try:
         a, b = torch.randn(rows, inner), torch.randn(cols, inner)
-        (a @ b.t()).sum()  # the first call sets the library up
-        best = 0
-        for _ in range(3):
-            with HeapSampler(interval_s=1e-5) as heap:
-                out = a @ b.t()
-                time.sleep(0.002)  # a sample after the matmul: the output alone
-                best = max(best, heap.peak - HeapSampler.in_use())
-            del out
+        out = a @ b.t()  # the first call sets the library up; its output stays: the heap above it is the workspace
+        held = HeapSampler.in_use()
+        # Products one after another for 20 ms, into the same output: each holds its workspace while it computes, so
+        # the sampler catches one even where it gets a core only every few ms. (One product alone, sampled three
+        # times, was missed beside a busy core: a rehearsal 7% short, one run in four, docs/tests.md.)
+        with HeapSampler(interval_s=1e-5) as heap:
+            deadline = time.perf_counter() + 0.02
+            torch.mm(a, b.t(), out=out)
+            while time.perf_counter() < deadline:
+                torch.mm(a, b.t(), out=out)
+        best = max(0, heap.peak - held)
     finally:
         torch.set_num_threads(before)
     return float(best)
