@@ -1,8 +1,7 @@
 """A rehearsal (`stratpack rehearse`: one rank alone, on meta tensors, over torch's fake process group) against the
 real gloo run of the same plan, rank by rank: the same bytes and calls per collective and axis, exactly; the same
 model states, exactly; the activations autograd saved and the steady peak within 5% of the real run's (the heap,
-sampled: `stratpack train --heap`; the median of the stage's ranks, since a sample can miss a short peak or catch a
-message held longer).
+sampled: `stratpack train --heap`; the highest of the stage's ranks, since a sample can miss a short peak).
 
 At the heap test's size (4 x 128, sequence 128: the model is most of the heap, `test_heap`), built in configure_model
 (a rehearsal never makes values), plain SGD (no optimizer state to hide a gradient's size behind).
@@ -13,7 +12,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -85,13 +83,14 @@ def holds_and_sends_what_the_real_rank_did(r: dict, real: dict) -> None:
     assert comm == real_comm(real["run_dir"], rank), (plan, rank)
     assert {k: got[k] for k in STATES} == {k: measured[k] for k in STATES}, (plan, rank)
     assert abs(got["activations_peak"] - measured["activations_peak"]) <= 0.05 * measured["activations_peak"]
-    # The heap is sampled every 0.2 ms and moves with timing: a sample can miss a peak as short as one matmul's
-    # workspace, and on a loaded host a message in flight is held longer (beside a busy core, stage 0's highest rank
-    # once reached 7.60 MB where other runs' reached 7.01: docs/tests.md). What the stage reached: its ranks' median.
+    # The heap is sampled every 0.2 ms: beside a busy core a rank's sampler can miss a peak as short as one matmul's
+    # workspace (in one of 7 runs two of stage 0's four ranks read 0.39 MB low, its median 2.6% under the usual), and
+    # a sample is never above what the heap held. What the stage's heap reached is its ranks' highest (a message held
+    # longer on one rank is memory it used).
     stage = ParallelPlan.parse(plan).coordinates(rank)["pp"]
     peaks = [m["heap_peak"] for other, m in enumerate(real["memory_bytes_per_rank"])
              if ParallelPlan.parse(plan).coordinates(other)["pp"] == stage]
-    reached = statistics.median(peaks)
+    reached = max(peaks)
     record_figure("rehearse", plan=plan, rank=rank, real=r["real"], rehearsed=got["heap_peak"], reached=reached,
                   peaks=peaks, activations=got["activations_peak"], measured_activations=measured["activations_peak"])
     assert abs(got["heap_peak"] - reached) <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
