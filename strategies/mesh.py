@@ -14,9 +14,11 @@ argument; there are no module-level process groups.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,7 @@ class ParallelMesh:
         shape = (self.plan.pp, self.plan.dp, self.plan.cp, self.plan.tp)
         self.world = Axis.of_group("world", dist.group.WORLD, self.stats)
         self.device_mesh: DeviceMesh | None = None
+        self._made: list[Any] = []  # the sub-groups this mesh created (`release`)
         if sum(size > 1 for size in shape) <= 1:
             # One axis spans every rank (or there is one rank): it is the world group, the others are
             # single-rank no-ops. No sub-groups to create: set-up costs nothing extra.
@@ -48,6 +51,7 @@ class ParallelMesh:
                          Axis.solo(name, self.stats) for name, size in zip(AXES, shape)}
         else:
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            self._made += self.device_mesh.get_all_groups()
             self.axes = {name: Axis.of_group(name, self.device_mesh.get_group(name), self.stats) for name in AXES}
         self.data = self._data_axis()
         self.ep, self.edp = self._expert_axes(device_type, world_size)
@@ -61,6 +65,18 @@ class ParallelMesh:
         if expected != actual:  # the layout every other piece assumes (samplers, stage ownership)
             raise RuntimeError(f"mesh layout mismatch on rank {dist.get_rank()}: {actual} != {expected}")
 
+    def release(self) -> None:
+        """Destroy the gloo sub-groups this mesh created (the world group stays), so that a fit leaves none of its own
+        threads and sockets to the interpreter's exit (a script of several fits kept every fit's: one rank in 20 runs
+        aborted there, docs/limits.md). Local, no collective: each rank calls it at the end of a fit that succeeded,
+        when it has nothing in flight on them; a gloo send has completed once written to its socket, which a close
+        still delivers. NCCL's stay to the exit (`comm.leave_group_at_exit`): a peer may still be reading a buffer."""
+        made, self._made = self._made, []
+        for group in {id(g): g for g in made}.values():
+            if group is not None and group != dist.group.WORLD and dist.is_initialized() and _gloo(group):
+                with contextlib.suppress(ValueError):  # (already destroyed: "Invalid process group specified")
+                    dist.destroy_process_group(group)
+
     @property
     def dp(self) -> Axis:
         return self.axes["dp"]
@@ -72,7 +88,9 @@ class ParallelMesh:
         if name in self.axes:
             return self.axes[name]
         assert self.device_mesh is not None  # dp and cp both > 1: the grid was built
-        return Axis.of_group(name, self.device_mesh["dp", "cp"]._flatten(name).get_group(), self.stats)
+        group = self.device_mesh["dp", "cp"]._flatten(name).get_group()
+        self._made.append(group)
+        return Axis.of_group(name, group, self.stats)
 
     def _expert_axes(self, device_type: str, world_size: int) -> tuple[Axis, Axis]:
         """Expert parallel's two axes, carved out of the data ranks (dp x cp, numbered d = dp_i * cp + cp_i): ``ep``,
@@ -85,6 +103,7 @@ class ParallelMesh:
         shape = (plan.pp, plan.expert_data_ranks, plan.ep, plan.tp)
         names = ("pp", "edp", "ep", "tp")
         grid = DeviceMesh(device_type, torch.arange(world_size).reshape(shape), mesh_dim_names=names)
+        self._made += grid.get_all_groups()
         return tuple(Axis.of_group(name, grid.get_group(name), self.stats) if size > 1 else Axis.solo(name, self.stats)
                      for name, size in (("ep", plan.ep), ("edp", plan.expert_data_ranks)))  # type: ignore[return-value]
 
@@ -103,6 +122,10 @@ class ParallelMesh:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={axis.size}" for name, axis in self.axes.items())
         return f"ParallelMesh({sizes}, plan='{self.plan}')"
+
+
+def _gloo(group: Any) -> bool:
+    return dist.get_backend(group) == "gloo"
 
 
 def _node_key() -> str:

@@ -710,3 +710,9 @@ class PlanStrategy(ParallelStrategy):
             super().teardown()  # (moves the module to the CPU: before its weights go to meta)
         if healthy and not whole:
             leave_in_slices(module, self.plan)
+        if healthy:  # the fit's own groups, not left to the interpreter's exit (the next fit builds its own)
+            if self.mesh is not None:
+                self.mesh.release()
+            if self._saver is not None and self._saver.axis.group is not None:
+                dist.destroy_process_group(self._saver.axis.group)
+                self._saver = None
