@@ -1,7 +1,8 @@
 """A rehearsal (`stratpack rehearse`: one rank alone, on meta tensors, over torch's fake process group) against the
 real gloo run of the same plan, rank by rank: the same bytes and calls per collective and axis, exactly; the same
-model states, exactly; the activations autograd saved and the steady peak within 5% of the real run's (the heap,
-sampled: `stratpack train --heap`; the highest of the stage's ranks, since a sample can miss a short peak).
+model states, exactly; the activations autograd saved within 5% of the real run's, and the steady peak from 3% under
+to 5% over the real run's (the heap, sampled: `stratpack train --heap`; the highest of the stage's ranks, since a
+sample can miss a short peak and is never above it).
 
 At the heap test's size (4 x 128, sequence 128: the model is most of the heap, `test_heap`), built in configure_model
 (a rehearsal never makes values), plain SGD (no optimizer state to hide a gradient's size behind).
@@ -93,7 +94,9 @@ def holds_and_sends_what_the_real_rank_did(r: dict, real: dict) -> None:
     reached = max(peaks)
     record_figure("rehearse", plan=plan, rank=rank, real=r["real"], rehearsed=got["heap_peak"], reached=reached,
                   peaks=peaks, activations=got["activations_peak"], measured_activations=measured["activations_peak"])
-    assert abs(got["heap_peak"] - reached) <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
+    # Samples read low, so a right rehearsal sits at or above the highest (20 runs beside a busy core: -1.4% to +3.4%,
+    # below only where a rank held a message longer): 5% above, 3% below (MKL's workspace left out is -5% here)
+    assert -0.03 * reached <= got["heap_peak"] - reached <= 0.05 * reached, (plan, rank, got["heap_peak"], reached)
 
 
 def test_a_rehearsal_is_stored_as_a_run_the_dashboard_shows_as_rehearsed(tmp_path):
