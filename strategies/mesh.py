@@ -14,7 +14,6 @@ argument; there are no module-level process groups.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import warnings
@@ -66,16 +65,11 @@ class ParallelMesh:
             raise RuntimeError(f"mesh layout mismatch on rank {dist.get_rank()}: {actual} != {expected}")
 
     def release(self) -> None:
-        """Destroy the gloo sub-groups this mesh created (the world group stays), so that a fit leaves none of its own
+        """Destroy the gloo sub-groups this mesh created (`comm.leave_groups`), so that a fit leaves none of its own
         threads and sockets to the interpreter's exit (a script of several fits kept every fit's: one rank in 20 runs
-        aborted there, docs/limits.md). Local, no collective: each rank calls it at the end of a fit that succeeded,
-        when it has nothing in flight on them; a gloo send has completed once written to its socket, which a close
-        still delivers. NCCL's stay to the exit (`comm.leave_group_at_exit`): a peer may still be reading a buffer."""
+        aborted there, docs/limits.md). Each rank calls it at the end of a fit that succeeded."""
         made, self._made = self._made, []
-        for group in {id(g): g for g in made}.values():
-            if group is not None and group != dist.group.WORLD and dist.is_initialized() and _gloo(group):
-                with contextlib.suppress(ValueError):  # (already destroyed: "Invalid process group specified")
-                    dist.destroy_process_group(group)
+        comm.leave_groups(made)
 
     @property
     def dp(self) -> Axis:
@@ -122,10 +116,6 @@ class ParallelMesh:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={axis.size}" for name, axis in self.axes.items())
         return f"ParallelMesh({sizes}, plan='{self.plan}')"
-
-
-def _gloo(group: Any) -> bool:
-    return dist.get_backend(group) == "gloo"
 
 
 def _node_key() -> str:

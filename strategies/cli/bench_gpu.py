@@ -253,13 +253,15 @@ def device_probe(accelerator: str, size: int | None = None, reps: int = 30) -> d
             times.append(time.perf_counter() - start)
         return min(times)
 
-    flops, bytes_per_s = _probe_rates(torch, dev, n, best)  # its tensors gone on return
+    flops, bytes_per_s = _probe_rates(dev, n, best)  # its tensors gone on return
     if cuda:
         torch.cuda.empty_cache()
     return {"tflops": flops / 1e12, "gbps": bytes_per_s / 1e9}
 
 
-def _probe_rates(torch: Any, dev: Any, n: int, best: Any) -> tuple[float, float]:
+def _probe_rates(dev: Any, n: int, best: Any) -> tuple[float, float]:
+    import torch
+
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     b = torch.randn_like(a)
     flops = 2 * n**3 / best(lambda: a @ b)

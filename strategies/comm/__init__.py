@@ -20,6 +20,7 @@ from strategies.comm.ops import (
     broadcast,
     broadcast_object,
     leave_group_at_exit,
+    leave_groups,
     ordered_sums,
     reduce_scatter,
     register_peers,
@@ -42,6 +43,6 @@ __all__ = [
     "DEBUG_ENV", "DETERMINISTIC_ENV", "P2P", "RECORDER", "STRICT_ENV", "Axis", "CallRecord", "CollectiveError",
     "CollectiveMismatch", "CommRecord", "CommStats", "FlightRecorder", "GroupHandle", "Handle", "Op", "P2POrderError",
     "all_gather", "all_gather_object", "all_reduce", "all_to_all", "backend_of", "barrier", "broadcast",
-    "broadcast_object", "exchange", "leave_group_at_exit", "ordered_sums", "recv", "reduce_scatter", "register_peers",
-    "rehearsing", "ring_all_reduce", "send", "set_ordered_sums", "set_rehearsal",
+    "broadcast_object", "exchange", "leave_group_at_exit", "leave_groups", "ordered_sums", "recv", "reduce_scatter",
+    "register_peers", "rehearsing", "ring_all_reduce", "send", "set_ordered_sums", "set_rehearsal",
 ]

@@ -18,6 +18,7 @@ hang or of silently wrong sums) raises `CollectiveMismatch` naming every rank's 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -346,6 +347,17 @@ def barrier(axis: Axis) -> None:
 
 
 _LEAVING = [False]  # `leave_group_at_exit` registered in this process
+
+
+def leave_groups(groups: list[Any]) -> None:
+    """Destroy these gloo sub-groups now (the world group and NCCL's stay to the exit: a peer may still be reading
+    an NCCL buffer), each once. Local, no collective: for a rank that has nothing in flight on them; a gloo send has
+    completed once written to its socket, which a close still delivers."""
+    for group in {id(g): g for g in groups}.values():
+        if group is not None and group != dist.group.WORLD and dist.is_initialized() and \
+                dist.get_backend(group) == "gloo":
+            with contextlib.suppress(ValueError):  # (already destroyed: "Invalid process group specified")
+                dist.destroy_process_group(group)
 
 
 def leave_group_at_exit() -> None:

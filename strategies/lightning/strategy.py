@@ -713,6 +713,6 @@ class PlanStrategy(ParallelStrategy):
         if healthy:  # the fit's own groups, not left to the interpreter's exit (the next fit builds its own)
             if self.mesh is not None:
                 self.mesh.release()
-            if self._saver is not None and self._saver.axis.group is not None:
-                dist.destroy_process_group(self._saver.axis.group)
+            if self._saver is not None:
+                comm.leave_groups([self._saver.axis.group])
                 self._saver = None
