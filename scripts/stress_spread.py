@@ -22,6 +22,8 @@ def _rows(path: str):
             yield f"setup {r['plan']} rank {r['rank']}", r["setup_peak"] / r["limit"] - 1
         elif test == "faults":  # seconds to stop (under 60)
             yield f"faults {r['world']} ranks (s)", r["elapsed"]
+        elif test == "restart":  # seconds from the checkpoint's step to the restart's start (no bound)
+            yield f"restart {r['plan']}@{r['world']} {r['fault']}, time lost (s)", r["time_lost_s"]
 
 
 def main(path: str) -> None:

@@ -51,6 +51,7 @@ from strategies.lightning.first_batch import FirstBatchCheck, Outcome
 from strategies.lightning.launcher import ExitingMultiProcessingLauncher, elastic_store
 from strategies.lightning.options import PlanOptions
 from strategies.lightning.resume import resumable
+from strategies.lightning.signals import quiet_sigterm
 from strategies.lightning.steps import (
     DirectSteps,
     LossWatch,
@@ -211,6 +212,7 @@ class PlanStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        quiet_sigterm(trainer)  # (Lightning registers its signal handlers after this hook)
         refuse_left_in_slices(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._grads_stale, self._free_grads_early = False, None  # (asked again for this fit's module and callbacks)

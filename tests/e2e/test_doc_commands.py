@@ -41,9 +41,10 @@ SLOW = [r"^rehearse --matrix", r"^plan .*--rehearse", r"^plan --published", r"^b
         r"^bench-saves", r"^compare", r"^large", r"--compile inductor"]
 # A line whose command and options another CI test already runs, each with what runs it: under -m matrix
 SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `train dp` at 2 ranks",
-        r"^train dp --heap$": "test_heap's and test_rehearse's `train PLAN --heap`",
-        r"^train dp --checkpoint-dir ckpt --checkpoint-every 10 --async-save$": "README.md's `train dp "
-        "--checkpoint-dir DIR --async-save` (above)",
+        r"^train (dp|PLAN) --heap$": "test_heap's and test_rehearse's `train PLAN --heap`",
+        r"^train dp --checkpoint-dir (ckpt --checkpoint-every 10|DIR) --async-save$": "docs/checkpoints.md's "
+        "`train zero3 --checkpoint-dir ckpt --checkpoint-every 10 --async-save` (ZeRO-3's sharded save)",
+        r"^train PLAN --configure-model$": "test_deferred's `train zero3 --configure-model` at 2 ranks",
         r"^train zero3 --resume auto --checkpoint-dir DIR$": "README.md's `train dp --resume auto` (above) and "
         "test_restart's `--resume auto` under `zero3_pp2`",
         r"^train ep2 --experts 8 --top-k 2$": "test_expert_bytes' `train ep2 --experts 2 --top-k 2`",
@@ -194,3 +195,8 @@ def test_tiny_gives_the_synopsis_values_and_tiny_sizes():
     for kept in (["plan", "--params", "7e9"], ["rehearse", "zero3", "--seq-len", "8192"], ["bench", "--accelerator",
                                                                                             "gpu", "--n-layer", "24"]):
         assert tiny(kept, {}) == kept
+
+
+def test_every_line_left_to_another_test_is_still_in_the_docs():
+    lines = [shlex.join(args) for _, args in _lines()]
+    assert [p for p in SAME if not any(re.search(p, line) for line in lines)] == []
