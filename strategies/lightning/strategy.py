@@ -216,8 +216,7 @@ class PlanStrategy(ParallelStrategy):
         refuse_left_in_slices(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._grads_stale, self._free_grads_early = False, None  # (asked again for this fit's module and callbacks)
-        if fitting and isinstance(self._launcher, AutoResume) and self._launcher.chosen is not None:
-            chosen = self._launcher.chosen
+        if fitting and isinstance(self._launcher, AutoResume) and (chosen := self._launcher.chosen) is not None:
             agree(chosen, comm.broadcast_object(chosen, self.mesh.world), self.global_rank)
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync:
