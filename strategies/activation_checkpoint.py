@@ -17,19 +17,22 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from strategies.mixed_precision import uncached
 from strategies.technique import Technique
 from strategies.tensors import meta_autocast_again
 
 
 def _checkpointed(forward, *args, **kwargs):
     # torch restores the autocast of the inputs' device for the recompute; a rehearsal's inputs are meta, which
-    # autocast does not know, and its host autocast (`lightning.rehearsal.MetaAutocast`) is restored here instead
+    # autocast does not know, and its host autocast (`lightning.rehearsal.MetaAutocast`) is restored here instead.
+    # The block's casts are not kept for the step (`mixed_precision.uncached`): its forward saves none.
     host = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
 
     def again(*a, **k):
-        with torch.autocast("cpu", dtype=host[1], enabled=host[0]), meta_autocast_again():
+        with torch.autocast("cpu", dtype=host[1], enabled=host[0], cache_enabled=False), meta_autocast_again():
             return forward(*a, **k)
-    return checkpoint(again, *args, use_reentrant=False, **kwargs)
+    with uncached():
+        return checkpoint(again, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(blocks: nn.Module) -> list[nn.Module]:

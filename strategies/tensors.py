@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from strategies.mixed_precision import shared_cast
+
 
 def storage_id(t: torch.Tensor) -> int:
     """One number per storage while it lives: its data pointer, or on meta the storage object's own."""
@@ -74,11 +76,13 @@ class MetaAutocast(torch.overrides.TorchFunctionMode):
 
 
 def meta_cast(tree: Any, dtype: torch.dtype) -> Any:
+    """Every meta float in ``tree`` in ``dtype``; a weight's copy once per step where autocast's cache would keep it
+    (`mixed_precision.shared_cast`)."""
     from torch.utils._pytree import tree_map
 
     def cast(t: Any) -> Any:
         meta_float = isinstance(t, torch.Tensor) and t.device.type == "meta" and t.is_floating_point()
-        return t.to(dtype) if meta_float and t.dtype != dtype else t
+        return shared_cast(t, dtype) if meta_float and t.dtype != dtype else t
     return tree_map(cast, tree)
 
 

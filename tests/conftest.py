@@ -54,6 +54,32 @@ def _seeded():
     yield
 
 
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS",
+               "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_left():
+    """A Trainer fit inside pytest's own process (a one-process strategy, an in-process rehearsal) sets Lightning's
+    launch variables here, and the world's process group it made listens on MASTER_PORT until the process ends. Every
+    job started later would inherit that port, and its rank 0 fail to listen on it (EADDRINUSE: 80 tests failed when
+    the unit tests ran before the e2e ones), and the fit's OMP_NUM_THREADS (the cores over one process: a 4-rank job's
+    ranks then each ran 2 threads, and their heap peaks grew past test_heap's bounds). Both undone after such a
+    test."""
+    saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    yield
+    if any(os.environ.get(k) != v for k, v in saved.items()):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 TINY_RUN = ["--devices", "2", "--n-embd", "16", "--seq-len", "16", "--max-chars", "8000", "--wandb", "off"]
 COMPARED = "single,dp,ddp,zero2,pp2"
 

@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+from strategies.cli.anchors import run_anchors
+
 MiB = 2**20
 CPU_HOST_RANKS = 8  # the most gloo ranks the pack runs on one CPU host (its tests' and commands' largest jobs)
 CATEGORIES = ("params", "grads", "optimizer", "host", "activations")  # the estimator's names (`runs.MEMORY_CATEGORIES`)
@@ -244,6 +246,7 @@ def rehearse_ends(config: Any, world: int, target: str = "cuda") -> dict[str, An
     mine = worst["predicted"]["memory"][worst["rank"]]
     return {"model": config.workload, "ranks": world, "plan": worst["plan"], "batch": config.batch_size,
             "rank": worst["rank"], "rehearsed": worst["device_peak"],
+            "setup": worst["memory_bytes"].get("setup_peak", 0),
             "states": worst["memory_bytes"]["total"], "activations": worst["memory_bytes"]["activations_peak"],
             "predicted": _predicted_peak(mine, target),
             "predicted_states": sum(mine.get(k, 0) for k in CATEGORIES[:4]),
@@ -323,7 +326,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--matrix", action="store_true",
                    help="rehearse the real-size matrix instead (Llama 3 8B to 405B, 8 to 1,024 ranks; PLAN and "
                         "--world-size are ignored): a markdown table beside the estimator's")
-    p.add_argument("--report", default=None, help="with --matrix: write the table here (docs/rehearsals-*.md)")
+    p.add_argument("--anchors", action="store_true",
+                   help="rehearse the runs torchtitan and Meta published instead (Llama 3 8B-405B, 8-8,192 ranks), "
+                        "each beside the anchor's memory per GPU")
+    p.add_argument("--report", default=None,
+                   help="with --matrix or --anchors: write the table here (docs/rehearsals-*.md)")
     add_run_options(p)
     p.set_defaults(func=command, steps=2, batch_size=None)  # (None: `_batch`)
 
@@ -338,7 +345,7 @@ def default_target(world_size: int | None) -> str:
 def _choose_target(args: argparse.Namespace) -> None:
     if args.target is None:
         args.target = default_target(args.world_size)
-        if args.target == "cuda" and not args.matrix:
+        if args.target == "cuda" and not (args.matrix or args.anchors):
             print(f"--target cuda: a job of {args.world_size} ranks is a GPU job (--target cpu rehearses this host's "
                   "gloo ranks)", file=sys.stderr)
 
@@ -359,7 +366,7 @@ def _batch(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         return args.batch_size
     batch = RunConfig.batch_size
-    if args.world_size and not args.matrix:
+    if args.world_size and not (args.matrix or args.anchors):
         replicas = data_parallel_degree(args.plan, args.world_size)
         if batch % replicas:
             batch = -(-batch // replicas) * replicas
@@ -383,8 +390,9 @@ def command(args: argparse.Namespace) -> int:
         os.execv(sys.executable, sys.orig_argv)
     args.batch_size = _batch(args)
     config = config_from(args, args.plan)
-    if args.matrix:
-        return run_matrix(args, replace(config, seq_len=8192, precision="bf16-mixed", optimizer="adamw"))
+    if args.matrix or args.anchors:  # (the anchors' table rehearses through `rehearse_ends`)
+        base = replace(config, seq_len=8192, precision="bf16-mixed", optimizer="adamw")
+        return run_anchors(args, base, rehearse_ends) if args.anchors else run_matrix(args, base)
     if _lacks_gpu(args):  # what this machine lacks: one line, exit 2 (as bench --accelerator gpu)
         print("stratpack rehearse --real --target cuda: this machine has no GPU. --real --target cpu runs the "
               "rank's compute on this CPU; without --real it is rehearsed on meta", file=sys.stderr)

@@ -94,6 +94,11 @@ class PlanOptions:
     Trainer's ModelCheckpoint (a save torn by a crash is passed over), or starts fresh when there is none, saying so:
     what a job restarted by torchrun ``--max-restarts`` or a SLURM requeue needs (`checkpoint.newest`)."""
 
+    share_casts: bool = True
+    """Under ``bf16-mixed`` and ``16-mixed``: each weight cast to the half dtype once per training step, the copy
+    shared by every microbatch of a pipeline's step and by recompute (`strategies.mixed_precision`), as FSDP2's
+    ``param_dtype`` and Megatron's half weights are; the same values as Lightning's autocast, which casts at every
+    call. False: Lightning's autocast as it is."""
     async_save: bool = False
     """Save checkpoints without stopping training: each rank copies its part to host memory and a background thread
     writes it, the manifest last (`checkpoint.async_save`); one save in flight, the next waits for it. Training waits
@@ -124,6 +129,7 @@ _RULES = {
     "resume": _rule(lambda v: v is None or v == "auto", "None or 'auto'"),
     "check_first_batch": _BOOL,
     "async_save": _BOOL,
+    "share_casts": _BOOL,
     "deterministic": _BOOL,
     "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),
                      "True, False or a dict of torch.compile keyword arguments"),

@@ -62,6 +62,7 @@ from strategies.lightning.steps import (
 )
 from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
+from strategies.mixed_precision import share_casts, step_casts, unshare_casts
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import split_microbatches
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
@@ -119,6 +120,7 @@ class PlanStrategy(ParallelStrategy):
         self._losses_to_check = LossWatch()  # one process on a GPU: losses checked without stalling the host
         self._grads_stale = False  # an optimizer step ran: its gradients are freed before the next forward ...
         self._free_grads_early: bool | None = None  # ... where Lightning's zero_grad is not customised (each fit)
+        self._shared_casts = False  # *-mixed: each weight cast once per training step (`mixed_precision`)
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -249,6 +251,11 @@ class PlanStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        self._shared_casts = self.options.share_casts and share_casts(self.precision_plugin)
 
     def _make_steps(self, fitting: bool) -> DirectSteps:
         if self.resolved_plan.pp == 1:
@@ -393,7 +400,8 @@ class PlanStrategy(ParallelStrategy):
         # Under pipeline parallel the backwards run inside too, so this is the peak held across the schedule.
         buffers = lambda: [b for technique in self.techniques for b in technique.parameter_buffers()]  # noqa: E731
         store = getattr(getattr(self._steps, "pipeline", None), "weights", None)  # a zero-bubble schedule's W stash
-        with SavedTensorsMeter(self.lightning_module, buffers) as meter:
+        casts = step_casts() if self._shared_casts else contextlib.nullcontext()
+        with SavedTensorsMeter(self.lightning_module, buffers) as meter, casts:
             if store is not None:
                 store.keeper = meter.keep
             output = self._steps.training_step(*self._local(args), **kwargs)
@@ -703,6 +711,7 @@ class PlanStrategy(ParallelStrategy):
         for technique in reversed(self.techniques):
             technique.teardown(healthy and whole)
         comm.set_ordered_sums(False)
+        unshare_casts(self.precision_plugin)
         self._first_batch = None
         self.techniques = []
         self._steps = DirectSteps(self._lightning_hook)

@@ -592,8 +592,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     per_rank, experts = stage_params(shape, plan), stage_experts(shape, plan)
     for rank, psi in enumerate(per_rank):
         states = model_states(psi, plan, precision, optimizer, experts[rank])
-        # Autocast's half copies of the weights, saved by the matmuls for backward (the rehearsals' count; what
-        # autocast's own cache holds is not counted)
+        # Autocast's half copies of the weights, saved by the matmuls for backward (under pp held by the cache for
+        # the step: `mixed_precision`)
         cast_bytes = act_bytes if mixed else 0
         peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, cast_bytes), backend,
                           workspace, crowded)
@@ -648,9 +648,11 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
     mine = [s for s, r in _placement(plan).items() if r == rank]
+    # Under pp the copy is made once per step and shared by the microbatches (`mixed_precision`); without, each
+    # forward's is freed by its backward.
+    copies = {s: cast_bytes * (len(ranges[s]) * matmuls + (head if s == len(ranges) - 1 else 0)) for s in mine}
     chunks = {s: dataclasses.replace(_chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend,
-                                            held), cast=cast_bytes * (len(ranges[s]) * matmuls +
-                                                                      (head if s == len(ranges) - 1 else 0)))
+                                            held), **{"shared_cast" if plan.pp > 1 else "cast": copies[s]})
               for s in mine}
     table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)[rank] if plan.pp > 1 \
         else None

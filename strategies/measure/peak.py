@@ -69,8 +69,12 @@ class Pieces:
     #                          the head's beside the logits' gradient
 
     def saved(self, blocks: int, first: bool, last: bool) -> float:
-        """Activations a chunk of ``blocks`` blocks saves for one microbatch."""
-        return blocks * self.block + (self.embedding if first else self.boundary) + (self.head if last else 0.0)
+        """Activations a chunk of ``blocks`` blocks saves for one microbatch: its blocks', its input's (the
+        embedding's output, or the received one), and the last chunk's head's. A chunk that passes its output on holds
+        it no longer than its send (`pipeline.runner._Output`), and that output is the next chunk's input: one
+        boundary less."""
+        ends = (self.embedding if first else self.boundary) + (self.head if last else -self.boundary)
+        return blocks * self.block + ends
 
     def stashed(self, blocks: int) -> float:
         """What a split backward (B) of a chunk of ``blocks`` blocks keeps for its W."""
@@ -90,8 +94,9 @@ class Chunk:
     in_flight: float = 0.0  # ZeRO-3, a chunk of 2+ blocks: in its reducing backward, from the second block on, what
     #                         the block before still holds while it reduces (its shard, gloo's copy of its flat)
     cast: float = 0.0  # under autocast: the half copy of its matmuls' weights each forward makes and its matmuls save
-    #                    for backward (not under recompute): one per microbatch in flight, since Lightning's autocast
-    #                    region, whose cache would share it, is one training_step call: one microbatch under pp
+    #                    for backward (not under recompute), until its backward: one per microbatch in flight ...
+    shared_cast: float = 0.0  # ... or, made once per step and shared by its microbatches (`mixed_precision`: under
+    #                           pp), held from the chunk's first forward to the step's end
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,7 @@ class Rules:
 # 600 structures among them.
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
-_PER_CHUNK = ("saved", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh")
+_PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -176,7 +181,8 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: R
     out = [named[name] for name in _GLOBAL]
     for s in sorted(chunks):
         c = chunks[s]
-        mine = {"saved": p.saved(c.blocks, c.first, c.last) + c.cast, "stashed": p.stashed(c.blocks),
+        mine = {"saved": p.saved(c.blocks, c.first, c.last) + c.cast, "shared": c.shared_cast,
+                "stashed": p.stashed(c.blocks),
                 "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
                 "weights": c.weights, **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
@@ -248,6 +254,7 @@ class _Terms:
     flats_top: int = 0  # what the first flat adds to its backward's top: all of it (ZeRO-2's, made before the block's
     #                     first matmul) or max(flats - mlp_grad, 0) (ZeRO-3's, made after it, the MLP's gradient gone)
     saved: int = 0  # a chunk's activations saved per microbatch (`Pieces.saved`, and `Chunk.cast`)
+    shared: int = 0  # what it holds once from its first forward on (`Chunk.shared_cast`)
     stashed: int = 0  # what its B keeps for W (`Pieces.stashed`)
     swap: int = 0  # its blocks but the last swapped what they saved for their stash: (blocks - 1)(stash - block)+
     grads: int = 0
@@ -277,6 +284,7 @@ class _Walk:
         last = {id(a) for a in self.last_backward.values()}
         self.reducing = [a for a in actions if id(a) in last]
         self.seen: set[int] = set()  # the stages a backward has run for
+        self.forwarded: set[int] = set()  # the stages a forward has run for
         self.saved = self.held = self.stash = 0
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
@@ -285,7 +293,8 @@ class _Walk:
         self.rows.setdefault((activations, temporaries, self.released), action)
 
     def forward(self, action: Action, chunk: _Terms, ahead: int) -> None:
-        self.saved += chunk.saved
+        self.saved += chunk.saved + (chunk.shared if action.stage not in self.forwarded else 0)
+        self.forwarded.add(action.stage)
         # At the forward's end: the last chunk's logits beside their log-softmax.
         logits, zero3 = (self.q.loss, self.q.head_zero3) if chunk.last else (0, self.q.zero3)
         self.consider(self.saved + self.stash, self.held + ahead + zero3 + logits, action)

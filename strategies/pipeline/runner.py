@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from strategies import comm
 from strategies.comm import Axis
@@ -80,7 +81,7 @@ class _Step:
     """One step's bookkeeping while its actions run."""
 
     t0: float  # perf_counter at the step's start
-    kept: dict = field(default_factory=dict)  # (stage, microbatch) -> (output, received input), until its backward
+    kept: dict = field(default_factory=dict)  # (stage, microbatch) -> (_Output, received input), until its backward
     headers: set = field(default_factory=set)  # the header messages this rank's program sends
     outbox: dict = field(default_factory=dict)  # Message -> tensor to send
     arriving: dict = field(default_factory=dict)  # Message -> (group handle, buffer): issued, waited when needed
@@ -95,18 +96,36 @@ class _Step:
     sent: dict = field(default_factory=dict)
 
 
+@dataclass
+class _Output:
+    """A forward's output until its backward. Sent to another rank, only where its gradient enters the graph: its
+    data is the next stage's input, which that rank holds (Megatron's ``deallocate_output_tensor``; Korthikanti et
+    al. 2022, appendix B: one activation less per microbatch in flight). Kept whole where it stays on this rank (the
+    next stage's input shares it) or where ``free_sent`` is off."""
+
+    root: torch.Tensor | GradientEdge  # what backward starts from
+    shape: torch.Size
+    requires_grad: bool
+
+    @staticmethod
+    def of(out: torch.Tensor, free: bool) -> _Output:
+        free = free and out.requires_grad
+        return _Output(get_gradient_edge(out) if free else out, out.shape, out.requires_grad)
+
+
 class PipelineRunner:
     """Runs programs on the pp axis. ``forward(stage, microbatch, received)`` runs the user's code as that stage
     and returns its output (the scaled loss on the last stage). ``wait_sends``: in training, complete the sends
     before each compute (on gloo, where that is faster; see the module's docstring), else at the step's end.
     ``where``: stage -> pp rank (two neighbouring stages on this rank pass activations and gradients in memory);
     ``weights``: the store that splits weight gradients off B for the table's W actions (None: no W actions);
-    ``fused``: the (stage, microbatch) whose W runs inside its B (see the module's docstring)."""
+    ``fused``: the (stage, microbatch) whose W runs inside its B (see the module's docstring); ``free_sent``: keep
+    only the graph of an output sent to another rank (`_Output`)."""
 
     def __init__(self, axis: Axis, stages: int, wait_sends: bool = True, where: dict[int, int] | None = None,
                  weights: WeightStore | None = None, fused: frozenset[tuple[int, int]] = frozenset(),
-                 carrier: int = 0, traced: dict[int, tuple] | None = None) -> None:
-        self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
+                 carrier: int = 0, traced: dict[int, tuple] | None = None, free_sent: bool = True) -> None:
+        self.axis, self.stages, self.wait_sends, self.free_sent = axis, stages, wait_sends, free_sent
         # stage -> (shape, dtype) its last block gave when traced: a rehearsal's headers carry no values, so its
         # receiver reads a stage's activation shape here (`comm.set_rehearsal`)
         self.traced = traced or {}
@@ -229,6 +248,13 @@ class PipelineRunner:
         """Whether (stage, m)'s backward leaves its weights' gradients to a later W."""
         return self.weights is not None and (stage, m) not in self.fused
 
+    def _linears(self, stage: int, m: int) -> contextlib.AbstractContextManager:
+        """What the blocks' linears are during (stage, m)'s forward: deferring their weights' gradients to W, or (W
+        inside B) taking the same half copy of their weights (`WeightStore.shared`), or autocast's own (no W)."""
+        if self.weights is None:
+            return contextlib.nullcontext()
+        return self.weights.linears() if self._split(stage, m) else self.weights.shared()
+
     def _merged(self, action: Action, phase: Phase) -> bool:
         return action.phase is phase and (action.stage, action.microbatch) in self.fused
 
@@ -243,16 +269,17 @@ class PipelineRunner:
             received = (step.local.pop(("a", s - 1, m)) if self._local(s, s - 1)
                         else _receive(Message("a", s - 1, m), step)).requires_grad_()
         start = time.perf_counter()
-        with self.weights.linears() if self._split(s, m) else contextlib.nullcontext():
+        with self._linears(s, m):
             out = forward(s, m, received)
         end = time.perf_counter()
+        sent = s < self.stages - 1 and not self._local(s, s + 1)
         if s == self.stages - 1:
             step.losses[m] = out.detach().float().reshape(())
-        elif self._local(s, s + 1):
+        elif not sent:
             step.local[("a", s, m)] = out.detach()
-        else:
+        else:  # (the outbox holds its data until the send completes)
             self._outgoing(out, s, m, step)
-        step.kept[(s, m)] = (out, received)
+        step.kept[(s, m)] = (_Output.of(out, sent and self.free_sent), received)
         return start, end
 
     def _backward(self, action: Action, step: _Step, context: contextlib.AbstractContextManager) -> tuple[float, float]:
@@ -263,7 +290,7 @@ class PipelineRunner:
             local = self._local(s, s + 1)
             packed = step.local.pop(("g", s + 1, m)) if local else _receive(Message("g", s + 1, m), step)
             if carries:
-                grad, step.loss = _unpack(packed, out)
+                grad, step.loss = _unpack(packed, out.shape)
             else:
                 grad = packed.view(out.shape)
         elif carries:  # the last stage's last backward: every forward has run, so every loss is known
@@ -272,7 +299,7 @@ class PipelineRunner:
         start = time.perf_counter()
         if out.requires_grad:
             with context, split:
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(out.root, grad)
         end = time.perf_counter()
         if s > 0:
             grad_in = (received.grad if received.grad is not None else torch.zeros_like(received)).contiguous()
@@ -319,10 +346,11 @@ def _pack(grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return torch.cat([grad.reshape(-1), tail])
 
 
-def _unpack(flat: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of ``out`` and the tail that carries the step's loss (`_loss` reads it), from `_pack`."""
-    n = out.numel()
-    return flat[:n].view(out.shape), flat[n:].clone()  # a copy: a view would hold the whole buffer to the step's end
+def _unpack(flat: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of an output of ``shape`` and the tail that carries the step's loss (`_loss` reads it), from
+    `_pack`."""
+    n = math.prod(shape)
+    return flat[:n].view(shape), flat[n:].clone()  # a copy: a view would hold the whole buffer to the step's end
 
 
 def _encode(loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from strategies.mixed_precision import shared_cast
 from strategies.tensors import storage_id
 
 _ORIGINAL_LINEAR = F.linear
@@ -48,6 +49,17 @@ class WeightStore:
     def linears(self) -> Iterator[None]:
         """While F or B of a split schedule runs: ``F.linear`` is `deferred_linear` (recompute happens in B)."""
         F.linear = _deferring(self)
+        try:
+            yield
+        finally:
+            F.linear = _ORIGINAL_LINEAR
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """While the F of a (stage, microbatch) whose W runs inside its B runs: ``F.linear`` of the blocks' weights
+        takes the step's half copy that the deferred linears take (`mixed_precision.shared_cast`), not autocast's
+        own."""
+        F.linear = _sharing(self)
         try:
             yield
         finally:
@@ -93,6 +105,22 @@ def _deferring(store: WeightStore):
     return deferred_linear
 
 
+def _sharing(store: WeightStore):
+    def shared_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        dtype = _autocast_dtype(input)
+        if dtype is not None and id(weight) in store.deferrable:
+            weight = shared_cast(weight, dtype)  # (autocast then casts the input alone, as it would)
+        return _ORIGINAL_LINEAR(input, weight, bias)
+    return shared_linear
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast computes a matmul on ``x`` in, or None. A rehearsal's meta tensors follow the host's autocast,
+    as `tensors.MetaAutocast` makes F.linear do (autocast has no meta device)."""
+    host = x.device.type if x.device.type != "meta" else "cpu"
+    return torch.get_autocast_dtype(host) if torch.is_autocast_enabled(host) else None
+
+
 class _Linear(torch.autograd.Function):
     """``F.linear`` whose backward defers the weight's gradient to the store's current key (when one is set)."""
 
@@ -100,13 +128,10 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightStore,
                 param: list[Tensor]) -> Tensor:
         ctx.param = param[0]  # the parameter itself (``weight`` is it detached): W accumulates into it
-        # A rehearsal's meta tensors follow the host's autocast, as `tensors.MetaAutocast` makes F.linear do (autocast
-        # has no meta device)
         autocast = x.device.type != "meta"
-        host = x.device.type if autocast else "cpu"
-        dtype = torch.get_autocast_dtype(host) if torch.is_autocast_enabled(host) else None
-        if dtype is not None:  # what autocast does to F.linear: compute in its dtype
-            x, weight = x.to(dtype), weight.to(dtype)
+        dtype = _autocast_dtype(x)
+        if dtype is not None:  # what autocast does to F.linear: compute in its dtype (the weight's copy: once a step)
+            x, weight = x.to(dtype), shared_cast(weight, dtype, ctx.param)
             bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
             out = _ORIGINAL_LINEAR(x, weight, bias)

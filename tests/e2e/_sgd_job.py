@@ -46,6 +46,9 @@ CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CON
 # it averages (x dp), and the pipeline dropping one microbatch's gradient (1 of 4).
 BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
         ("zero2+bf16+plant_sum", 1), ("pp2_mb4+bf16+plant_drop", 1)]
+# The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call
+# (``+unshared``: share_casts=False): the same bits, one copy per microbatch in flight less (`test_trainer`).
+SHARED = [(f"{plan}+bf16{how}", 1) for plan in ("pp2_mb4", "pp2_zbv_mb4") for how in ("", "+unshared")]
 # AdamW (what users train with; its normalised step hides a gradient's scale, which the SGD cases above catch): the
 # data modes, tp (with sp, ac) and every pipeline path once, with accumulation where it changes the path. `+gloo`:
 # strict p2p off, the program users run on gloo (a step's receives posted together). Each fit also returns its
@@ -194,7 +197,8 @@ def strict_p2p(on: bool) -> Iterator[None]:
 
 def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> dict[str, torch.Tensor]:
     """``case``: a plan, then options after ``+``: ``deterministic`` (the strategy's ordered sums), ``bf16``
-    (bf16-mixed), ``plant_*`` (`planted`), ``adamw`` (the optimizer), ``gloo`` (`strict_p2p` off), ``llama``.
+    (bf16-mixed), ``unshared`` (share_casts=False), ``plant_*`` (`planted`), ``adamw`` (the optimizer), ``gloo``
+    (`strict_p2p` off), ``llama``.
     ``extras``: gets the fit's collectives per step (`CommStats.snapshot` over the steps) and its logged loss."""
     from strategies import PlanStrategy
     from strategies.plan import ParallelPlan
@@ -202,7 +206,7 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
     plan, *options = case.split("+")
     dp = ParallelPlan.parse(plan).resolve(world).dp
     module = Module("llama" if "llama" in options else "gpt", "adamw" if "adamw" in options else "sgd")
-    strategy = PlanStrategy(plan, deterministic=True) if "deterministic" in options else plan
+    strategy = PlanStrategy(plan, deterministic="deterministic" in options, share_casts="unshared" not in options)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
@@ -228,8 +232,8 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
 
 def main(world: int, which: str = "ci") -> dict:
     full = which == "full"
-    measured = [] if full else ADAMW[world] + (CLIPPED if world == 2 else [])
-    cases = (FULL if full else CASES)[world] + (BF16 if world == 2 else []) + measured
+    measured = [] if full else ADAMW[world] + (CLIPPED + SHARED if world == 2 else [])
+    cases = list(dict.fromkeys((FULL if full else CASES)[world] + (BF16 if world == 2 else []) + measured))
     extras = {case: {} if case in measured else None for case in cases}
     return {"states": {case: fit(*case, world, extras[case]) for case in cases},
             "extras": {case: e for case, e in extras.items() if e is not None}}

@@ -10,8 +10,9 @@ in prose name their arguments in capitals: `SYNOPSIS` gives each a value (`CKPT`
 Llama's checkpoint saved by `stratpack train --workload hf-llama`, and its config). `stratpack dashboard` serves
 until stopped: it passes when its health check answers.
 
-The lines that take minutes whatever their size (the rehearsal matrix, the planner's rehearsals and published
-runs, the benchmarks, `compare`, `large`, inductor's compile on CPU) run under `pytest -m matrix`; the README's
+The lines that take minutes whatever their size (the rehearsal matrix and the anchors' rows, the planner's
+rehearsals and published runs, the benchmarks, `compare`, `large`, inductor's compile on CPU) run under
+`pytest -m matrix`; the README's
 `compare` runs in CI at tiny sizes as the session's `compared` fixture (tests/conftest.py). So do the lines whose
 command and options another CI test runs already (`SAME` names it)."""
 
@@ -37,7 +38,7 @@ ALWAYS = {"--repeat": "1"}
 SIZED = ("train", "compare", "bench", "bench-saves", "large")  # (a rehearsal on meta takes as long at any size)
 SYNOPSIS = {"PLAN": "zero3", "DIR": "ckpt", "OUT": "hf-out"}
 # What takes minutes at any size: run under -m matrix
-SLOW = [r"^rehearse --matrix", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
+SLOW = [r"^rehearse --(matrix|anchors)", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
         r"^bench-saves", r"^compare", r"^large", r"--compile inductor"]
 # A line whose command and options another CI test already runs, each with what runs it: under -m matrix
 SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `train dp` at 2 ranks",

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
-from tests.e2e._sgd_job import CLIP, CLIPPED
+from tests.e2e._sgd_job import CLIP, CLIPPED, SHARED, model
 from tests.e2e._sgd_job import reference as sgd_reference
 from tests.helpers import ATOL, DEEP, PARAM_ATOL, RTOL
 from tests.helpers import train_demo as _train
@@ -73,6 +74,19 @@ def test_a_pipeline_without_a_schedule_runs_the_one_predicted_fastest_and_says_w
 def test_activation_checkpointing_keeps_less_for_backward(sgd_jobs):
     kept, kept_ac = (sgd_jobs[2]["extras"][case, 1]["activations_peak"] for case in ("dp+adamw", "dp_ac+adamw"))
     assert 0 < kept_ac < kept / 3, (kept_ac, kept)  # only each block's input, not its internals
+
+
+def test_a_weights_half_copy_is_made_once_per_step_and_changes_no_bit(sgd_jobs):
+    # bf16-mixed, plain SGD, rank 0 of pp2_mb4 (1F1B: stage 0, two blocks, two microbatches in flight at its peak) and
+    # of pp2_zbv_mb4 (the V's first and last stages; the deferred linears cast for W): the weights' copies made once
+    # per step (`mixed_precision`, the default) against Lightning's cast at every call (share_casts=False).
+    job, per_block = sgd_jobs[2], 2 * sum(m.weight.numel() for m in model().blocks[0].modules()
+                                          if isinstance(m, nn.Linear))
+    for shared, each in zip(SHARED[::2], SHARED[1::2], strict=True):
+        states = [job["states"][case] for case in (shared, each)]
+        peaks = [job["extras"][case]["activations_peak"] for case in (shared, each)]
+        assert all(torch.equal(states[0][k], states[1][k]) for k in states[0]), shared  # the same values
+        assert peaks[1] - peaks[0] == 2 * per_block, shared  # two blocks' copy: two in flight, one kept
 
 
 # bf16-mixed against a bf16-mixed single process, with a tolerance from a measured spread that planted errors

@@ -37,7 +37,7 @@ def test_a_rehearsal_without_a_batch_gets_one_that_splits_over_its_data_ranks(ca
     from strategies.cli.rehearse import _batch
 
     def batch(plan: str, world: int | None, given: int | None = None, matrix: bool = False) -> int:
-        return _batch(argparse.Namespace(plan=plan, world_size=world, batch_size=given, matrix=matrix))
+        return _batch(argparse.Namespace(plan=plan, world_size=world, batch_size=given, matrix=matrix, anchors=False))
 
     assert batch("zero3", 64) == 64 and "splits over the job's 64" in capsys.readouterr().err
     assert batch("zero3_tp8_pp16", 1024) == 16 and capsys.readouterr().err == ""  # 8 data ranks: 16 splits

@@ -26,7 +26,7 @@ def test_gpipe_holds_every_microbatch_and_1f1b_at_most_pp():
     def first_stage(table) -> float:
         chunks = {0: Chunk(blocks=2, first=True, last=False)}
         return walk(PIECES, chunks, step_actions(table[0], 1, 4)).activations
-    per_microbatch = 2 * 16 + 2
+    per_microbatch = 2 * 16 + 2 - 1  # two blocks, the embedding's output; not the output sent (the next stage's)
     assert first_stage(gpipe(2, 4)) == 4 * per_microbatch
     assert first_stage(one_f_one_b(2, 4)) == 2 * per_microbatch
 
@@ -83,14 +83,15 @@ def test_a_split_backward_swaps_activations_for_the_stash_until_w():
     chunk = {0: Chunk(blocks=2, first=True, last=False, weights=128)}
     peak = walk(pieces, chunk, zb1p(1, 1)[0])
     assert (peak.activations, peak.temporaries, peak.at) == (2 * 64, 128, "W0.0")
-    # The demo's block: ZB-H1 holds at most 1F1B's peak activations (rank r: p - r microbatches in flight, r
-    # stashes of the same size; the head's weight gradient is made in B, so nothing logits-sized is kept); with
-    # recompute, B keeps far more than the block's input.
+    # The demo's block: ZB-H1 holds 1F1B's peak activations within 2% (rank r: p - r microbatches in flight, r
+    # stashes of the same size; the head's weight gradient is made in B, so nothing logits-sized is kept; 1F1B's
+    # sent outputs are freed at their send, and a stash keeps the last block's output gradient); with recompute, B
+    # keeps far more than the block's input.
     shape = ModelShape.from_config(dict(vocab_size=65, seq_len=128, n_layer=8, n_embd=128, n_head=4), batch=32)
 
     def most(plan: str) -> float:
         return max(m["activations"] for m in estimate(shape, plan, 4, "32-true").memory)
-    assert 0.98 * most("pp4_1f1b_mb8") <= most("pp4_zb1p_mb8") <= most("pp4_1f1b_mb8")
+    assert 0.98 * most("pp4_1f1b_mb8") <= most("pp4_zb1p_mb8") <= 1.02 * most("pp4_1f1b_mb8")
     assert most("pp4_zb1p_mb8_ac") > 5 * most("pp4_1f1b_mb8_ac")
 
 
@@ -120,8 +121,9 @@ def test_zero3s_reduction_in_flight_at_a_chunks_second_block_where_gradients_wer
 
     # Without it the peak is the reduction's end: the kept .grad, the flat, the units (4096 + 1024 + 2 * 64 + 64).
     assert total(0) == 4096 + 1024 + 192
-    # With it, B0.1's second block: microbatch 1's activations (2 blocks + the embedding's), the kept .grad, the
+    # With it, B0.1's second block: microbatch 1's activations (2 blocks + the embedding's, less the output sent), the
+    # kept .grad, the
     # working set (the units, backward's 32), the reduction in flight and the new flat, one unit and gloo's buffer
     # less (the first block's own activations beyond its input: none here, block = boundary)
-    assert total(2048) == (2 + 2) + 4096 + (192 + 32) + (2048 + 1024 - 64 - 64)
+    assert total(2048) == (2 + 2 - 1) + 4096 + (192 + 32) + (2048 + 1024 - 64 - 64)
     assert total(16) == total(0)  # a small one stays below

@@ -1,0 +1,94 @@
+"""Mixed precision owned by the strategy: under Lightning's ``*-mixed`` precision, each weight is cast to the half
+dtype once per training step, and that copy serves every microbatch and every recompute inside the step.
+
+Lightning runs each training_step call inside ``torch.autocast(..., cache_enabled=False)`` (MEMORY-NOTES): each matmul
+casts its float32 weight again and saves that copy for backward. Under pipeline parallel each microbatch is its own
+call, so every microbatch in flight held a half copy of its chunk's weights (about 0.8 GiB per layer at 405B, tp8).
+`share_casts` turns the plugin's autocast cache on, and `step_casts`, entered around the strategy's training step, holds
+autocast's nesting from the step's start to its end: torch keeps each cast of a float32 leaf that requires grad (a
+parameter: ZeRO-3's too, which stays one tensor while its storage is gathered and freed) until the outermost autocast
+exits, here the step. The values are those of per-call casts (the same rounding of the same weight), so losses and
+gradients are Lightning's bf16-mixed ones; each microbatch's backward returns its own gradient through the cast, and
+gradients still accumulate in float32. (One difference: a weight that feeds two matmuls of one forward now has one
+copy, so their two gradients meet in the half dtype before the cast back.)
+
+Where a block is recomputed (activation checkpointing: `uncached`), its casts are not kept: its forward saves none, and
+a kept copy would be held from the first microbatch to the step's end. Under the zero-bubble schedules the blocks'
+linears cast their weights through `shared_cast` (`pipeline.weights`: the deferred ones, and those of a forward whose
+W runs inside its B), so both kinds of microbatch share one copy; a rehearsal's meta tensors, which torch's autocast
+leaves alone, through `tensors.MetaAutocast`, which asks `shared_cast` too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_SHARING = [0]  # depth of `step_casts`
+_CASTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its half copy), this step
+
+
+def share_casts(precision_plugin: Any) -> bool:
+    """Have Lightning's mixed-precision plugin autocast with its cache on (an attribute of the instance shadows its
+    method); False, and nothing changed, where the plugin autocasts nothing (true precisions, or another plugin)."""
+    make = getattr(type(precision_plugin), "autocast_context_manager", None)
+    if make is None or getattr(precision_plugin, "precision", "") not in ("bf16-mixed", "16-mixed"):
+        return False
+
+    def cached() -> torch.autocast:
+        context = make(precision_plugin)
+        return torch.autocast(context.device, dtype=context.fast_dtype, enabled=context._enabled, cache_enabled=True)
+
+    precision_plugin.autocast_context_manager = cached
+    return True
+
+
+def unshare_casts(precision_plugin: Any) -> None:
+    vars(precision_plugin).pop("autocast_context_manager", None)
+
+
+@contextlib.contextmanager
+def step_casts() -> Iterator[None]:
+    """One training step: the casts made inside it are kept to its end (autocast's nesting held, `shared_cast`)."""
+    torch.autocast_increment_nesting()
+    _SHARING[0] += 1
+    try:
+        yield
+    finally:
+        _SHARING[0] -= 1
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        if _SHARING[0] == 0:
+            _CASTS.clear()
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Casts made inside are not kept (a recomputed block's: see the module's docstring)."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
+def shared_cast(weight: torch.Tensor, dtype: torch.dtype, param: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` in ``dtype``: inside `step_casts`, with autocast's cache on, made once per step, as torch's cache
+    makes it for a float32 leaf that requires grad (not under no_grad, whose copy would have no graph), else made now.
+    ``param``: ``weight`` is that parameter detached (a zero-bubble linear's, `pipeline.weights`), and gets the step's
+    copy detached: one storage for both."""
+    detached = param is not None
+    param = weight if param is None else param
+    keep = (_SHARING[0] > 0 and torch.is_autocast_cache_enabled() and (detached or torch.is_grad_enabled())
+            and param.dtype == torch.float32 and param.is_leaf and param.requires_grad and dtype != torch.float32)
+    if not keep:
+        return weight.to(dtype)
+    held = _CASTS.get(id(param))
+    if held is None or held[0] is not param or held[1].dtype != dtype:
+        with torch.enable_grad():  # (a custom function's forward runs without grad)
+            held = _CASTS[id(param)] = (param, param.to(dtype))
+    return held[1].detach() if detached else held[1]
