@@ -34,13 +34,13 @@ _CASTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weig
 def share_casts(precision_plugin: Any) -> bool:
     """Have Lightning's mixed-precision plugin autocast with its cache on (an attribute of the instance shadows its
     method); False, and nothing changed, where the plugin autocasts nothing (true precisions, or another plugin)."""
-    make = getattr(type(precision_plugin), "autocast_context_manager", None)
-    if make is None or getattr(precision_plugin, "precision", "") not in ("bf16-mixed", "16-mixed"):
+    precision = getattr(precision_plugin, "precision", "")
+    if not hasattr(type(precision_plugin), "autocast_context_manager") or precision not in ("bf16-mixed", "16-mixed"):
         return False
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16  # (as Lightning's own)
 
     def cached() -> torch.autocast:
-        context = make(precision_plugin)
-        return torch.autocast(context.device, dtype=context.fast_dtype, enabled=context._enabled, cache_enabled=True)
+        return torch.autocast(precision_plugin.device, dtype=dtype, cache_enabled=True)
 
     precision_plugin.autocast_context_manager = cached
     return True
