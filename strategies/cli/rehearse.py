@@ -262,7 +262,7 @@ def matrix_row(workload: str, world: int, plan: str, batch: int, base: Any) -> d
 def matrix_report(rows: list[dict[str, Any]], command: str) -> str:
     GiB = 2**30
     lines = [f"# Rehearsed at real sizes ({time.strftime('%Y-%m-%d')})", "", f"`{command}`", "",
-             "One rank of each job rehearsed on this machine (`stratpack rehearse --target cuda`: NCCL's ranks, "
+             "One rank of each job rehearsed on this machine (`--target cuda`: NCCL's ranks, "
              "bf16-mixed, AdamW, sequences of 8,192 tokens): the first and the last pipeline stage's first rank, the "
              "worse shown. `gpt-shape`: the demo GPT at Llama 3 70B's shape (80 x 8,192, 64 heads, vocabulary "
              "128,256); the Llama rows are the estimator's Llama family, the `gpt-shape` rows its demo block. "
