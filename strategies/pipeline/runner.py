@@ -101,7 +101,7 @@ class _Output:
     """A forward's output until its backward. Sent to another rank, only where its gradient enters the graph: its
     data is the next stage's input, which that rank holds (Megatron's ``deallocate_output_tensor``; Korthikanti et
     al. 2022, appendix B: one activation less per microbatch in flight). Kept whole where it stays on this rank (the
-    next stage's input shares it) or where ``free_sent`` is off."""
+    next stage's input shares it)."""
 
     root: torch.Tensor | GradientEdge  # what backward starts from
     shape: torch.Size
@@ -119,13 +119,13 @@ class PipelineRunner:
     before each compute (on gloo, where that is faster; see the module's docstring), else at the step's end.
     ``where``: stage -> pp rank (two neighbouring stages on this rank pass activations and gradients in memory);
     ``weights``: the store that splits weight gradients off B for the table's W actions (None: no W actions);
-    ``fused``: the (stage, microbatch) whose W runs inside its B (see the module's docstring); ``free_sent``: keep
-    only the graph of an output sent to another rank (`_Output`)."""
+    ``fused``: the (stage, microbatch) whose W runs inside its B (see the module's docstring). An output sent to
+    another rank is kept as its graph only (`_Output`)."""
 
     def __init__(self, axis: Axis, stages: int, wait_sends: bool = True, where: dict[int, int] | None = None,
                  weights: WeightStore | None = None, fused: frozenset[tuple[int, int]] = frozenset(),
-                 carrier: int = 0, traced: dict[int, tuple] | None = None, free_sent: bool = True) -> None:
-        self.axis, self.stages, self.wait_sends, self.free_sent = axis, stages, wait_sends, free_sent
+                 carrier: int = 0, traced: dict[int, tuple] | None = None) -> None:
+        self.axis, self.stages, self.wait_sends = axis, stages, wait_sends
         # stage -> (shape, dtype) its last block gave when traced: a rehearsal's headers carry no values, so its
         # receiver reads a stage's activation shape here (`comm.set_rehearsal`)
         self.traced = traced or {}
@@ -279,7 +279,7 @@ class PipelineRunner:
             step.local[("a", s, m)] = out.detach()
         else:  # (the outbox holds its data until the send completes)
             self._outgoing(out, s, m, step)
-        step.kept[(s, m)] = (_Output.of(out, sent and self.free_sent), received)
+        step.kept[(s, m)] = (_Output.of(out, sent), received)
         return start, end
 
     def _backward(self, action: Action, step: _Step, context: contextlib.AbstractContextManager) -> tuple[float, float]:
