@@ -3,13 +3,15 @@ planner's checks: Hugging Face configs written out here from the published model
 in ``configure_model`` (on meta under the pack's plans), trained on random token ids of ``--seq-len``.
 
 Registered in pyproject's ``stratpack.workloads``: ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``qwen2-7b``,
-``gpt2-xl``. ``--n-layer`` other than the default (0) keeps the width and cuts the depth (a quick look at a shape).
+``gpt2-xl``; ``hf-config``: the model of the user's own ``config.json`` (``--hf-config PATH``). ``--n-layer`` other
+than the default (0) keeps the width and cuts the depth (a quick look at a shape).
 And ``gpt-shape``: the demo GPT at the shape the run's options give (``--n-layer --n-embd --n-head --seq-len
 --vocab``), the block the estimator models, what `stratpack plan --rehearse` rehearses a model known by its size as.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +41,17 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def hf_config(name: str, n_layer: int = 0) -> Any:
-    """The ``transformers`` config of ``name`` (SDPA attention), ``n_layer`` blocks deep where given."""
+def hf_config(name: str, n_layer: int = 0, path: str | None = None) -> Any:
+    """The ``transformers`` config of ``name``, or of the ``config.json`` at ``path`` (a file, or a folder that has
+    one; read here, nothing downloaded), with SDPA attention, ``n_layer`` blocks deep where given."""
     transformers = needs("transformers", "models", f"the {name} workload")
-    config_cls, _, values = CONFIGS[name]
-    config = getattr(transformers, config_cls)(**values)
+    if path is not None:
+        if not os.path.exists(path):
+            raise ValueError(f"--hf-config {path}: no such file or folder (give a config.json, or its folder)")
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        config_cls, _, values = CONFIGS[name]
+        config = getattr(transformers, config_cls)(**values)
     if n_layer:
         setattr(config, "n_layer" if hasattr(config, "n_layer") else "num_hidden_layers", n_layer)
     config._attn_implementation = "sdpa"
@@ -53,18 +61,20 @@ def hf_config(name: str, n_layer: int = 0) -> Any:
 class CausalLMModule(L.LightningModule):
     """A Hugging Face causal LM of ``name``, built in configure_model, trained on next-token loss."""
 
-    def __init__(self, name: str, n_layer: int = 0, lr: float = 3e-4, optimizer: str = "adamw") -> None:
+    def __init__(self, name: str, n_layer: int = 0, lr: float = 3e-4, optimizer: str = "adamw",
+                 path: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.name, self.lr, self.optimizer_name = name, lr, optimizer
-        self.config = hf_config(name, n_layer)
+        self.config = hf_config(name, n_layer, path)
         self.config.use_cache = False  # training: no key/value cache (on by default, it keeps every block's K and V)
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
         if self.model is None:
             transformers = needs("transformers", "models", f"the {self.name} workload")
-            self.model = getattr(transformers, CONFIGS[self.name][1])(self.config)
+            # in the default dtype (Lightning's precision sets it), not a config.json's own ("bfloat16" in Llama 3's)
+            self.model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=torch.get_default_dtype())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids = batch[0]
@@ -81,20 +91,27 @@ class CausalLMModule(L.LightningModule):
 
 @dataclass(frozen=True)
 class SizedWorkload:
-    """A `Workload` of one of `CONFIGS`: `stratpack train/rehearse --workload llama3-70b`."""
+    """A `Workload` of one of `CONFIGS` (`stratpack train/rehearse --workload llama3-70b`), or with ``name``
+    ``hf-config`` the model of the run's ``--hf-config`` (``config.hf_config``)."""
 
     name: str
     extra: dict = field(default_factory=dict)
 
+    def _path(self, config: Any) -> str | None:
+        if self.name not in CONFIGS and not getattr(config, "hf_config", None):
+            raise ValueError(f"the {self.name} workload builds the model of a config.json: give --hf-config PATH")
+        return None if self.name in CONFIGS else config.hf_config
+
     def lightning(self, config: Any) -> tuple[Any, Any]:
-        module = CausalLMModule(self.name, n_layer=_depth(config), lr=config.lr, optimizer=config.optimizer)
+        module = CausalLMModule(self.name, n_layer=_depth(config), lr=config.lr, optimizer=config.optimizer,
+                                path=self._path(config))
         vocab = module.config.vocab_size
         samples = config.batch_size * config.accumulate * max(config.steps, 1)
         ids = torch.randint(vocab, (samples, config.seq_len), generator=torch.Generator().manual_seed(config.seed))
         return module, torch.utils.data.TensorDataset(ids)
 
     def model_config(self, config: Any) -> dict[str, Any]:
-        return hf_config(self.name, _depth(config)).to_dict()
+        return hf_config(self.name, _depth(config), self._path(config)).to_dict()
 
 
 def _depth(config: Any) -> int:
@@ -107,6 +124,7 @@ def _depth(config: Any) -> int:
 LLAMA3_8B, LLAMA3_70B = SizedWorkload("llama3-8b"), SizedWorkload("llama3-70b")
 LLAMA3_405B = SizedWorkload("llama3-405b")
 QWEN2_7B, GPT2_XL = SizedWorkload("qwen2-7b"), SizedWorkload("gpt2-xl")
+HF_CONFIG = SizedWorkload("hf-config")
 
 
 @dataclass(frozen=True)

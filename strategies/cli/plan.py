@@ -1,4 +1,5 @@
-"""``stratpack plan``: a plan string's layout over the ranks, or the plans that fit a model ranked (``--params``)."""
+"""``stratpack plan``: a plan string's layout over the ranks, or the plans that fit a model ranked (``--params``, or
+the model itself: ``--workload``, ``--hf-config``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,18 @@ from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="show a strategy string's layout, or rank the plans that fit a model (--params)")
+    p = sub.add_parser("plan", help="show a strategy string's layout, or rank the plans that fit a model (--params, "
+                                    "--workload, --hf-config)")
     p.add_argument("plan", nargs="?", default=None)
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--params", type=float, default=None, help="model size to plan for, e.g. 7e9")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--params", type=float, default=None, help="model size to plan for, e.g. 7e9 (a usual shape)")
+    model.add_argument("--workload", default=None,
+                       help="the model to plan for, by its workload: llama3-8b, llama3-70b, llama3-405b, qwen2-7b, "
+                            "gpt2-xl, or module:object")
+    model.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="the model to plan for: a Hugging Face config.json (the file or its folder; dense or a "
+                            "mixture of experts)")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (default 80, or the --hardware's)")
     p.add_argument("--hardware", default=None, choices=("h100-sxm", "h100-96g", "a100-80g"),
@@ -44,9 +53,9 @@ def command(args: argparse.Namespace) -> int:
     if args.published:
         return _published()
     if args.plan is None:
-        if args.params is None:
-            print("error: give a plan to explain, or --params (and --gpus, --gpu-mem) to rank the plans that fit",
-                  file=sys.stderr)
+        if args.params is None and args.workload is None and args.hf_config is None:
+            print("error: give a plan to explain, or a model (--params, --workload or --hf-config; and --gpus, "
+                  "--gpu-mem) to rank the plans that fit", file=sys.stderr)
             return 2
         return _rank_plans(args)
     try:
@@ -63,13 +72,13 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _rank_plans(args: argparse.Namespace) -> int:
-    from strategies.measure.estimate import ModelShape, layout
+    from strategies.measure.estimate import layout
     from strategies.measure.planner import GiB, rank_plans
 
     try:
-        shape = ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab)
+        shape, model = _shape(args)
         layout(args.precision)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     hw = _hardware(args)
@@ -78,8 +87,9 @@ def _rank_plans(args: argparse.Namespace) -> int:
     batch = args.global_batch or 8 * args.gpus
     ranked = rank_plans(shape, hw, batch, precision=args.precision)
     fits = [r for r in ranked if r.fits]
-    print(f"{args.params:.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, "
-          f"sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs of {args.gpu_mem:g} GiB "
+    print(f"{model}: {shape.total():.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} "
+          f"heads{_extras(shape)}, sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs "
+          f"of {args.gpu_mem:g} GiB "
           f"(plans may fill {hw.usable:.0%}, set-up included: the model built in configure_model, each rank making its "
           f"slice); {args.precision} precision with Adam")
     cal = hw.calibration
@@ -97,6 +107,38 @@ def _rank_plans(args: argparse.Namespace) -> int:
     if args.rehearse:
         return _rehearse_top(args, shape, fits[:3], batch)
     return 0
+
+
+def _shape(args: argparse.Namespace) -> tuple[Any, str]:
+    """The model planned for (`estimate.ModelShape` at ``--seq``) and its name: ``--params``' usual shape, a
+    workload's model or a ``config.json``'s (read as the estimator reads a Hugging Face config)."""
+    import dataclasses
+    import json
+    import os
+
+    from strategies.measure.estimate import ModelShape
+
+    if args.params is not None:
+        return ModelShape.from_params(args.params, seq=args.seq, vocab=args.vocab), "a usual shape"
+    if args.workload is not None:
+        from strategies.cli.train import RunConfig
+
+        shape = workload_shape(RunConfig(workload=args.workload, seq_len=args.seq, batch_size=1))
+        return dataclasses.replace(shape, seq=args.seq), args.workload
+    path = args.hf_config
+    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+        config = json.load(f)
+    try:
+        return dataclasses.replace(ModelShape.from_config(config), seq=args.seq), path
+    except KeyError as err:
+        raise ValueError(f"--hf-config {path}: not a transformer's config the planner reads ({err.args[0]}); "
+                         "give --params instead") from None
+
+
+def _extras(shape: Any) -> str:
+    """The shape's grouped keys and experts, where it has them, for the plan's first line."""
+    kv = f", {shape.kv_heads} key/value heads" if shape.kv_heads and shape.kv_heads != shape.heads else ""
+    return kv + (f", {shape.experts} experts (top {shape.top_k})" if shape.experts else "")
 
 
 def _hardware(args: argparse.Namespace) -> Any:
@@ -131,7 +173,8 @@ def _published() -> int:
 
 
 def _rehearse_top(args: argparse.Namespace, shape: Any, picks: list, batch: int) -> int:
-    """Rehearse ``picks`` (`rehearse.rehearse_ends`) as the demo GPT at ``shape``; 1 if any does not fit."""
+    """Rehearse ``picks`` (`rehearse.rehearse_ends`): the model of ``--workload`` or ``--hf-config``, or for
+    ``--params`` the demo GPT at ``shape``; 1 if any does not fit."""
     from dataclasses import replace
 
     from strategies.cli.rehearse import rehearse_ends
@@ -141,8 +184,12 @@ def _rehearse_top(args: argparse.Namespace, shape: Any, picks: list, batch: int)
     base = RunConfig(workload="gpt-shape", n_layer=shape.layers, n_head=shape.heads, n_embd=shape.hidden,
                      seq_len=shape.seq, vocab=shape.vocab, batch_size=batch, precision=args.precision, steps=2,
                      wandb="off")
-    print(f"rehearsed (the demo GPT at this shape, {args.precision}, AdamW; one rank of the first and the last "
-          "stage, the worse shown), GiB per rank:")
+    what = "the demo GPT at this shape"
+    if args.params is None:  # the model itself, at its own depth
+        base = replace(base, workload=args.workload or "hf-config", hf_config=args.hf_config, n_layer=RunConfig.n_layer)
+        what = "the model itself"
+    print(f"rehearsed ({what}, {args.precision}, AdamW; one rank of the first and the last stage, the worse shown), "
+          "GiB per rank:")
     failed = 0
     for pick in picks:
         row = rehearse_ends(replace(base, strategy=pick.estimate.plan), args.gpus)

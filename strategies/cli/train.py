@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from typing import Any
 
 NO_MKL_CACHE = "MKL_DISABLE_FAST_MM"
@@ -23,6 +23,7 @@ NO_MKL_CACHE = "MKL_DISABLE_FAST_MM"
 # steady state, so it runs without it (the pack's own recorder, `comm.recorder`, keeps 12 calls).
 HEAP_ENV = {NO_MKL_CACHE: "1", "TORCH_FR_BUFFER_SIZE": "0"}
 SINGLE = "single"  # one process, Lightning's default single-device strategy: the reference
+HF_WORKLOAD = "hf-config"  # the workload of `--hf-config` (demos.sizes.HF_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RunConfig:
     wandb: str = "auto"  # auto (offline unless logged in; off without wandb), offline, online, off
     accelerator: str = "cpu"  # "gpu" / "auto" on a machine with GPUs (nccl)
     workload: str = "gpt"  # what to train (`workload.find_workload`)
+    hf_config: str | None = None  # a Hugging Face config.json (file or folder): the ``hf-config`` workload's model
     compile: str | None = None  # torch.compile each block with this backend (inductor, aot_eager); None: eager
     heap: bool = False  # sample the C heap through the run (CPU): memory_bytes["heap_peak"] (slows the run)
     check_first_batch: bool = True  # a plan's first loss against the whole model's (`lightning.first_batch`)
@@ -425,11 +427,26 @@ def _workload_options(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
                    help="the vocabulary of a workload built to a shape (gpt-shape); the demo's is its corpus's")
     p.add_argument("--workload", default=defaults.workload,
                    help="what to train: a registered workload (default: gpt, the demo) or module:object")
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="a Hugging Face config.json (the file, or a folder that has one; Llama, Qwen2, Mistral, "
+                        "Mixtral, GPT-2...): that model, from random weights, built in configure_model (workload "
+                        "hf-config)")
 
 
 def config_from(args: argparse.Namespace, strategy: str) -> RunConfig:
     names = {f.name for f in fields(RunConfig)} - {"strategy"}
-    return RunConfig(strategy=strategy, **{name: getattr(args, name) for name in names})
+    config = RunConfig(strategy=strategy, **{name: getattr(args, name) for name in names})
+    return with_hf_config(config)
+
+
+def with_hf_config(config: RunConfig) -> RunConfig:
+    """``config`` with the ``hf-config`` workload where ``--hf-config`` is given (and no other ``--workload``)."""
+    if config.hf_config is None or config.workload == HF_WORKLOAD:
+        return config
+    if config.workload != RunConfig.workload:
+        raise ValueError(f"--hf-config builds the model of a config.json (workload {HF_WORKLOAD}); --workload "
+                         f"{config.workload} names another: give one of them")
+    return replace(config, workload=HF_WORKLOAD)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
