@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     for command in COMMANDS:
         command.add_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what `train` starts its other ranks with)
     from strategies.cli.workload import MissingExtra
 
     try:

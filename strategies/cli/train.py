@@ -466,7 +466,13 @@ def command(args: argparse.Namespace) -> int:
         # them set (the launched ranks inherit them).
         os.environ.update(HEAP_ENV)
         os.execv(sys.executable, sys.orig_argv)
-    result = run(config_from(args, args.strategy), params_out=args.params_out)
+    from strategies.cli import ranks
+
+    config = config_from(args, args.strategy)
+    others = ranks.start_other_ranks(args.argv, config.devices) if (
+        _is_plan(config.strategy) and ranks.starts_ranks(config.devices, config.num_nodes)) else []
+    with ranks.ended_on_error(others):
+        result = run(config, params_out=args.params_out)
     if args.out:
         write_result(result, args.out)
     elif result["rank"] == 0:
@@ -476,4 +482,4 @@ def command(args: argparse.Namespace) -> int:
     # turning a finished run into exit code 134. Skip that teardown: nothing is left to do.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(ranks.wait_for(others, 0))
