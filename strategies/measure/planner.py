@@ -191,21 +191,28 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
 
 
 def candidates(shape: ModelShape, gpus: int) -> list[str]:
-    """Every plan worth trying on ``gpus``: data modes x tp (<= 8, dividing the heads) x cp (<= 8, its 2 x cp chunks
-    dividing the sequence) x pp x ep (a mixture of experts: dividing the experts and the data ranks) x ac x
-    offload."""
+    """Every plan worth trying on ``gpus``: data modes x tp (<= 8, dividing the heads; with sp, and vp where the
+    vocabulary divides) x cp (<= 8, its 2 x cp chunks dividing the sequence) x pp x ep (a mixture of experts: dividing
+    the experts and the data ranks) x ac x offload."""
     out = []
     for tp in (t for t in (1, 2, 4, 8) if gpus % t == 0 and shape.heads % t == 0):
         for cp in (c for c in (1, 2, 4, 8) if (gpus // tp) % c == 0 and shape.seq % (2 * c) == 0):
             rest = gpus // tp // cp
             for pp in (p for p in range(1, rest + 1) if rest % p == 0 and p <= shape.layers):
                 for ep in _expert_degrees(shape, rest // pp * cp):
-                    model = ([f"tp{tp}"] + ([] if ep > 1 else ["sp"]) if tp > 1 else []) + (
+                    model = ([f"tp{tp}"] + ([] if ep > 1 else _sequence_and_vocab(shape, tp)) if tp > 1 else []) + (
                         [f"cp{cp}"] if cp > 1 else []) + ([f"ep{ep}"] if ep > 1 else []) + (
                         [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
                     out += [_candidate(data, model, ac, offload) for data in ("dp", "zero1", "zero2", "zero3")
                             for ac in ("", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
     return out
+
+
+def _sequence_and_vocab(shape: ModelShape, tp: int) -> list[str]:
+    """What a dense model's tp plans add: sequence parallel, and the vocabulary split where it divides (torchtitan's
+    loss parallel, Megatron's vocab-parallel head: without it each tp rank holds the whole batch's logits, 125 GiB
+    for Llama 3 70B at torchtitan's 16 x 8,192 tokens per rank)."""
+    return ["sp"] + (["vp"] if shape.vocab % tp == 0 else [])
 
 
 def _expert_degrees(shape: ModelShape, data_ranks: int) -> list[int]:

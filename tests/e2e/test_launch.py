@@ -4,8 +4,12 @@ the `stratpack compare` table, and the acceptance one-liners."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import lightning as L
 import pytest
@@ -64,6 +68,25 @@ def test_model_a_plan_cannot_split_fails_clearly_without_hanging():
                 "--max-chars", "4000", "--wandb", "off", timeout=120)
     assert proc.returncode != 0
     assert "cannot cut 1 blocks into 2 pipeline stages" in proc.stderr
+
+
+def test_a_rank_that_train_started_and_that_fails_ends_the_job_at_once():
+    # `stratpack train` starts a plan's other ranks itself (`cli.ranks`); where one fails before it joins the group,
+    # rank 0 would wait at the rendezvous for the whole timeout: its watcher ends the job within a second or two.
+    # Here rank 0 is a script that starts two ranks given a command that does not exist (each exits 2).
+    script = ("import time\nfrom strategies.cli import ranks\nranks.start_other_ranks(['no-such-command'], 3)\n"
+              "time.sleep(60)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ranks_env()}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == -signal.SIGTERM and time.monotonic() - start < 20, proc.stderr[-2000:]
+    assert re.search(r"stratpack: rank [12] exited with code 2: ending the job", proc.stderr), proc.stderr[-2000:]
+
+
+def ranks_env() -> tuple[str, ...]:
+    from strategies.cli.ranks import LAUNCHED
+
+    return LAUNCHED + ("MASTER_PORT", "MASTER_ADDR", "NODE_RANK")
 
 
 def test_compare_prints_one_row_per_strategy_with_equal_losses(compared):

@@ -39,7 +39,7 @@ def test_calibrated_step_times_pay_a_latency_per_collective_and_hide_nothing_on_
     shape = ModelShape(layers=2, hidden=64, heads=2, seq=64, vocab=158)
     hw = Hardware.calibrated(Calibration(4, 4e10, LINKS), memory=4e9)
     ranked = {r.label: r for r in rank_plans(shape, hw, 16, precision="32-true")}
-    dp, tp = ranked["dp"].parts, ranked["dp_tp2_sp"].parts
+    dp, tp = ranked["dp"].parts, ranked["dp_tp2_sp_vp"].parts
     assert dp["dp comm"] > 4e-3  # one bucket's all_reduce over 4 ranks: its latency at least, none of it hidden
     # tp: four collectives per block per microbatch over 2 ranks: at least 8 latencies of 1 ms
     assert tp["tp comm"] >= 8 * 1e-3
