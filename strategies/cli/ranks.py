@@ -1,14 +1,14 @@
 """`stratpack train`'s ranks on one machine, started all at once, as torchrun starts them.
 
-Lightning's popen launcher starts ranks 1..N-1 only when rank 0 reaches ``fit``: after rank 0 alone has imported torch,
-Lightning and the workload (about 4 s of CPU here) and built its module, and the others then do the same while it
-waits, so a 2-rank run's start-up is two imports one after the other (a tiny 2-step run at 2 ranks: 8.2 s, and
-4.3 s with the ranks started at once; docs/tests.md has the suite's figures). Here rank 0 starts the others before it imports anything, with the variables Lightning's
-launcher would give them (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``, ``LOCAL_RANK``); Lightning
-then finds the processes made (`LightningEnvironment.creates_processes_externally`) and launches none. Rank 0
-watches the others as Lightning's launcher does (a rank that fails ends the job: the others and rank 0 are sent
-SIGTERM) and exits with the first failure's code. Under torchrun, SLURM or any launcher that set a rank's variables,
-nothing is started here.
+Lightning's popen launcher starts ranks 1..N-1 only when rank 0 reaches ``fit``: after rank 0 alone has imported
+torch, Lightning and the workload (about 4 s of CPU here) and built its module, and the others then do the same
+while it waits, so a 2-rank run's start-up is two imports one after the other (a tiny 2-step run at 2 ranks: 8.2 s,
+and 4.3 s with the ranks started at once; docs/tests.md has the suite's figures). Here rank 0 starts the others
+before it imports anything, with the variables Lightning's launcher would give them (``MASTER_ADDR``,
+``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``, ``LOCAL_RANK``); Lightning then finds the processes made
+(`LightningEnvironment.creates_processes_externally`) and launches none. Rank 0 watches the others as Lightning's
+launcher does (a rank that fails ends the job: the others and rank 0 are sent SIGTERM) and exits with the first
+failure's code. Under torchrun, SLURM or any launcher that set a rank's variables, nothing is started here.
 """
 
 from __future__ import annotations
