@@ -444,8 +444,8 @@ def with_hf_config(config: RunConfig) -> RunConfig:
     if config.hf_config is None or config.workload == HF_WORKLOAD:
         return config
     if config.workload != RunConfig.workload:
-        raise ValueError(f"--hf-config builds the model of a config.json (workload {HF_WORKLOAD}); --workload "
-                         f"{config.workload} names another: give one of them")
+        raise SystemExit(f"stratpack: --hf-config builds the model of a config.json (workload {HF_WORKLOAD}); "
+                         f"--workload {config.workload} names another: give one of them")
     return replace(config, workload=HF_WORKLOAD)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from demos.sizes import CONFIGS
 from strategies.cli import main as cli_main
 
@@ -55,6 +57,9 @@ def test_a_missing_or_unreadable_config_is_one_line_and_exit_2(tmp_path, capsys)
 
 
 def test_the_config_json_s_model_is_built_and_rehearsed_in_the_runs_dtype(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--workload llama3-8b names another"):
+        cli_main(["rehearse", "zero3", "--world-size", "2", "--hf-config", "x", "--workload", "llama3-8b",
+                  "--target", "cuda"])
     folder = _config_json(tmp_path / "tiny", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
     assert cli_main(["rehearse", "zero3", "--world-size", "2", "--hf-config", folder, "--target", "cuda",
