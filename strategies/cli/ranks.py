@@ -62,11 +62,11 @@ def ended_on_error(procs: list[subprocess.Popen]) -> Iterator[None]:
         raise
 
 
-def wait_for(procs: list[subprocess.Popen], code: int) -> int:
-    """Rank 0's exit code ``code``, or the first other rank's failure, once every rank has ended."""
+def wait_for(procs: list[subprocess.Popen]) -> int:
+    """The first other rank's failure code (0 if none), once every rank has ended (rank 0 itself did not fail)."""
     for proc in procs:
         proc.wait()
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    return next((p.returncode for p in procs if p.returncode), 0)
 
 
 def _watch(procs: list[subprocess.Popen]) -> None:

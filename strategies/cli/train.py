@@ -482,4 +482,4 @@ def command(args: argparse.Namespace) -> int:
     # turning a finished run into exit code 134. Skip that teardown: nothing is left to do.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(ranks.wait_for(others, 0))
+    os._exit(ranks.wait_for(others))
