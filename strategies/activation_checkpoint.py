@@ -7,6 +7,10 @@ block's collectives, counted by comm.py like any other) and the pipeline's stage
 list pipeline parallel cuts (`pipeline.stages.find_blocks`). What it saves shows in the strategy's
 activation bytes: only each block's input is kept. (Not to be confused with `strategies.checkpoint`, the files a
 run saves and resumes from.)
+
+Selective (``sac``, torchtitan's op-level policy, through torch's ``create_selective_checkpoint_contexts``): the
+block also keeps what its matmuls and fused attention return, the costly ops, and recomputes the rest (norms,
+activation functions, casts, and the collectives between them, as ``ac`` does).
 """
 
 from __future__ import annotations
@@ -15,14 +19,32 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from strategies.mixed_precision import uncached
 from strategies.technique import Technique
 from strategies.tensors import meta_autocast_again
 
 
-def _checkpointed(forward, *args, **kwargs):
+@functools.cache
+def _kept_ops() -> frozenset:
+    """The ops whose outputs ``sac`` keeps: the linears' matmuls and every fused attention kernel torch has."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return frozenset([aten.mm.default, aten.addmm.default,
+                      *(getattr(aten, n).default for n in names if hasattr(aten, n))])
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective():
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def _checkpointed(forward, selective: bool, *args, **kwargs):
     # torch restores the autocast of the inputs' device for the recompute; a rehearsal's inputs are meta, which
     # autocast does not know, and its host autocast (`lightning.rehearsal.MetaAutocast`) is restored here instead.
     # The block's casts are not kept for the step (`mixed_precision.uncached`): its forward saves none.
@@ -31,20 +53,22 @@ def _checkpointed(forward, *args, **kwargs):
     def again(*a, **k):
         with torch.autocast("cpu", dtype=host[1], enabled=host[0], cache_enabled=False), meta_autocast_again():
             return forward(*a, **k)
+    extra = {"context_fn": _selective} if selective else {}
     with uncached():
-        return checkpoint(again, *args, use_reentrant=False, **kwargs)
+        return checkpoint(again, *args, use_reentrant=False, **extra, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: nn.Module) -> list[nn.Module]:
-    """Wrap the forward of every element of ``blocks`` (a ModuleList/Sequential); returns them for `remove`."""
+def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False) -> list[nn.Module]:
+    """Wrap the forward of every element of ``blocks`` (a ModuleList/Sequential); returns them for `remove`.
+    ``selective``: keep the matmuls' and attention's outputs (``sac``)."""
     wrapped = []
     for block in blocks:
         if "forward" in vars(block):  # compiled one by one (block.forward = torch.compile(...)) or patched
             raise ValueError(
-                f"activation checkpointing ('ac') wraps each block's forward, but this {type(block).__name__} has "
+                f"activation checkpointing ('ac', 'sac') wraps each block's forward, but this {type(block).__name__} has "
                 "a forward set on the instance (compiled block by block, or replaced), which the wrapper would "
-                "hide; compile the whole model (or pass compile=True) instead, or drop 'ac'")
-        block.forward = functools.partial(_checkpointed, block.forward)
+                "hide; compile the whole model (or pass compile=True) instead, or drop 'ac' or 'sac'")
+        block.forward = functools.partial(_checkpointed, block.forward, selective)
         wrapped.append(block)
     return wrapped
 
@@ -70,11 +94,11 @@ def caches_off(model: nn.Module) -> list:
 
 
 class ActivationCheckpointing(Technique):
-    """Every block of ``blocks`` recomputed in backward, with ``model``'s key/value caches off (`caches_off`); undone
-    at teardown."""
+    """Every block of ``blocks`` recomputed in backward (``selective``: all but its matmuls and attention), with
+    ``model``'s key/value caches off (`caches_off`); undone at teardown."""
 
-    def __init__(self, blocks: nn.Module, model: nn.Module | None = None) -> None:
-        self.blocks = apply_activation_checkpointing(blocks)
+    def __init__(self, blocks: nn.Module, model: nn.Module | None = None, selective: bool = False) -> None:
+        self.blocks = apply_activation_checkpointing(blocks, selective)
         self.caches = caches_off(model) if model is not None else []
 
     def teardown(self, healthy: bool) -> None:

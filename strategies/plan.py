@@ -75,7 +75,7 @@ _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
     "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, "
-    "dualpipev, v<N>, mb<N>, sp, vp, ac, offload"
+    "dualpipev, v<N>, mb<N>, sp, vp, ac, sac, offload"
 )
 
 
@@ -113,6 +113,9 @@ class ParallelPlan:
     from the pieces, so that no rank holds the (batch, sequence, vocab) logits."""
     ac: bool = False
     """Activation checkpointing: recompute each block's activations in backward instead of storing them."""
+    sac: bool = False
+    """Selective activation checkpointing (torchtitan's op-level policy): each block keeps its matmuls' and fused
+    attention's outputs and recomputes the rest (norms, activations, casts, and the collectives between them)."""
     offload: bool = False
     """CPU offload: ZeRO's fp32 master shards and optimizer states live in host memory."""
 
@@ -154,6 +157,9 @@ class ParallelPlan:
         self._check_data_mode()
 
     def _check_data_mode(self) -> None:
+        if self.ac and self.sac:
+            raise ValueError("'ac' with 'sac': a block is recomputed one way; 'ac' recomputes all of it, 'sac' all "
+                             "but its matmuls and attention: keep one")
         if self.ep > 1 and self.sp:
             raise ValueError(f"sp with ep{self.ep}: under sequence parallel each tp rank would route a different part "
                              "of the sequence to experts that every tp rank holds whole, whose gradients would then "
@@ -233,11 +239,18 @@ class ParallelPlan:
             parts.append(f"mb{self.microbatches}")
         if self.ac:
             parts.append("ac")
+        if self.sac:
+            parts.append("sac")
         if self.offload:
             parts.append("offload")
         return "_".join(parts) or "dp"
 
     # -- arithmetic --------------------------------------------------------------------------------------
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether backward runs each block's forward again (``ac`` or ``sac``), and with it its collectives."""
+        return self.ac or self.sac
 
     @property
     def model_parallel_size(self) -> int:
@@ -311,7 +324,7 @@ def _parse_token(text: str, token: str, put) -> None:
         put("data", DataMode(token), token)
     elif token in {s.value for s in PipelineSchedule}:
         put("schedule", PipelineSchedule(token), token)
-    elif token in ("sp", "vp", "ac", "offload"):
+    elif token in ("sp", "vp", "ac", "sac", "offload"):
         put(token, True, token)
     elif match := _DEGREE.match(token):
         name = match.group(1)

@@ -375,6 +375,18 @@ def _batch(args: argparse.Namespace) -> int:
     return batch
 
 
+def _check_split(config: Any, world_size: int) -> None:
+    """A batch that does not split over the plan's data ranks: one line that says what to give (not DataLoader's
+    "batch_size=0" from inside the rehearsal)."""
+    from strategies.cli.train import data_parallel_degree
+
+    replicas = data_parallel_degree(config.strategy, world_size)
+    if config.batch_size % replicas:
+        raise SystemExit(f"stratpack rehearse: --batch-size {config.batch_size} does not split over the {replicas} "
+                         f"data-parallel ranks of '{config.strategy}' at {world_size} ranks: give a multiple of "
+                         f"{replicas}")
+
+
 def command(args: argparse.Namespace) -> int:
     from strategies.cli.train import HEAP_ENV, config_from
 
@@ -402,6 +414,7 @@ def command(args: argparse.Namespace) -> int:
     ranks = roles(args.plan, args.world_size) if args.all_roles else [int(r) for r in args.rank.split(",")]
     if any(not 0 <= r < args.world_size for r in ranks):
         raise SystemExit(f"--rank: a rank of the job is 0..{args.world_size - 1}, got {args.rank}")
+    _check_split(config, args.world_size)
     results = []
     for rank in ranks:
         result = rehearse_rank(config, rank, args.world_size, args.target, args.real)

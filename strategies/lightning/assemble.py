@@ -58,9 +58,9 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
     if plan.ep > 1:  # after the broadcast (each ep rank keeps its own experts) and tensor parallel's set-up proof
         techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero, data=mesh.data,
                                          materialise=deferred))
-    if plan.ac:
+    if plan.recomputes:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks)),
-                                                  model))
+                                                  model, selective=plan.sac))
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)

@@ -360,8 +360,11 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     # both beside the log-softmax
     half = wide_bytes is not None or (shape.llama and act_bytes < 4)
     loss = logits + b * s * shape.vocab * act_bytes / _vocab_split(plan) if half else logits
-    return Pieces(boundary=boundary, block=boundary if plan.ac else whole,
-                  recompute=whole - boundary if plan.ac else 0.0,
+    # sac keeps the matmuls' and attention's outputs too (two of them, the row-parallel ones, no block keeps
+    # otherwise) and makes the rest again
+    block = boundary + saved.matmuls if plan.sac else boundary if plan.ac else whole
+    return Pieces(boundary=boundary, block=block,
+                  recompute=whole + saved.unkept - block if plan.sac else whole - boundary if plan.ac else 0.0,
                   embedding=boundary, head=saved.norm_extra + u + logits, logits=logits, loss=loss,
                   # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
                   backward=boundary + (u if plan.sp else 0.0) + f * u / t, weight=h * shape.mlp() / t * weight_bytes,
@@ -375,6 +378,8 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
 @dataclass(frozen=True)
 class _Saved:
     whole: float  # what one block saves for backward
+    matmuls: float  # the outputs of its matmuls and fused attention (what ``sac`` keeps beside the block's input)
+    unkept: float  # of those, what ``whole`` does not hold (the row-parallel linears' outputs)
     norm_extra: float  # what a norm saves beyond its input (the final norm's, with the head)
     stash: float  # what a split backward's B keeps for W
 
@@ -398,7 +403,11 @@ def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, 
     # gradient (the two row-parallel ones whole, the column-parallel ones 1/t: the demo's qkv 3 and fc f, Llama's q 1,
     # k and v g each, gate and up f each), with sp too (gathered). The head's weight gradient is made in B.
     outputs = (1 + 2 * g + 2 * f) if shape.llama else (3 + f)
-    return _Saved(whole, norm - wide * bsh, (casts + 2) * u + (1 + f + outputs) * u / t)
+    # sac: the column-parallel linears' outputs (the counts of ``outputs``) split, fused
+    # attention's output and row statistic split, the two row-parallel linears' outputs whole (partial sums)
+    attention = (u + 4 * bsh * shape.heads / shape.hidden) / t if shape.flash_attention else 0.0
+    return _Saved(whole, outputs * u / t + attention + 2 * u, 2 * u, norm - wide * bsh,
+                  (casts + 2) * u + (1 + f + outputs) * u / t)
 
 
 def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,
@@ -516,12 +525,14 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
         # runs a block's forward again up to its last saved tensor: both gathers, the first scatter (all-reduce).
         narrow = elements * act_bytes
         if plan.sp:  # + entering the region (backward) and leaving it (forward): stage 0 only enters under pp
-            gathers = (4 if plan.ac else 2) * activation + 2 * narrow
+            gathers = (4 if plan.recomputes else 2) * activation + 2 * narrow
             out["all_gather/tp"] = (t - 1) / t * (gathers * blocks + (2 if plan.pp == 1 else 1) * activation)
-            out["reduce_scatter/tp"] = (t - 1) / t * ((3 if plan.ac else 2) * narrow + 2 * activation) * blocks
+            scatters = (3 if plan.recomputes else 2) * narrow + 2 * activation
+            out["reduce_scatter/tp"] = (t - 1) / t * scatters * blocks
         else:  # each column-parallel linear all-reduces its input's gradient: Llama's q, k, v, gate and up
             inputs = 5 if shape.llama else 2
-            out["all_reduce/tp"] = 2 * (t - 1) / t * ((3 if plan.ac else 2) * narrow + inputs * activation) * blocks
+            reduces = (3 if plan.recomputes else 2) * narrow + inputs * activation
+            out["all_reduce/tp"] = 2 * (t - 1) / t * reduces * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
             # max and (sum of exp, target logit): one value per token each
             tokens = shape.batch * shape.seq / plan.cp * 4
@@ -542,7 +553,7 @@ def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, wide_bytes: int
     norm's output) and R back (the experts' output, added into zeros of the hidden states' dtype): both wide under
     autocast; backward the same rows' gradients the other way."""
     n, calls = plan.ep, (plan.microbatches if plan.pp > 1 else 1) * shape.accumulate
-    forwards = 2 if plan.ac else 1
+    forwards = 2 if plan.recomputes else 1
     rows = shape.batch * shape.seq / plan.cp * shape.top_k * (n - 1) / n
     counts = calls * forwards * 8 * (shape.experts // n) * (n - 1)
     return counts + (forwards + 1) * rows * shape.hidden * 2 * wide_bytes
@@ -556,7 +567,7 @@ def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float,
     local = shape.seq / n * shape.hidden * shape.groups() / plan.tp  # one sample's k (or v) elements on this rank
     forward = (n - 1) * 2 * local * act_bytes
     backward = forward + n * 2 * local * 4
-    ring = blocks * shape.batch * ((2 if plan.ac else 1) * forward + backward)
+    ring = blocks * shape.batch * ((2 if plan.recomputes else 1) * forward + backward)
     return {"send/cp": ring, "all_reduce/cp": shape.accumulate * 2 * (n - 1) / n * 4}
 
 
@@ -643,7 +654,7 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     (ranges, per_stage), (grad_bytes, cast_bytes) = stages, sizes
     # a block's weights autocast copies (tp's slice); none under recompute, whose forward saves nothing. The head is
     # not recomputed.
-    matmuls = 0 if plan.ac else math.ceil(shape.block()[0] / plan.tp)
+    matmuls = 0 if plan.recomputes else math.ceil(shape.block()[0] / plan.tp)
     head = shape.output_layer(_vocab_split(plan), bias=False)
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1

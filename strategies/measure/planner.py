@@ -105,7 +105,7 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         tokens = shape.batch * plan.dp * shape.seq  # the global batch's: cp ranks share their samples' tokens
         per_token = 6 * shape.active() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
         compute = per_token * tokens / hw.gpus / hw.flops
-        parts = {"compute": compute, "recompute": compute / 3 if plan.ac else 0.0}  # ac: one more forward
+        parts = {"compute": compute, "recompute": compute / 3 * recompute_share(plan)}  # ac: one more forward
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
     for axis in ("dp", "tp", "pp"):
@@ -123,6 +123,18 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
     if plan.offload:
         parts["offload"] = max(m["host"] for m in est.memory) / hw.host_bandwidth
     return parts
+
+
+# sac makes again what a block does outside its matmuls and attention (norms, activations, casts, residual adds):
+# taken as this share of the block's forward time. An assumption, not measured: elementwise work is memory-bound, a
+# larger share on small models than on large ones.
+SELECTIVE_SHARE = 0.1
+
+
+def recompute_share(plan: ParallelPlan) -> float:
+    """The share of each block's forward made again in backward: all of it under ``ac``, `SELECTIVE_SHARE` under
+    ``sac``, none without."""
+    return 1.0 if plan.ac else SELECTIVE_SHARE if plan.sac else 0.0
 
 
 def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
@@ -150,7 +162,7 @@ def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Har
     # Recompute: what checkpointing measured per block (its forward again, and the checkpoint's own work), the block's
     # forward share where it was not measured.
     again = blocks * (c.recompute[0] + c.recompute[1] * tokens) if any(c.recompute) else block * c.forward
-    return {"compute": micro * stage, "recompute": micro * again if plan.ac else 0.0,
+    return {"compute": micro * stage, "recompute": micro * again * recompute_share(plan),
             "optimizer": tensors * c.optimizer[0] + elements * c.optimizer[1], "loop": c.loop + broadcast}
 
 
@@ -173,19 +185,19 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              f"all_gather/{data}": m * (2 * units - 1) if plan.data.stage == 3 else buckets,
              # sp: each block's two gathers and two scatters forward, and their conjugates backward; entering and
              # leaving the sequence split one gather each (forward at the end, backward at the start)
-             "all_reduce/tp": (5 if plan.ac else 4) * blocks * m,
-             "all_gather/tp": ((6 if plan.ac else 4) * blocks + (2 if plan.pp == 1 else 1)) * m,
-             "reduce_scatter/tp": (5 if plan.ac else 4) * blocks * m,
+             "all_reduce/tp": (5 if plan.recomputes else 4) * blocks * m,
+             "all_gather/tp": ((6 if plan.recomputes else 4) * blocks + (2 if plan.pp == 1 else 1)) * m,
+             "reduce_scatter/tp": (5 if plan.recomputes else 4) * blocks * m,
              # A pipeline's sends overlap the other stages' work: one hop per microbatch and chunk is on the
              # critical path, and the fill and the drain's hops, 2(pp-1)
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
     if plan.ep > 1:  # per MoE block and microbatch: counts, rows out and back forward (again under recompute), two back
-        calls["all_to_all/ep"] = blocks * m * (8 if plan.ac else 5)
+        calls["all_to_all/ep"] = blocks * m * (8 if plan.recomputes else 5)
         for key in [k for k in calls if k.endswith(f"/{data}")]:  # the experts' reduction: as the data group's
             calls[key.replace(f"/{data}", "/edp")] = calls[key]
     if plan.cp > 1:  # the ring: n - 1 hops forward (again under recompute), n backward, per block and microbatch;
         #              the loss's mean once per training_step
-        calls["send/cp"] = blocks * m * ((2 if plan.ac else 1) * (plan.cp - 1) + plan.cp)
+        calls["send/cp"] = blocks * m * ((2 if plan.recomputes else 1) * (plan.cp - 1) + plan.cp)
         calls["all_reduce/cp"] = calls.get("all_reduce/cp", 0) + shape.accumulate
     return {k: v for k, v in calls.items() if k in est.comm}
 
@@ -193,7 +205,7 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
 def candidates(shape: ModelShape, gpus: int) -> list[str]:
     """Every plan worth trying on ``gpus``: data modes x tp (<= 8, dividing the heads; with sp, and vp where the
     vocabulary divides) x cp (<= 8, its 2 x cp chunks dividing the sequence) x pp x ep (a mixture of experts: dividing
-    the experts and the data ranks) x ac x offload."""
+    the experts and the data ranks) x recompute (none, sac, ac) x offload."""
     out = []
     for tp in (t for t in (1, 2, 4, 8) if gpus % t == 0 and shape.heads % t == 0):
         for cp in (c for c in (1, 2, 4, 8) if (gpus // tp) % c == 0 and shape.seq % (2 * c) == 0):
@@ -204,7 +216,7 @@ def candidates(shape: ModelShape, gpus: int) -> list[str]:
                         [f"cp{cp}"] if cp > 1 else []) + ([f"ep{ep}"] if ep > 1 else []) + (
                         [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
                     out += [_candidate(data, model, ac, offload) for data in ("dp", "zero1", "zero2", "zero3")
-                            for ac in ("", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
+                            for ac in ("", "_sac", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
     return out
 
 

@@ -46,15 +46,15 @@ EXAMPLES = 300
 SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
 # Independent of plan.py: what a single token of the grammar looks like.
 GRAMMAR = re.compile(
-    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|vp|ac|offload|(dp|tp|pp|cp|v|mb)[0-9]+")
+    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|vp|s?ac|offload|(dp|tp|pp|cp|v|mb)[0-9]+")
 WORDS = ["naive", "dp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev", "sp",
-         "ac", "offload"]
+         "ac", "sac", "offload"]
 NEAR_MISSES = [
     "tp0", "pp-1", "zer03", "mb", "dp2_dp2", "zero4", "zero0", "zero30", "zero34", "naive2", "tp", "v", "v0", "v1",
     "tpx", "TP2", "Zero3", "tp 2", " tp2", "tp2 ", "tp\u0663", "\uff54\uff502", "tp\u00b2", "\u0130", "\u00df",
     "ddp", "fsdp", "deepspeed_stage_3", "ddp_spawn", "fsdp_cpu_offload", "ddp_notebook", "", "_", "__", "\t", "\n",
     "\x00", "1f2b", "gpipe1", "dp+2", "tp2.0", "tp1e3", "tp99999999999999999999", "tp" + "9" * 5000,
-    "mb" + "0" * 50 + "4", f"dp{MAX_DEGREE}", f"dp{MAX_DEGREE + 1}", "_" * 40, "sp_sp", "offload1", "acac",
+    "mb" + "0" * 50 + "4", f"dp{MAX_DEGREE}", f"dp{MAX_DEGREE + 1}", "_" * 40, "sp_sp", "offload1", "acac", "ac_sac",
 ]
 
 
@@ -81,8 +81,9 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
                        PipelineSchedule.ZB1P: draw(st.integers(pp, pp + 64)),
                        PipelineSchedule.DUALPIPEV: draw(st.integers(2 * pp, 2 * pp + 64))}
         microbatches = by_schedule.get(schedule, draw(st.integers(1, 64)))
+    recompute = draw(st.sampled_from(["", "ac", "sac"]))
     fields = dict(data=data, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual=virtual, microbatches=microbatches,
-                  sp=tp > 1 and draw(st.booleans()), ac=draw(st.booleans()),
+                  sp=tp > 1 and draw(st.booleans()), ac=recompute == "ac", sac=recompute == "sac",
                   offload=data.is_zero and draw(st.booleans()))
     tokens = [data.value] if data is not DataMode.DP or draw(st.booleans()) else []
     for head, value, default in (("dp", dp, None), ("tp", tp, 1), ("pp", pp, 1), ("mb", microbatches, None)):
@@ -92,7 +93,7 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
         tokens.append(schedule.value)
     if virtual > 2 or (virtual == 2 and draw(st.booleans())):
         tokens.append(degree_token(draw, "v", virtual))
-    tokens += [name for name in ("sp", "ac", "offload") if fields[name]]
+    tokens += [name for name in ("sp", "ac", "sac", "offload") if fields[name]]
     tokens = [t.upper() if draw(st.booleans()) else t for t in draw(st.permutations(tokens or ["dp"]))]
     pad = draw(st.sampled_from(["", " ", "\t", "\n  "]))
     return pad + "_".join(tokens) + pad, ParallelPlan(**fields)
