@@ -54,3 +54,12 @@ def test_convert_finds_the_lightning_modules_name_for_the_model_where_only_one_f
     assert model_prefix(names, {"a.model.embed_tokens.weight", "a.lm_head.weight", "b.model.embed_tokens.weight",
                                 "b.lm_head.weight"}) == ""  # two fit: the user says which
     assert model_prefix(names, {"net.model.embed_tokens.weight"}) == ""  # the head missing: none fits
+
+
+def test_a_rehearsal_whose_given_batch_does_not_split_says_so_in_one_line():
+    # (DataLoader's "batch_size=0" from inside the rehearsal, before)
+    try:
+        cli.main(["rehearse", "zero3", "--world-size", "2", "--batch-size", "1", "--target", "cuda"])
+    except SystemExit as stop:
+        said = str(stop.code)
+    assert "--batch-size 1 does not split over the 2 data-parallel ranks" in said and "multiple of 2" in said
