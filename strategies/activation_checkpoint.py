@@ -58,11 +58,13 @@ def _checkpointed(forward, selective: bool, *args, **kwargs):
         return checkpoint(again, *args, use_reentrant=False, **extra, **kwargs)
 
 
-def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False) -> list[nn.Module]:
-    """Wrap the forward of every element of ``blocks`` (a ModuleList/Sequential); returns them for `remove`.
-    ``selective``: keep the matmuls' and attention's outputs (``sac``)."""
+def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False, every: int = 1) -> list[nn.Module]:
+    """Wrap the forward of every ``every``-th element of ``blocks`` (a ModuleList/Sequential), from the first: the
+    first, third, ... for 2, all for 1 (the last block's backward comes first, so recomputing it would free nothing
+    before it is made again); returns them for `remove`. ``selective``: keep the matmuls' and attention's outputs
+    (``sac``)."""
     wrapped = []
-    for block in blocks:
+    for block in list(blocks)[::every]:
         if "forward" in vars(block):  # compiled one by one (block.forward = torch.compile(...)) or patched
             raise ValueError(
                 f"activation checkpointing ('ac', 'sac') wraps each block's forward, but this "
@@ -95,11 +97,12 @@ def caches_off(model: nn.Module) -> list:
 
 
 class ActivationCheckpointing(Technique):
-    """Every block of ``blocks`` recomputed in backward (``selective``: all but its matmuls and attention), with
-    ``model``'s key/value caches off (`caches_off`); undone at teardown."""
+    """Every (``every``-th) block of ``blocks`` recomputed in backward (``selective``: all but its matmuls and
+    attention), with ``model``'s key/value caches off (`caches_off`); undone at teardown."""
 
-    def __init__(self, blocks: nn.Module, model: nn.Module | None = None, selective: bool = False) -> None:
-        self.blocks = apply_activation_checkpointing(blocks, selective)
+    def __init__(self, blocks: nn.Module, model: nn.Module | None = None, selective: bool = False,
+                 every: int = 1) -> None:
+        self.blocks = apply_activation_checkpointing(blocks, selective, every)
         self.caches = caches_off(model) if model is not None else []
 
     def teardown(self, healthy: bool) -> None:

@@ -70,12 +70,12 @@ class PipelineSchedule(enum.Enum):
         return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
 
-_DEGREE = re.compile(r"^(dp|tp|pp|cp|ep|v|mb)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
+_DEGREE = re.compile(r"^(dp|tp|pp|cp|ep|v|mb|ac)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
     "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, "
-    "dualpipev, v<N>, mb<N>, sp, vp, ac, sac, offload"
+    "dualpipev, v<N>, mb<N>, sp, vp, ac, ac<N>, sac, offload"
 )
 
 
@@ -113,6 +113,9 @@ class ParallelPlan:
     from the pieces, so that no rank holds the (batch, sequence, vocab) logits."""
     ac: bool = False
     """Activation checkpointing: recompute each block's activations in backward instead of storing them."""
+    ac_every: int = 1
+    """With ``ac``: recompute one block in N only (``ac2``: the first, third, ...; torchtitan's layer-level selective
+    option), the others keep their activations."""
     sac: bool = False
     """Selective activation checkpointing (torchtitan's op-level policy): each block keeps its matmuls' and fused
     attention's outputs and recomputes the rest (norms, activations, casts, and the collectives between them)."""
@@ -157,6 +160,8 @@ class ParallelPlan:
         self._check_data_mode()
 
     def _check_data_mode(self) -> None:
+        if self.ac_every > 1 and not self.ac:
+            raise ValueError(f"ac_every={self.ac_every} needs ac=True (the token 'ac{self.ac_every}' sets both)")
         if self.ac and self.sac:
             raise ValueError("'ac' with 'sac': a block is recomputed one way; 'ac' recomputes all of it, 'sac' all "
                              "but its matmuls and attention: keep one")
@@ -174,7 +179,7 @@ class ParallelPlan:
             )
 
     def _check_degrees(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "virtual", "microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual", "microbatches", "ac_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -238,7 +243,7 @@ class ParallelPlan:
         if self.microbatches is not None:
             parts.append(f"mb{self.microbatches}")
         if self.ac:
-            parts.append("ac")
+            parts.append("ac" if self.ac_every == 1 else f"ac{self.ac_every}")
         if self.sac:
             parts.append("sac")
         if self.offload:
@@ -249,8 +254,14 @@ class ParallelPlan:
 
     @property
     def recomputes(self) -> bool:
-        """Whether backward runs each block's forward again (``ac`` or ``sac``), and with it its collectives."""
+        """Whether backward runs blocks' forwards again (``ac``, ``ac<N>`` or ``sac``), and with them collectives."""
         return self.ac or self.sac
+
+    @property
+    def recomputed(self) -> float:
+        """The share of blocks whose forward runs again in backward: 1 under ``ac`` and ``sac``, 1/N under
+        ``ac<N>``, 0 without."""
+        return 1.0 if self.sac else 1.0 / self.ac_every if self.ac else 0.0
 
     @property
     def model_parallel_size(self) -> int:
@@ -328,11 +339,13 @@ def _parse_token(text: str, token: str, put) -> None:
         put(token, True, token)
     elif match := _DEGREE.match(token):
         name = match.group(1)
-        field = {"v": "virtual", "mb": "microbatches"}.get(name, name)
+        field = {"v": "virtual", "mb": "microbatches", "ac": "ac_every"}.get(name, name)
         value = _degree(text, token, field, match.group(2))
         if name == "v" and value < 2:
             raise ValueError(f"{text!r}: {token!r}: v<N> is the number of virtual stages per rank, N >= 2")
         put(field, value, token)
+        if name == "ac":
+            put("ac", True, token)
     elif (match := _MODE_WITH_DEGREE.match(token)) and match.group(2).lstrip("0"):
         mode, degree = match.group(1), _degree(text, token, "dp", match.group(2))
         raise ValueError(f"{text!r}: write the degree as its own token: '{mode}_dp{degree}', not {token!r}")

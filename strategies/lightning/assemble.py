@@ -60,7 +60,7 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
                                          materialise=deferred))
     if plan.recomputes:
         techniques.append(ActivationCheckpointing(model.get_submodule(find_blocks(model, options.pipeline_blocks)),
-                                                  model, selective=plan.sac))
+                                                  model, selective=plan.sac, every=plan.ac_every))
     compiled = compile_blocks(model, options.compile, options.pipeline_blocks)  # after ac: it compiles ac's wrapper
     if compiled is not None:
         techniques.append(compiled)

@@ -361,7 +361,7 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     half = wide_bytes is not None or (shape.llama and act_bytes < 4)
     loss = logits + b * s * shape.vocab * act_bytes / _vocab_split(plan) if half else logits
     # sac keeps the matmuls' and attention's outputs too (two of them, the row-parallel ones, no block keeps
-    # otherwise) and makes the rest again
+    # otherwise) and makes the rest again (ac<N>: counted here as ac, each rank's blocks then by `_one_in`)
     block = boundary + saved.matmuls if plan.sac else boundary if plan.ac else whole
     return Pieces(boundary=boundary, block=block,
                   recompute=whole + saved.unkept - block if plan.sac else whole - boundary if plan.ac else 0.0,
@@ -525,13 +525,13 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
         # runs a block's forward again up to its last saved tensor: both gathers, the first scatter (all-reduce).
         narrow = elements * act_bytes
         if plan.sp:  # + entering the region (backward) and leaving it (forward): stage 0 only enters under pp
-            gathers = (4 if plan.recomputes else 2) * activation + 2 * narrow
+            gathers = (2 + 2 * plan.recomputed) * activation + 2 * narrow
             out["all_gather/tp"] = (t - 1) / t * (gathers * blocks + (2 if plan.pp == 1 else 1) * activation)
-            scatters = (3 if plan.recomputes else 2) * narrow + 2 * activation
+            scatters = (2 + plan.recomputed) * narrow + 2 * activation
             out["reduce_scatter/tp"] = (t - 1) / t * scatters * blocks
         else:  # each column-parallel linear all-reduces its input's gradient: Llama's q, k, v, gate and up
             inputs = 5 if shape.llama else 2
-            reduces = (3 if plan.recomputes else 2) * narrow + inputs * activation
+            reduces = (2 + plan.recomputed) * narrow + inputs * activation
             out["all_reduce/tp"] = 2 * (t - 1) / t * reduces * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
             # max and (sum of exp, target logit): one value per token each
@@ -553,7 +553,7 @@ def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, wide_bytes: int
     norm's output) and R back (the experts' output, added into zeros of the hidden states' dtype): both wide under
     autocast; backward the same rows' gradients the other way."""
     n, calls = plan.ep, (plan.microbatches if plan.pp > 1 else 1) * shape.accumulate
-    forwards = 2 if plan.recomputes else 1
+    forwards = 1 + plan.recomputed
     rows = shape.batch * shape.seq / plan.cp * shape.top_k * (n - 1) / n
     counts = calls * forwards * 8 * (shape.experts // n) * (n - 1)
     return counts + (forwards + 1) * rows * shape.hidden * 2 * wide_bytes
@@ -567,7 +567,7 @@ def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float,
     local = shape.seq / n * shape.hidden * shape.groups() / plan.tp  # one sample's k (or v) elements on this rank
     forward = (n - 1) * 2 * local * act_bytes
     backward = forward + n * 2 * local * 4
-    ring = blocks * shape.batch * ((2 if plan.recomputes else 1) * forward + backward)
+    ring = blocks * shape.batch * ((1 + plan.recomputed) * forward + backward)
     return {"send/cp": ring, "all_reduce/cp": shape.accumulate * 2 * (n - 1) / n * 4}
 
 
@@ -654,7 +654,7 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     (ranges, per_stage), (grad_bytes, cast_bytes) = stages, sizes
     # a block's weights autocast copies (tp's slice); none under recompute, whose forward saves nothing. The head is
     # not recomputed.
-    matmuls = 0 if plan.recomputes else math.ceil(shape.block()[0] / plan.tp)
+    matmuls = (1 - plan.recomputed) * math.ceil(shape.block()[0] / plan.tp)
     head = shape.output_layer(_vocab_split(plan), bias=False)
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
@@ -673,7 +673,20 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
                    rounds, early)
     # what names the actions and the messages held ahead (`_rules`)
     key = (plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, shape.accumulate, rank, rounds, early)
-    return walk(pieces, chunks, actions, workspace, rules, key)
+    return walk(_one_in(pieces, plan, [ranges[s] for s in mine]), chunks, actions, workspace, rules, key)
+
+
+def _one_in(pieces: Pieces, plan: ParallelPlan, ranges: list[range]) -> Pieces:
+    """``ac<N>`` on a rank whose chunks hold the blocks ``ranges`` (the model's indices): the recomputed ones (one in
+    N from the first) keep their input, the others all they save (a mean block); a backward starts with a recompute
+    only where a chunk's last block is recomputed (a later one comes after a whole block is freed, a lower point)."""
+    blocks = [i for r in ranges for i in r]
+    if not plan.ac or plan.ac_every == 1 or not blocks:
+        return pieces
+    whole, kept = pieces.block + pieces.recompute, sum(1 for i in blocks if i % plan.ac_every == 0)
+    block = (kept * pieces.block + (len(blocks) - kept) * whole) / len(blocks)
+    last = any(r and r[-1] % plan.ac_every == 0 for r in ranges)
+    return dataclasses.replace(pieces, block=block, recompute=pieces.recompute if last else 0.0)
 
 
 def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int,

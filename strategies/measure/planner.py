@@ -132,9 +132,9 @@ SELECTIVE_SHARE = 0.1
 
 
 def recompute_share(plan: ParallelPlan) -> float:
-    """The share of each block's forward made again in backward: all of it under ``ac``, `SELECTIVE_SHARE` under
-    ``sac``, none without."""
-    return 1.0 if plan.ac else SELECTIVE_SHARE if plan.sac else 0.0
+    """The share of the blocks' forward made again in backward: all of it under ``ac``, 1/N under ``ac<N>``,
+    `SELECTIVE_SHARE` under ``sac``, none without."""
+    return SELECTIVE_SHARE if plan.sac else plan.recomputed
 
 
 def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
@@ -185,19 +185,19 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              f"all_gather/{data}": m * (2 * units - 1) if plan.data.stage == 3 else buckets,
              # sp: each block's two gathers and two scatters forward, and their conjugates backward; entering and
              # leaving the sequence split one gather each (forward at the end, backward at the start)
-             "all_reduce/tp": (5 if plan.recomputes else 4) * blocks * m,
-             "all_gather/tp": ((6 if plan.recomputes else 4) * blocks + (2 if plan.pp == 1 else 1)) * m,
-             "reduce_scatter/tp": (5 if plan.recomputes else 4) * blocks * m,
+             "all_reduce/tp": (4 + plan.recomputed) * blocks * m,
+             "all_gather/tp": ((4 + 2 * plan.recomputed) * blocks + (2 if plan.pp == 1 else 1)) * m,
+             "reduce_scatter/tp": (4 + plan.recomputed) * blocks * m,
              # A pipeline's sends overlap the other stages' work: one hop per microbatch and chunk is on the
              # critical path, and the fill and the drain's hops, 2(pp-1)
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
     if plan.ep > 1:  # per MoE block and microbatch: counts, rows out and back forward (again under recompute), two back
-        calls["all_to_all/ep"] = blocks * m * (8 if plan.recomputes else 5)
+        calls["all_to_all/ep"] = blocks * m * (5 + 3 * plan.recomputed)
         for key in [k for k in calls if k.endswith(f"/{data}")]:  # the experts' reduction: as the data group's
             calls[key.replace(f"/{data}", "/edp")] = calls[key]
     if plan.cp > 1:  # the ring: n - 1 hops forward (again under recompute), n backward, per block and microbatch;
         #              the loss's mean once per training_step
-        calls["send/cp"] = blocks * m * ((2 if plan.recomputes else 1) * (plan.cp - 1) + plan.cp)
+        calls["send/cp"] = blocks * m * ((1 + plan.recomputed) * (plan.cp - 1) + plan.cp)
         calls["all_reduce/cp"] = calls.get("all_reduce/cp", 0) + shape.accumulate
     return {k: v for k, v in calls.items() if k in est.comm}
 

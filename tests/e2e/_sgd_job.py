@@ -36,8 +36,9 @@ ZERO_BUBBLE = ("pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4")  # B and W sp
 CONTEXT = {2: [("cp2", 1), ("cp2", 3), ("cp2+llama", 1)],
            4: [("cp4", 1), ("dp_cp2", 3), ("zero3_cp2", 1), ("tp2_cp2", 1), ("cp2_pp2_mb4", 1)]}
 CONTEXT[4] += [(f"{plan}+llama", accumulate) for plan, accumulate in CONTEXT[4]]
-# Selective recompute (`sac`) under tp with sp (its collectives made again) and under the pipeline (its trace).
-SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1)]
+# Selective recompute (`sac`) under tp with sp (its collectives made again) and under the pipeline (its trace); one
+# block in two (`ac2`) under the pipeline (blocks 0 and 2 recomputed: the first of each stage's two).
+SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1), ("pp2_mb4_ac2", 1)]
 CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2] + SELECTIVE,
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
          + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")] + CONTEXT[4],

@@ -46,7 +46,7 @@ EXAMPLES = 300
 SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
 # Independent of plan.py: what a single token of the grammar looks like.
 GRAMMAR = re.compile(
-    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|vp|s?ac|offload|(dp|tp|pp|cp|v|mb)[0-9]+")
+    r"naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|auto|sp|vp|s?ac|offload|(dp|tp|pp|cp|v|mb|ac)[0-9]+")
 WORDS = ["naive", "dp", "zero1", "zero2", "zero3", "gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev", "sp",
          "ac", "sac", "offload"]
 NEAR_MISSES = [
@@ -81,9 +81,10 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
                        PipelineSchedule.ZB1P: draw(st.integers(pp, pp + 64)),
                        PipelineSchedule.DUALPIPEV: draw(st.integers(2 * pp, 2 * pp + 64))}
         microbatches = by_schedule.get(schedule, draw(st.integers(1, 64)))
-    recompute = draw(st.sampled_from(["", "ac", "sac"]))
+    recompute = draw(st.sampled_from(["", "ac", "sac", "ac2", "ac16"]))
     fields = dict(data=data, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual=virtual, microbatches=microbatches,
-                  sp=tp > 1 and draw(st.booleans()), ac=recompute == "ac", sac=recompute == "sac",
+                  sp=tp > 1 and draw(st.booleans()), ac=recompute.startswith("ac"), sac=recompute == "sac",
+                  ac_every=int(recompute[2:] or 1) if recompute.startswith("ac") else 1,
                   offload=data.is_zero and draw(st.booleans()))
     tokens = [data.value] if data is not DataMode.DP or draw(st.booleans()) else []
     for head, value, default in (("dp", dp, None), ("tp", tp, 1), ("pp", pp, 1), ("mb", microbatches, None)):
@@ -93,7 +94,7 @@ def valid_texts(draw) -> tuple[str, ParallelPlan]:
         tokens.append(schedule.value)
     if virtual > 2 or (virtual == 2 and draw(st.booleans())):
         tokens.append(degree_token(draw, "v", virtual))
-    tokens += [name for name in ("sp", "ac", "sac", "offload") if fields[name]]
+    tokens += [name for name in ("sp", "sac", "offload") if fields[name]] + ([recompute] if fields["ac"] else [])
     tokens = [t.upper() if draw(st.booleans()) else t for t in draw(st.permutations(tokens or ["dp"]))]
     pad = draw(st.sampled_from(["", " ", "\t", "\n  "]))
     return pad + "_".join(tokens) + pad, ParallelPlan(**fields)
