@@ -221,15 +221,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, target: Tensor, start: int, axis: Axis) -> Tensor:
         # Stable softmax over the whole vocabulary from per-rank pieces: max, then sum of exp, then the
         # target's logit, each a small all-reduce of (tokens,) values; never the (tokens, vocab) logits.
-        logits_dtype, logits = logits.dtype, logits.float()
-        global_max = logits.max(dim=-1).values
+        # One float32 copy of the logits, shifted, exponentiated and normalised in place (Megatron's way): the
+        # logits' size in float32 once, not three times (Llama 3 70B, 16 x 8,192 tokens per rank, tp8: 8 GiB each).
+        logits_dtype = logits.dtype
+        global_max = logits.max(dim=-1).values.float()
         comm.all_reduce(global_max, axis, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - global_max.unsqueeze(-1)
+        shifted = logits.to(torch.float32, copy=True).sub_(global_max.unsqueeze(-1))
         local = target - start
         inside = (local >= 0) & (local < logits.shape[-1])
         local = local.clamp(0, logits.shape[-1] - 1)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-        exp = shifted.exp()
+        exp = shifted.exp_()
         both = torch.stack([exp.sum(dim=-1), picked])
         comm.all_reduce(both, axis)
         sum_exp, picked = both[0], both[1]
