@@ -69,8 +69,8 @@ def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False, e
             raise ValueError(
                 f"activation checkpointing ('ac', 'sac') wraps each block's forward, but this "
                 f"{type(block).__name__} has a forward set on the instance (compiled block by block, or replaced), "
-                "which the wrapper would "
-                "hide; compile the whole model (or pass compile=True) instead, or drop 'ac' or 'sac'")
+                "which the wrapper would hide; compile the whole model (or pass compile=True) instead, or drop 'ac' "
+                "or 'sac'")
         block.forward = functools.partial(_checkpointed, block.forward, selective)
         wrapped.append(block)
     return wrapped
