@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 _PLAN_TOKEN = re.compile(
-    r"^(naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|sp|vp|ac|offload|(dp|tp|pp|cp|ep|v|mb)\d+)$")
+    r"^(naive|dp|zero[123]|gpipe|1f1b|interleaved|zb1p|zbv|dualpipev|sp|vp|s?ac|offload|(dp|tp|pp|cp|ep|v|mb|ac)\d+)$")
 _PLAN_HEAD = re.compile(r"^(naive|dp|zero|tp|pp|cp|ep)")
 
 

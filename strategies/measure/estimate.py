@@ -505,19 +505,21 @@ def dense_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[st
 
 
 def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0,
-                  act_bytes: int = 4, wide_bytes: int = 4, experts: int = 0) -> dict[str, float]:
+                  act_bytes: int = 4, wide_bytes: int = 4, experts: int = 0,
+                  recomputed: float | None = None) -> dict[str, float]:
     """Bytes rank 0 sends per optimizer step, by ``kind/axis``: fp32 gradients; activations in ``act_bytes`` where
     they are a matmul's output (the ring's K/V, tp's row-parallel outputs and their gradients) and in ``wide_bytes``
     where autocast keeps them float32 (the norms' outputs tp gathers or whose gradients it reduces, pp's messages:
-    `step_pieces`)."""
+    `step_pieces`). ``recomputed``: the share of the ``blocks`` whose forward runs again (default the plan's)."""
+    r = plan.recomputed if recomputed is None else recomputed
     out = data_parallel_bytes(psi, plan, kept, experts)
     if plan.ep > 1:
-        out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, wide_bytes)
+        out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, wide_bytes, r)
     t = plan.tp
     elements = shape.batch * shape.seq / plan.cp * shape.hidden  # the step's b·s·h on a rank, all microbatches
     activation = elements * wide_bytes
     if plan.cp > 1:
-        for key, nbytes in context_parallel_bytes(shape, plan, blocks, act_bytes).items():
+        for key, nbytes in context_parallel_bytes(shape, plan, blocks, act_bytes, r).items():
             out[key] = out.get(key, 0.0) + nbytes
     if t > 1:
         # Per block forward: the column-parallel layers' inputs (norm outputs: wide) gathered under sp, the
@@ -525,14 +527,12 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
         # runs a block's forward again up to its last saved tensor: both gathers, the first scatter (all-reduce).
         narrow = elements * act_bytes
         if plan.sp:  # + entering the region (backward) and leaving it (forward): stage 0 only enters under pp
-            gathers = (2 + 2 * plan.recomputed) * activation + 2 * narrow
+            gathers = (2 + 2 * r) * activation + 2 * narrow
             out["all_gather/tp"] = (t - 1) / t * (gathers * blocks + (2 if plan.pp == 1 else 1) * activation)
-            scatters = (2 + plan.recomputed) * narrow + 2 * activation
-            out["reduce_scatter/tp"] = (t - 1) / t * scatters * blocks
+            out["reduce_scatter/tp"] = (t - 1) / t * ((2 + r) * narrow + 2 * activation) * blocks
         else:  # each column-parallel linear all-reduces its input's gradient: Llama's q, k, v, gate and up
             inputs = 5 if shape.llama else 2
-            reduces = (2 + plan.recomputed) * narrow + inputs * activation
-            out["all_reduce/tp"] = 2 * (t - 1) / t * reduces * blocks
+            out["all_reduce/tp"] = 2 * (t - 1) / t * ((2 + r) * narrow + inputs * activation) * blocks
         if plan.vp:  # the embedding's partial sums forward; with the head, its input's gradient and the loss's
             # max and (sum of exp, target logit): one value per token each
             tokens = shape.batch * shape.seq / plan.cp * 4
@@ -546,20 +546,22 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     return out
 
 
-def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, wide_bytes: int) -> float:
+def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, wide_bytes: int,
+                          recomputed: float | None = None) -> float:
     """Bytes an ep rank sends per MoE block and optimizer step, for a balanced router (each token's top_k choices
     spread evenly over the experts; `expert_parallel.cost` for a measured spread). Each forward (again under
     recompute) sends the counts, E/ep int64 to each other rank, and R = tokens x top_k x (ep-1)/ep rows out (the
     norm's output) and R back (the experts' output, added into zeros of the hidden states' dtype): both wide under
     autocast; backward the same rows' gradients the other way."""
     n, calls = plan.ep, (plan.microbatches if plan.pp > 1 else 1) * shape.accumulate
-    forwards = 1 + plan.recomputed
+    forwards = 1 + (plan.recomputed if recomputed is None else recomputed)
     rows = shape.batch * shape.seq / plan.cp * shape.top_k * (n - 1) / n
     counts = calls * forwards * 8 * (shape.experts // n) * (n - 1)
     return counts + (forwards + 1) * rows * shape.hidden * 2 * wide_bytes
 
 
-def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float, act_bytes: int) -> dict[str, float]:
+def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float, act_bytes: int,
+                           recomputed: float | None = None) -> dict[str, float]:
     """Bytes a cp rank sends per optimizer step: each of its ``blocks`` attentions passes its K and V round the ring
     for every sample, forward and (again under recompute) backward, where the dK/dV accumulators (fp32) go round too
     (`context_parallel.ring.ring_bytes`); and each training_step's loss, averaged over cp (one all-reduce)."""
@@ -567,7 +569,7 @@ def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float,
     local = shape.seq / n * shape.hidden * shape.groups() / plan.tp  # one sample's k (or v) elements on this rank
     forward = (n - 1) * 2 * local * act_bytes
     backward = forward + n * 2 * local * 4
-    ring = blocks * shape.batch * ((1 + plan.recomputed) * forward + backward)
+    ring = blocks * shape.batch * ((1 + (plan.recomputed if recomputed is None else recomputed)) * forward + backward)
     return {"send/cp": ring, "all_reduce/cp": shape.accumulate * 2 * (n - 1) / n * 4}
 
 
@@ -654,11 +656,11 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     (ranges, per_stage), (grad_bytes, cast_bytes) = stages, sizes
     # a block's weights autocast copies (tp's slice); none under recompute, whose forward saves nothing. The head is
     # not recomputed.
-    matmuls = (1 - plan.recomputed) * math.ceil(shape.block()[0] / plan.tp)
+    mine = [s for s, r in _placement(plan).items() if r == rank]
+    matmuls = (1 - recomputed_share(plan, [ranges[s] for s in mine])) * math.ceil(shape.block()[0] / plan.tp)
     head = shape.output_layer(_vocab_split(plan), bias=False)
     # Gradients stay whole until the step's last backward when it has several (microbatches, micro-steps).
     held = (plan.pp > 1 and (plan.microbatches or 1) > 1) or shape.accumulate > 1
-    mine = [s for s, r in _placement(plan).items() if r == rank]
     # Under pp the copy is made once per step and shared by the microbatches (`mixed_precision`); without, each
     # forward's is freed by its backward.
     copies = {s: cast_bytes * (len(ranges[s]) * matmuls + (head if s == len(ranges) - 1 else 0)) for s in mine}
@@ -680,13 +682,21 @@ def _one_in(pieces: Pieces, plan: ParallelPlan, ranges: list[range]) -> Pieces:
     """``ac<N>`` on a rank whose chunks hold the blocks ``ranges`` (the model's indices): the recomputed ones (one in
     N from the first) keep their input, the others all they save (a mean block); a backward starts with a recompute
     only where a chunk's last block is recomputed (a later one comes after a whole block is freed, a lower point)."""
-    blocks = [i for r in ranges for i in r]
-    if not plan.ac or plan.ac_every == 1 or not blocks:
+    if not plan.ac or plan.ac_every == 1 or not any(ranges):
         return pieces
-    whole, kept = pieces.block + pieces.recompute, sum(1 for i in blocks if i % plan.ac_every == 0)
-    block = (kept * pieces.block + (len(blocks) - kept) * whole) / len(blocks)
+    whole, kept = pieces.block + pieces.recompute, recomputed_share(plan, ranges)
+    block = kept * pieces.block + (1 - kept) * whole
     last = any(r and r[-1] % plan.ac_every == 0 for r in ranges)
     return dataclasses.replace(pieces, block=block, recompute=pieces.recompute if last else 0.0)
+
+
+def recomputed_share(plan: ParallelPlan, ranges: list[range]) -> float:
+    """Of the blocks in ``ranges`` (the model's indices), the share whose forward runs again in backward: all under
+    ``ac`` and ``sac``, under ``ac<N>`` those of index 0, N, 2N, ... (`activation_checkpoint`), none without."""
+    blocks = [i for r in ranges for i in r]
+    if not plan.ac or plan.ac_every == 1 or not blocks:
+        return plan.recomputed
+    return sum(1 for i in blocks if i % plan.ac_every == 0) / len(blocks)
 
 
 def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int,
@@ -697,7 +707,8 @@ def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[ra
     # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
     kept = shape.output_layer(_vocab_split(plan)) if plan.pp == 1 else math.ceil(split / plan.tp) + whole
     experts = first_blocks * expert_share(shape, plan)
-    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts)
+    share = recomputed_share(plan, [ranges[s] for s, r in _placement(plan).items() if r == 0])
+    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts, share)
 
 
 def _placement(plan: ParallelPlan) -> dict[int, int]:

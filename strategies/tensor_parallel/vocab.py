@@ -223,7 +223,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # target's logit, each a small all-reduce of (tokens,) values; never the (tokens, vocab) logits.
         # One float32 copy of the logits, shifted, exponentiated and normalised in place (Megatron's way): the
         # logits' size in float32 once, not three times (Llama 3 70B, 16 x 8,192 tokens per rank, tp8: 8 GiB each).
-        logits_dtype = logits.dtype
+        logits_dtype, logits = logits.dtype, _plain(logits)  # (a caller's split logits: this rank's slice, as is)
         global_max = logits.max(dim=-1).values.float()
         comm.all_reduce(global_max, axis, op=torch.distributed.ReduceOp.MAX)
         shifted = logits.to(torch.float32, copy=True).sub_(global_max.unsqueeze(-1))

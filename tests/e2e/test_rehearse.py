@@ -116,11 +116,12 @@ def test_a_rehearsal_is_stored_as_a_run_the_dashboard_shows_as_rehearsed(tmp_pat
         (name, "all_reduce", "dp", rehearsed[0]["comm_per_step"]["all_reduce/dp"]["bytes_sent"])]
 
 
-@pytest.mark.parametrize("plan", ["tp2_ac", "tp2_sp_ac2", "tp2_sp_sac"])
+@pytest.mark.parametrize("plan", ["tp2_ac", "tp2_sp_ac3", "tp2_sp_sac"])
 def test_under_autocast_tp_sends_what_the_estimator_predicts(tmp_path, plan: str):
     # bf16-mixed: tp reduces the row-parallel outputs (bfloat16) and their inputs' gradients, and under sp gathers the
-    # norms' outputs (float32) and scatters the row-parallel outputs; recompute repeats the forward's first ones (for
-    # one block of the two under ac2; sac as ac). The estimator once counted them all as float32 (a third more).
+    # norms' outputs (float32) and scatters the row-parallel outputs; recompute repeats the forward's first ones (sac
+    # as ac; ac3: for block 0 of the two, half of them, not a third). The estimator once counted them all as float32
+    # (a third more).
     run = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--n-layer", "2", "--n-embd", "256",
            "--n-head", "4", "--seq-len", "128", "--batch-size", "4")
     (r,) = rehearse(tmp_path, plan, 2, run)[:1]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from strategies import cli
 
 
@@ -58,8 +60,7 @@ def test_convert_finds_the_lightning_modules_name_for_the_model_where_only_one_f
 
 def test_a_rehearsal_whose_given_batch_does_not_split_says_so_in_one_line():
     # (DataLoader's "batch_size=0" from inside the rehearsal, before)
-    try:
+    with pytest.raises(SystemExit) as stop:
         cli.main(["rehearse", "zero3", "--world-size", "2", "--batch-size", "1", "--target", "cuda"])
-    except SystemExit as stop:
-        said = str(stop.code)
+    said = str(stop.value.code)
     assert "--batch-size 1 does not split over the 2 data-parallel ranks" in said and "multiple of 2" in said

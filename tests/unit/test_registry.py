@@ -43,6 +43,14 @@ def test_dp_with_explicit_degree(tmp_path):
     assert trainer.strategy.resolved_plan.dp == 2
 
 
+@pytest.mark.parametrize("name,resolved", [("sac", "sac"), ("ac2", "ac2"), ("tp2_sac", "dp1_tp2_sac")])
+def test_a_plan_of_recompute_tokens_alone_is_ours(tmp_path, name, resolved):
+    # (a plan whose every token is a recompute one: the registry once knew only `ac`, and gave these to Lightning)
+    trainer = make_trainer(name, 2, tmp_path)
+    assert isinstance(trainer.strategy, strategies.PlanStrategy)
+    assert str(trainer.strategy.resolved_plan).removeprefix("dp2_") == resolved
+
+
 def test_upper_case_plan_string(tmp_path):
     trainer = make_trainer("ZERO2_TP2", 4, tmp_path)
     assert str(trainer.strategy.resolved_plan) == "zero2_dp2_tp2"
