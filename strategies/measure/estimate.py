@@ -511,7 +511,7 @@ def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float
     they are a matmul's output (the ring's K/V, tp's row-parallel outputs and their gradients) and in ``wide_bytes``
     where autocast keeps them float32 (the norms' outputs tp gathers or whose gradients it reduces, pp's messages:
     `step_pieces`). ``recomputed``: the share of the ``blocks`` whose forward runs again (default the plan's)."""
-    r = plan.recomputed if recomputed is None else recomputed
+    r = _share(plan, recomputed)
     out = data_parallel_bytes(psi, plan, kept, experts)
     if plan.ep > 1:
         out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, wide_bytes, r)
@@ -554,7 +554,7 @@ def expert_parallel_bytes(shape: ModelShape, plan: ParallelPlan, wide_bytes: int
     norm's output) and R back (the experts' output, added into zeros of the hidden states' dtype): both wide under
     autocast; backward the same rows' gradients the other way."""
     n, calls = plan.ep, (plan.microbatches if plan.pp > 1 else 1) * shape.accumulate
-    forwards = 1 + (plan.recomputed if recomputed is None else recomputed)
+    forwards = 1 + _share(plan, recomputed)
     rows = shape.batch * shape.seq / plan.cp * shape.top_k * (n - 1) / n
     counts = calls * forwards * 8 * (shape.experts // n) * (n - 1)
     return counts + (forwards + 1) * rows * shape.hidden * 2 * wide_bytes
@@ -569,7 +569,7 @@ def context_parallel_bytes(shape: ModelShape, plan: ParallelPlan, blocks: float,
     local = shape.seq / n * shape.hidden * shape.groups() / plan.tp  # one sample's k (or v) elements on this rank
     forward = (n - 1) * 2 * local * act_bytes
     backward = forward + n * 2 * local * 4
-    ring = blocks * shape.batch * ((1 + (plan.recomputed if recomputed is None else recomputed)) * forward + backward)
+    ring = blocks * shape.batch * ((1 + _share(plan, recomputed)) * forward + backward)
     return {"send/cp": ring, "all_reduce/cp": shape.accumulate * 2 * (n - 1) / n * 4}
 
 
@@ -688,6 +688,11 @@ def _one_in(pieces: Pieces, plan: ParallelPlan, ranges: list[range]) -> Pieces:
     block = kept * pieces.block + (1 - kept) * whole
     last = any(r and r[-1] % plan.ac_every == 0 for r in ranges)
     return dataclasses.replace(pieces, block=block, recompute=pieces.recompute if last else 0.0)
+
+
+def _share(plan: ParallelPlan, recomputed: float | None) -> float:
+    """``recomputed`` where a caller knows the rank's blocks (`recomputed_share`), else the plan's share."""
+    return plan.recomputed if recomputed is None else recomputed
 
 
 def recomputed_share(plan: ParallelPlan, ranges: list[range]) -> float:

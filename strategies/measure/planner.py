@@ -105,7 +105,7 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         tokens = shape.batch * plan.dp * shape.seq  # the global batch's: cp ranks share their samples' tokens
         per_token = 6 * shape.active() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
         compute = per_token * tokens / hw.gpus / hw.flops
-        parts = {"compute": compute, "recompute": compute / 3 * recompute_share(plan)}  # ac: one more forward
+        parts = {"compute": compute, "recompute": compute / 3 * recompute_time_share(plan)}  # ac: one more forward
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
     for axis in ("dp", "tp", "pp"):
@@ -131,7 +131,7 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
 SELECTIVE_SHARE = 0.1
 
 
-def recompute_share(plan: ParallelPlan) -> float:
+def recompute_time_share(plan: ParallelPlan) -> float:
     """The share of the blocks' forward made again in backward: all of it under ``ac``, 1/N under ``ac<N>``,
     `SELECTIVE_SHARE` under ``sac``, none without."""
     return SELECTIVE_SHARE if plan.sac else plan.recomputed
@@ -162,7 +162,7 @@ def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Har
     # Recompute: what checkpointing measured per block (its forward again, and the checkpoint's own work), the block's
     # forward share where it was not measured.
     again = blocks * (c.recompute[0] + c.recompute[1] * tokens) if any(c.recompute) else block * c.forward
-    return {"compute": micro * stage, "recompute": micro * again * recompute_share(plan),
+    return {"compute": micro * stage, "recompute": micro * again * recompute_time_share(plan),
             "optimizer": tensors * c.optimizer[0] + elements * c.optimizer[1], "loop": c.loop + broadcast}
 
 
