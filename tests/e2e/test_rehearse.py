@@ -56,12 +56,14 @@ def real_comm(run_dir: str, rank: int) -> dict[str, dict[str, float]]:
     return {key: {k: round(v) for k, v in entry.items()} for key, entry in total.items()}
 
 
+@pytest.mark.usefixtures("quiet")
 @pytest.mark.parametrize("plan,world", CASES)
 def test_a_rehearsal_sends_and_holds_what_the_real_run_does(tmp_path, plan: str, world: int):
     real, _ = train_demo(tmp_path, plan, world, "--heap", "--warmup-steps", "0", *RUN)
     compare_with_rehearsals(tmp_path, real, plan, world, ((), ("--real",)) if world == 8 else ((),))
 
 
+@pytest.mark.usefixtures("quiet")  # (its heap and the --real rehearsal's, sampled: nothing beside, tests/lane.py)
 def test_the_3d_plan_at_8_ranks_rehearsed_on_meta_and_on_real_tensors_is_the_real_run(tmp_path, real_3d):
     # The 3D plan is also rehearsed on real tensors (`--real`: this CPU computes each rank's slice alone, its heap
     # sampled as the real run's is), which must hold and send the same.
