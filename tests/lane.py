@@ -32,6 +32,7 @@ _futures: dict[str, concurrent.futures.Future] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _running: set[subprocess.Popen] = set()
 _lock = threading.Lock()
+_closed = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float | None = None
     of its own (ended with its children if the suite stops first)."""
     if not in_lane():
         return subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True, **kwargs)
+    if _closed.is_set():  # (the session ended: start nothing more)
+        raise RuntimeError("the test session ended")
     env = {**(env if env is not None else os.environ), **SLACK_ENV}
     proc = subprocess.Popen(["nice", "-n", str(NICE), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, **kwargs)
@@ -85,6 +88,8 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float | None = None
 
 def prefix() -> list[str]:
     """What a process started outside `run` (a `Popen`) is prefixed with: ``nice`` in the lane."""
+    if in_lane() and _closed.is_set():
+        raise RuntimeError("the test session ended")
     return ["nice", "-n", str(NICE)] if in_lane() else []
 
 
@@ -132,6 +137,7 @@ def drain() -> None:
 
 def close() -> None:
     """At the session's end: drop what has not started and end what runs (a `-k` run that needed only part)."""
+    _closed.set()
     for future in _futures.values():
         future.cancel()
     with _lock:
