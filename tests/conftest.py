@@ -120,7 +120,8 @@ def _compared(tmp_path_factory):
     proc = lane.run([*cli, "compare", "--strategies", COMPARED, "--steps", "4", "--json", str(table),
                      "--runs-dir", str(runs), *TINY_RUN], timeout=900, env=env)
     killed = subprocess.Popen([*lane.prefix(), *cli, "train", "dp", "--steps", "100000", *TINY_RUN],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=lane.environ(env),
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and killed.poll() is None and not _steps_written(runs, 3):

@@ -16,10 +16,14 @@ peaks, elapsed times) take the ``quiet`` fixture, which waits until the lane is 
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import os
 import signal
+import socket
 import subprocess
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,9 +33,12 @@ SLACK_ENV = {"STRATPACK_TIMEOUT": "1200", "STRATPACK_STRICT_P2P": "1200"}
 
 # What a Trainer fit inside pytest's own process sets in os.environ while its test runs (tests/conftest.py
 # `_no_launch_left` undoes it after): a job the lane starts meanwhile must not inherit them (its rank 0 would try to
-# listen on the foreground's MASTER_PORT). Suspected cause of the chance failure of 29 November; see the stop's note.
+# listen on the foreground's MASTER_PORT, and fail at once: EADDRINUSE). The likely cause of CI's chance failure of
+# 28 November (a lane job's rank 0 ended after 4 s of CPU).
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS")
 _START = {k: v for k, v in os.environ.items() if k in LAUNCH_ENV}  # (as the session began)
+GRACE_S = 10.0  # how long the other ranks may take to end after the first process failed
+_ports = iter(range(20000 + os.getpid() % 400 * 20, 32768))  # (below net.ipv4.ip_local_port_range's default 32768)
 
 _state = threading.local()
 _futures: dict[str, concurrent.futures.Future] = {}
@@ -70,27 +77,69 @@ def in_lane() -> bool:
 
 
 def run(cmd: list[str], *, env: dict | None = None, timeout: float | None = None, **kwargs):
-    """`subprocess.run(cmd, capture_output=True, text=True, ...)`; in the lane, niced, with `SLACK_ENV`, in a session
-    of its own (ended with its children if the suite stops first)."""
+    """`subprocess.run(cmd, capture_output=True, text=True, ...)`; in the lane, niced, in a session of its own, with
+    `environ` (ended with its children if the suite stops first). The lane waits for the first process and then for
+    its process group, with output in files: a rank left running after rank 0 failed (re-parented, holding pipes
+    open) is ended, not waited for until its collective timeout (CI, 29 November: a hang of 20 minutes)."""
     if not in_lane():
         return subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True, **kwargs)
     if _closed.is_set():  # (the session ended: start nothing more)
         raise RuntimeError("the test session ended")
-    env = {k: v for k, v in (env if env is not None else os.environ).items() if k not in LAUNCH_ENV or k in _START}
-    env.update(SLACK_ENV)
-    proc = subprocess.Popen(["nice", "-n", str(NICE), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, **kwargs)
-    with _lock:
-        _running.add(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise
-    finally:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(["nice", "-n", str(NICE), *cmd], env=environ(env), stdout=out, stderr=err,
+                                text=True, start_new_session=True, **kwargs)
         with _lock:
-            _running.discard(proc)
-    return subprocess.CompletedProcess(proc.args[3:], proc.returncode, out, err)
+            _running.add(proc)
+        try:
+            proc.wait(timeout)
+            _wait_group(proc.pid, GRACE_S if proc.returncode else timeout)
+        finally:
+            _kill(proc)
+            with _lock:
+                _running.discard(proc)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
+def environ(env: dict | None = None) -> dict:
+    """What a process the lane starts gets: ``env`` (default this process's) without the launch variables a fit in
+    front may have set meanwhile (`LAUNCH_ENV`), with `SLACK_ENV` and a ``MASTER_PORT`` of its own, below the
+    kernel's ephemeral range: a port chosen by binding port 0 can be taken by another socket's outgoing connection
+    (the test in front's gloo connections) before rank 0 listens on it."""
+    env = {k: v for k, v in (env if env is not None else os.environ).items() if k not in LAUNCH_ENV or k in _START}
+    if in_lane():
+        env.update(SLACK_ENV)
+        env.setdefault("MASTER_PORT", _free_port())
+    return env
+
+
+def _free_port() -> str:
+    for port in _ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return str(port)
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _wait_group(pgid: int, timeout: float | None) -> None:
+    """Until no process of group ``pgid`` is left but zombies, or ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while _alive(pgid) and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.2)
+
+
+def _alive(pgid: int) -> bool:
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def prefix() -> list[str]:

@@ -2,6 +2,11 @@
 later reader gets that result (or its error); work registered twice (a conftest imported again by a test file, with
 fixtures and caches of its own) stops the session at once instead of handing two readers two different folders."""
 
+import os
+import sys
+import tempfile
+import time
+
 import pytest
 
 from tests import lane
@@ -31,3 +36,33 @@ def test_work_registered_twice_is_refused():
             lane.register("test_lane:twice", lambda item: False, lambda factory, readers: [])
     finally:
         del lane.PREFETCH["test_lane:twice"]
+
+
+def test_a_lane_job_whose_first_process_failed_ends_with_its_group(monkeypatch):
+    """Rank 0 exits 3; the rank it started (holding stdout open, as Lightning's children do) is ended after the
+    grace, not waited for: the lane's run of 28 November hung 20 minutes so."""
+    monkeypatch.setattr(lane, "GRACE_S", 0.5)
+    script = "sleep 120 & echo $! > child; echo started; exit 3"
+    with tempfile.TemporaryDirectory() as cwd:
+        start = time.monotonic()
+        proc = lane._in_lane(lambda: lane.run(["sh", "-c", script], cwd=cwd, timeout=60))
+        child = int(open(os.path.join(cwd, "child")).read())
+    assert proc.returncode == 3 and proc.stdout == "started\n" and time.monotonic() - start < 30
+    assert not _running(child), "the failed job's other process is still running"
+
+
+def _running(pid: int) -> bool:
+    try:  # (a killed process re-parented to init may stay a zombie: dead)
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_lane_job_does_not_inherit_a_fit_in_fronts_port(monkeypatch):
+    """A fit in pytest's own process sets MASTER_PORT while its test runs: a job the lane starts then gets a port of
+    its own, below the ephemeral range."""
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setattr(lane, "_START", {})
+    code = "import os; print(os.environ['MASTER_PORT'], os.environ['STRATPACK_TIMEOUT'])"
+    port, slack = lane._in_lane(lambda: lane.run([sys.executable, "-c", code], timeout=60)).stdout.split()
+    assert port != "29999" and int(port) < 32768 and slack == lane.SLACK_ENV["STRATPACK_TIMEOUT"]
