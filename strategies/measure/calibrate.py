@@ -147,10 +147,12 @@ def sent_bytes(kind: str, payload: float, world: int) -> float:
 
 
 def _fit(times: dict[Any, float], world: int, kind: str) -> tuple[float, float]:
-    """(latency: a small call's cost between computes, bandwidth: a large call's extra bytes over its extra time)."""
+    """(latency: a small call's cost between computes, bandwidth: a large call's extra bytes over its extra time).
+    The loaded figure is a difference of two timings, and another process taking a core between them can bring it to
+    0 (a test run beside other work, 29 November): a call costs at least what it costs back to back."""
     extra_bytes = sent_bytes(kind, LARGE, world) - sent_bytes(kind, SMALL, world)
     extra_time = max(times[LARGE] - times[SMALL], 1e-9)
-    return times["loaded"], extra_bytes / extra_time
+    return max(times["loaded"], times[SMALL]), extra_bytes / extra_time
 
 
 def _rank(rank: int, world: int, hidden: int, tokens: int) -> dict[str, Any]:

@@ -33,6 +33,8 @@ def test_a_link_is_the_measured_group_size_nearest_below_and_bytes_follow_the_ri
     # Latency: a small call between computes (what training pays); bandwidth: back-to-back small against large.
     latency, bandwidth = calibrate._fit({calibrate.SMALL: 1e-3, calibrate.LARGE: 3e-3, "loaded": 2.5e-3}, 2, "send")
     assert latency == 2.5e-3 and bandwidth == pytest.approx((calibrate.LARGE - calibrate.SMALL) / 2e-3)
+    # A loaded figure under the back-to-back one (a core taken from the loaded timing's baseline): the back-to-back one
+    assert calibrate._fit({calibrate.SMALL: 1e-3, calibrate.LARGE: 3e-3, "loaded": 0.0}, 2, "send")[0] == 1e-3
 
 
 def test_calibrated_step_times_pay_a_latency_per_collective_and_hide_nothing_on_cpu():
