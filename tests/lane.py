@@ -33,8 +33,8 @@ SLACK_ENV = {"STRATPACK_TIMEOUT": "1200", "STRATPACK_STRICT_P2P": "1200"}
 
 # What a Trainer fit inside pytest's own process sets in os.environ while its test runs (tests/conftest.py
 # `_no_launch_left` undoes it after): a job the lane starts meanwhile must not inherit them (its rank 0 would try to
-# listen on the foreground's MASTER_PORT, and fail at once: EADDRINUSE). The likely cause of CI's chance failure of
-# 28 November (a lane job's rank 0 ended after 4 s of CPU).
+# listen on the foreground's MASTER_PORT, and fail at once: EADDRINUSE). The likely cause of a clean-clone run's chance
+# failure at the last stop (a lane job's rank 0 ended after 4 s of CPU).
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS")
 _START = {k: v for k, v in os.environ.items() if k in LAUNCH_ENV}  # (as the session began)
 GRACE_S = 10.0  # how long the other ranks may take to end after the first process failed

@@ -40,7 +40,7 @@ def test_work_registered_twice_is_refused():
 
 def test_a_lane_job_whose_first_process_failed_ends_with_its_group(monkeypatch):
     """Rank 0 exits 3; the rank it started (holding stdout open, as Lightning's children do) is ended after the
-    grace, not waited for: the lane's run of 28 November hung 20 minutes so."""
+    grace, not waited for: a clean-clone run hung 20 minutes so at the last stop."""
     monkeypatch.setattr(lane, "GRACE_S", 0.5)
     script = "sleep 120 & echo $! > child; echo started; exit 3"
     with tempfile.TemporaryDirectory() as cwd:
