@@ -10,19 +10,23 @@ cd "$(dirname "$0")/.."
 extras="[dashboard,tracking,models]"
 [[ "${1:-}" == "--dev" ]] && extras="[dev,dashboard,tracking,models]"
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
-# Bytecode is compiled after pip, on every core (pip compiles on one: 2:02 -> 1:33 here, 2 cores), the pack's own
+# Bytecode is compiled after pip, on every core (pip compiles on one: 2:02 -> 1:42 here, 2 cores), the pack's own
 # sources too: where PYTHONDONTWRITEBYTECODE is set (as on the developers' machine) Python never writes their bytecode,
 # and every process a run or the tests start compiled the package again (0.2 s of CPU each).
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile)
 compile=(.venv/bin/python -m compileall -q -j 0)
+site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    "${pip[@]}" "torch==2.13.0"
+    .venv/bin/python -m compileall -q "$site/torch" >/dev/null 2>&1 &  # (on the core pip leaves idle meanwhile)
+  fi
 fi
 "${pip[@]}" -e ".${extras}"
+wait
 folders=(strategies demos dashboard) && [[ "${1:-}" == "--dev" ]] && folders+=(tests)
 # (|| true: a few files written for later Pythons do not compile, as pip's own pass would have found and passed over)
-"${compile[@]}" "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-  "${folders[@]}" >/dev/null 2>&1 || true
+"${compile[@]}" "$site" "${folders[@]}" >/dev/null 2>&1 || true
 if [[ "${1:-}" == "--dev" ]] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
    && [[ "$(id -u)" == 0 ]]; then
   # The dashboard's browser test drives Debian's Chromium; without it that one test is skipped, saying why.
