@@ -169,7 +169,10 @@ def takes(item, *fixtures: str) -> bool:
 
 def _in_lane(fn: Callable):
     _state.lane = True
-    return fn()
+    try:
+        return fn()
+    finally:  # (a test of the lane runs work so in pytest's own thread: the tests after it are not in the lane)
+        _state.lane = False
 
 
 def result(key: str, fn: Callable):

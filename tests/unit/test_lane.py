@@ -48,7 +48,11 @@ def test_a_lane_job_whose_first_process_failed_ends_with_its_group(monkeypatch):
         proc = lane._in_lane(lambda: lane.run(["sh", "-c", script], cwd=cwd, timeout=60))
         child = int(open(os.path.join(cwd, "child")).read())
     assert proc.returncode == 3 and proc.stdout == "started\n" and time.monotonic() - start < 30
+    deadline = time.monotonic() + 10  # (SIGKILL is delivered, not waited for: the process may be seen for a moment)
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _running(child), "the failed job's other process is still running"
+    assert not lane.in_lane()  # (the tests after this one are not in the lane)
 
 
 def _running(pid: int) -> bool:
