@@ -12,8 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import lane
-
 os.environ.setdefault("STRATPACK_STRICT_P2P", "60")
 
 # `pytest -m quick`, the inner loop (under 3 minutes here): every unit test and the multi-rank tests (each technique's
@@ -26,9 +24,6 @@ def pytest_collection_modifyitems(config, items):
         path = item.path
         if path.parent.name in QUICK_DIRS and path.name not in NOT_QUICK and not item.get_closest_marker("matrix"):
             item.add_marker(pytest.mark.quick)
-    # The tests that read what the second lane (tests/lane.py) runs ahead come after the rest, which run beside it;
-    # the tests on sampled figures last, when the lane is empty. (A stable sort: each group in its order.)
-    items.sort(key=lambda item: (lane.takes(item, "quiet"), lane.reads_lane(item)))
 
 
 
@@ -89,51 +84,28 @@ TINY_RUN = ["--devices", "2", "--n-embd", "16", "--seq-len", "16", "--max-chars"
 COMPARED = "single,dp,ddp,zero2,pp2"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _lane(request, tmp_path_factory):
-    """The long subprocess work the selected tests need, queued on the suite's second lane (`tests/lane.py`)."""
-    lane.start(request.session.items, tmp_path_factory)
-    yield
-    lane.close()
-
-
-@pytest.fixture
-def quiet():
-    """For a test that compares a sampled figure (a heap peak, an elapsed time): nothing runs beside it."""
-    lane.drain()
-
-
 @pytest.fixture(scope="session")
 def compared(tmp_path_factory):
     """A run store written by real commands, once per session: `stratpack compare` of COMPARED at 2 CPU ranks
     (4 steps; it first measures this host, into a calibration cache of the session's own, so each run's meta holds
     a predicted step time), and a `stratpack train` killed (SIGKILL, every rank) after its third step. Read by the
     compare table's test (tests/e2e/test_launch.py) and the dashboard's (tests/dashboard/test_real_store.py)."""
-    return lane.result("compared", lambda: _compared(tmp_path_factory))
-
-
-def _compared(tmp_path_factory):
     root = tmp_path_factory.mktemp("compared")
     runs, table = root / "runs", root / "results.json"
     env = {**os.environ, "STRATPACK_CALIBRATION": str(root / "cache" / "calibration.json"), "STRATPACK_RUNS": str(runs)}
     cli = [sys.executable, "-m", "strategies.cli"]
-    proc = lane.run([*cli, "compare", "--strategies", COMPARED, "--steps", "4", "--json", str(table),
-                     "--runs-dir", str(runs), *TINY_RUN], timeout=900, env=env)
-    killed = subprocess.Popen([*lane.prefix(), *cli, "train", "dp", "--steps", "100000", *TINY_RUN],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=lane.environ(env),
-                              start_new_session=True)
+    proc = subprocess.run([*cli, "compare", "--strategies", COMPARED, "--steps", "4", "--json", str(table),
+                           "--runs-dir", str(runs), *TINY_RUN], capture_output=True, text=True, timeout=900, env=env)
+    killed = subprocess.Popen([*cli, "train", "dp", "--steps", "100000", *TINY_RUN], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline and killed.poll() is None and not _steps_written(runs, 3):
             time.sleep(0.2)
     finally:
         os.killpg(killed.pid, signal.SIGKILL)  # the launcher and its ranks, as a node failure would
         killed.wait()
     return SimpleNamespace(proc=proc, table=table, runs=runs)
-
-
-lane.register("compared", lambda item: lane.takes(item, "compared"),
-              lambda factory, readers: [("compared", lambda: _compared(factory))])
 
 
 def _steps_written(runs, steps: int) -> bool:
