@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
+from functools import partial
 
 import torch
 
 from strategies.clipping import clip_pieces
+from tests import lane
 
 
 class TinyNet(torch.nn.Module):
@@ -105,8 +106,7 @@ def run_job(script: str, folder, *args: str, timeout_s: float = 600, collective_
     out = folder / "results.pt"
     env = {**os.environ, "STRATPACK_TIMEOUT": collective_timeout, "STRATPACK_RUNS": str(folder / "runs"),
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    proc = subprocess.run([sys.executable, script, str(out), *args], cwd=folder, capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+    proc = lane.run([sys.executable, script, str(out), *args], cwd=folder, timeout=timeout_s, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out), proc
 
@@ -123,7 +123,7 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
            "STRATPACK_RUNS": str(tmp_path / "runs")}
     if "--wandb" not in extra:
         cmd += ["--wandb", "off"]  # wandb's offline service costs seconds a run; tested on its own
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    proc = lane.run(cmd, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{strategy} on {devices} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
@@ -134,6 +134,23 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
     # Set-up memory is measured on every rank (peak from before the model was built to the end of the first step).
     assert all(m["setup_peak"] > 0 for m in result["memory_bytes_per_rank"]), result["memory_bytes_per_rank"]
     return result, torch.load(params)
+
+
+def demo_run(factory, key: str, strategy: str, devices: int, *extra: str) -> tuple[dict, dict]:
+    """`train_demo`'s (result, parameters) of ``strategy`` on ``devices`` ranks with ``extra``, in a folder of its own:
+    run ahead on the suite's second lane (tests/lane.py) where `demo_runs_ahead` queued ``key``, else here, once."""
+    return lane.result(key, partial(_demo_in, factory, strategy, devices, extra))
+
+
+def demo_runs_ahead(name: str, reads, runs) -> None:
+    """Queue a test file's `demo_run`s on the lane: ``reads(item)``, whether a test reads them; ``runs(readers)``,
+    {key: (strategy, devices, *extra)} the selected readers need, in their order."""
+    lane.register(name, reads, lambda factory, readers: [
+        (key, partial(_demo_in, factory, args[0], args[1], tuple(args[2:]))) for key, args in runs(readers).items()])
+
+
+def _demo_in(factory, strategy: str, devices: int, extra: tuple) -> tuple[dict, dict]:
+    return train_demo(factory.mktemp(strategy), strategy, devices, *extra)
 
 
 def record_figure(test: str, **values) -> None:

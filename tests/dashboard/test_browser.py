@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,19 +11,14 @@ import time
 import pytest
 
 from strategies.cli.dashboard import wait_until_up
+from tests import ports
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(store, tmp_path):
-    port = _free_port()
+    port = ports.take()  # (below the ephemeral range: see tests/ports.py)
     proc = subprocess.Popen([sys.executable, "-m", "strategies.cli", "dashboard", "--runs-dir", str(store),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -12,42 +12,45 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from collections.abc import Mapping
+from functools import partial
 
 import pytest
 
+from tests import lane
 from tests.helpers import REAL_3D, REAL_3D_RUN, run_job, train_demo
 
 HERE = os.path.dirname(__file__)
-JOB = os.path.join(HERE, "_sgd_job.py")
 HF = ("_ep_job", "_zoo_job", "_deferred_job", "_pretrained_job")  # (these need transformers)
 JOBS = {2: ("_sgd_job", "_ep_job", "_named_job"), 4: ("_sgd_job", "_ep_job"),
         8: ("_sgd_job", "_ep_job", "_zoo_job", "_deferred_job", "_pretrained_job")}
 
 
-def sgd_job(tmp_path_factory, world: int, which: str) -> dict:
-    """``_sgd_job.py`` at ``world`` ranks on its own (``which``: ci, or full for the matrix): {"states", "extras"}."""
-    # PL_GLOBAL_SEED: the samplers' seed, as the reference's, not whatever this process was seeded with
-    return run_job(JOB, tmp_path_factory.mktemp(f"sgd{world}"), str(world), which, timeout_s=900,
-                   env={"PL_GLOBAL_SEED": "0"})[0]
-
-
 class Jobs:
-    """``jobs(world)``: {job: its results}, the world's jobs run together on first use, once for the session."""
+    """``jobs(world)``: {job: its results}, the world's jobs run together on first use (or ahead, on the suite's second
+    lane), once for the session."""
 
     def __init__(self, tmp_path_factory) -> None:
         self.factory, self.done = tmp_path_factory, {}
-        self.hf = importlib.util.find_spec("transformers") is not None
 
     def __call__(self, world: int) -> dict:
         if world not in self.done:
-            specs = [self._spec(job) for job in JOBS[world] if self.hf or job not in HF]
-            self.done[world] = run_job(os.path.join(HERE, "_jobs.py"), self.factory.mktemp(f"jobs{world}"),
-                                       str(world), *specs, timeout_s=1800, env={"PL_GLOBAL_SEED": "0"})[0]
+            self.done[world] = lane.result(f"jobs{world}", lambda: run_jobs(self.factory, world))
         return self.done[world]
 
-    def _spec(self, job: str) -> str:
-        return f"{job}={hf_saved(self.factory)}" if job == "_pretrained_job" else job
+
+def run_jobs(factory, world: int) -> dict:
+    hf = importlib.util.find_spec("transformers") is not None
+    specs = [f"{job}={hf_saved(factory)}" if job == "_pretrained_job" else job
+             for job in JOBS[world] if hf or job not in HF]
+    return run_job(os.path.join(HERE, "_jobs.py"), factory.mktemp(f"jobs{world}"), str(world), *specs,
+                   timeout_s=1800, env={"PL_GLOBAL_SEED": "0"})[0]
+
+
+# the lane runs the largest world first: its first reader (test_deferred) comes early
+lane.register("shared_jobs", lambda item: lane.takes(item, "shared_jobs"), lambda factory, readers: [
+    (f"jobs{w}", partial(run_jobs, factory, w)) for w in (8, 2, 4)])
 
 
 class _Part(Mapping):
@@ -66,11 +69,17 @@ class _Part(Mapping):
         return len(list(iter(self)))
 
 
-_SAVED = {}
+_SAVED, _SAVING = {}, threading.Lock()
 
 
 def hf_saved(factory):
-    """Hugging Face checkpoints of the zoo's models (`_pretrained_job`'s), sharded, with an index; once a session."""
+    """Hugging Face checkpoints of the zoo's models (`_pretrained_job`'s), sharded, with an index; once a session (the
+    lane's jobs and a test may ask at once)."""
+    with _SAVING:
+        return _hf_saved(factory)
+
+
+def _hf_saved(factory):
     if "folder" not in _SAVED:
         from tests.e2e._pretrained_job import CASES, EXPORTS
         from tests.models import zoo

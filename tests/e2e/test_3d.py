@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from strategies.measure.estimate import ModelShape, estimate
-from tests.helpers import ATOL, DEEP, PARAM_ATOL, RTOL, train_demo
+from tests.helpers import ATOL, DEEP, PARAM_ATOL, RTOL, demo_run, demo_runs_ahead
 
 EIGHT = [("dp_tp2_pp2", ()), ("zero1_tp2_pp2", ()), ("zero2_tp2_pp2", ()), ("zero3_tp2_pp2", ()),
          ("zero3_tp2_pp2_ac", ()), ("zero3_tp2_pp2_1f1b_mb4", ()), ("naive_tp2_pp2", ()),
@@ -29,26 +29,30 @@ CASES = [pytest.param(s, d, e, id=f"{s}-n{d}", marks=() if (s, d) in IN_CI else 
          for s, d, e in [(s, 8, e) for s, e in EIGHT] + [(s, 4, e) for s, e in FOUR]]
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    tmp, made = tmp_path_factory.mktemp("single3d"), {}
+CLIP = ("--gradient-clip-val", "0.5")
 
-    def reference(extra: tuple) -> tuple[dict, dict]:  # made when first needed: CI runs no deep case here
-        if extra not in made:
-            (where := tmp / str(len(made))).mkdir()
-            made[extra] = train_demo(where, "single", 1, "--gradient-clip-val", "0.5", *extra)
-        return made[extra]
-    return reference
+
+def _runs(readers) -> dict[str, tuple]:
+    """The runs the selected cases read: each case's, and one process's with its ``extra`` (CI runs no deep case)."""
+    runs = {}
+    for item in readers:
+        strategy, devices, extra = (item.callspec.params[k] for k in ("strategy", "devices", "extra"))
+        runs[f"3d:single{extra}"] = ("single", 1, *CLIP, *extra)
+        runs[f"3d:{strategy}@{devices}{extra}"] = (strategy, devices, *CLIP, *extra)
+    return runs
+
+
+demo_runs_ahead("3d", lambda item: getattr(item, "originalname", "") == "test_3d_matches_single_device", _runs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,devices,extra", CASES)
-def test_3d_matches_single_device(tmp_path, references, strategy: str, devices: int, extra):
+def test_3d_matches_single_device(tmp_path_factory, strategy: str, devices: int, extra):
     # Clipping at 0.5 changes every step here (the demo's gradient norm starts near 1.5), so the norm must be
     # the whole model's: summed over stages, over tensor-parallel slices (replicated parameters once) and
     # over ZeRO shards.
-    ref_result, ref_params = references(extra)
-    result, params = train_demo(tmp_path, strategy, devices, "--gradient-clip-val", "0.5", *extra)
+    ref_result, ref_params = demo_run(tmp_path_factory, f"3d:single{extra}", "single", 1, *CLIP, *extra)
+    result, params = demo_run(tmp_path_factory, f"3d:{strategy}@{devices}{extra}", strategy, devices, *CLIP, *extra)
     assert result["world_size"] == devices
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_result["losses"]), rtol=RTOL,
                                atol=ATOL)

@@ -71,7 +71,8 @@ SETUP_PARAMS = [pytest.param(p, d, id=f"{p}@{d}", marks=() if d == 8 else pytest
 
 
 @pytest.mark.parametrize("plan,devices", SETUP_PARAMS)
-def test_a_meta_build_starts_within_the_predicted_steady_peak_and_one_block(tmp_path, plan: str, devices: int):
+def test_a_meta_build_starts_within_the_predicted_steady_peak_and_one_block(tmp_path, quiet, plan: str,
+                                                                         devices: int):
     """Built in configure_model, each rank makes one piece at a time: its set-up peak (the heap from before the build
     to the end of the first step) stays within the estimator's steady peak plus one block, plus 10% (measured: 78,
     60 and 56 MiB against limits of 82, 73 and 82). Built in ``__init__`` (planted: without --configure-model) the

@@ -21,14 +21,16 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from tests import lane, ports
 from tests.unit.test_docs import commands
 
 TINY = {"--n-layer": "4", "--n-embd": "16", "--n-head": "2", "--seq-len": "16", "--max-chars": "8000",
@@ -115,10 +117,55 @@ def tiny(args: list[str], values: dict[str, str]) -> list[str]:
     return out + [w for k, v in extra.items() if k in known for w in (k, v)]
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """Each page's folder (made when its first line runs), and the synopsis' values."""
-    return {"values": dict(SYNOPSIS), "root": tmp_path_factory.mktemp("doc-commands")}
+_PAGES: dict[str, partial] = {}  # "docs:PAGE" -> its selected lines' runs, in order
+
+
+def _queue_pages(factory, readers) -> list:
+    """Each page's selected lines, a run of them in order, for the suite's second lane (tests/lane.py)."""
+    lines = [(i.callspec.params["where"], tuple(i.callspec.params["args"])) for i in readers]
+    root, values, by_page = factory.mktemp("doc-commands"), dict(SYNOPSIS), {}
+    for where, args in lines:
+        by_page.setdefault(_page(where), []).append((where, args))
+    _PAGES.update({f"docs:{page}": partial(_run_page, root, values, page, todo) for page, todo in by_page.items()})
+    return list(_PAGES.items())
+
+
+lane.register("doc commands", lambda item: getattr(item, "originalname", "") == "test_command_line_from_the_docs_runs",
+              _queue_pages)
+
+
+def _page(where: str) -> str:
+    return re.sub(r"\W", "_", where.split(":")[0])
+
+
+_CKPT = threading.Lock()  # (a page run here and one in the lane may both need CKPT)
+
+
+def _run_page(root: Path, values: dict, page: str, todo: list) -> dict:
+    """{(where, args): (the line as run, its process or None if served, seconds) or the error}, in the page's order,
+    in a folder of the page's own, as a reader types them."""
+    cwd = root / page
+    cwd.mkdir(exist_ok=True)
+    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(cwd / "runs"),
+           "STRATPACK_CALIBRATION": str(root / "calibration.json")}
+    env.pop("STRATPACK_STRICT_P2P", None)  # as a user runs them
+    done = {}
+    for where, args in todo:
+        try:
+            with _CKPT:
+                if {"CKPT", "CONFIG"} & set(args) and "CKPT" not in values:
+                    values.update(_hf_checkpoint(root, env))
+            line = tiny(list(args), values)
+            if line[0] == "dashboard":
+                _serve(line, cwd, env)
+                done[where, args] = (line, None, 0.0)
+                continue
+            start = time.monotonic()
+            proc = lane.run([sys.executable, "-m", "strategies.cli", *line], cwd=cwd, env=env, timeout=900)
+            done[where, args] = (line, proc, time.monotonic() - start)
+        except Exception as e:  # (this line's test fails with it; the page's later lines still run)
+            done[where, args] = e
+    return done
 
 
 def _hf_checkpoint(root: Path, env: dict) -> dict[str, str]:
@@ -137,7 +184,7 @@ def _hf_checkpoint(root: Path, env: dict) -> dict[str, str]:
 
 
 def run(cmd: list[str], cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = lane.run(cmd, cwd=cwd, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{shlex.join(cmd[3:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -147,35 +194,27 @@ def _serve(args: list[str], cwd: Path, env: dict) -> None:
     """`stratpack dashboard ...` on a free port: up (its health check answers), then stopped."""
     from strategies.cli.dashboard import wait_until_up
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = ports.take()  # (below the ephemeral range: see tests/ports.py)
     args = [a for i, a in enumerate(args) if a != "--port" and (i == 0 or args[i - 1] != "--port")]
-    server = subprocess.Popen([sys.executable, "-m", "strategies.cli", *args, "--port", port], cwd=cwd, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen([*lane.prefix(), sys.executable, "-m", "strategies.cli", *args, "--port", port],
+                              cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait = 300 if lane.in_lane() else 90  # (in the lane it may wait for the test in front)
     try:
-        assert wait_until_up(f"http://127.0.0.1:{port}", 90), f"stratpack {shlex.join(args)} did not come up"
+        assert wait_until_up(f"http://127.0.0.1:{port}", wait), f"stratpack {shlex.join(args)} did not come up"
     finally:
         server.terminate()
         server.wait(30)
 
 
 @pytest.mark.parametrize("where,args", _params())
-def test_command_line_from_the_docs_runs(folders, where, args):
-    page = re.sub(r"\W", "_", where.split(":")[0])
-    cwd = folders["root"] / page
-    cwd.mkdir(exist_ok=True)
-    env = {**os.environ, "STRATPACK_TIMEOUT": "120", "STRATPACK_RUNS": str(cwd / "runs"),
-           "STRATPACK_CALIBRATION": str(folders["root"] / "calibration.json")}
-    env.pop("STRATPACK_STRICT_P2P", None)  # as a user runs them
-    if {"CKPT", "CONFIG"} & set(args) and "CKPT" not in folders["values"]:
-        folders["values"].update(_hf_checkpoint(folders["root"], env))
-    line = tiny(args, folders["values"])
-    if line[0] == "dashboard":
-        return _serve(line, cwd, env)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "strategies.cli", *line], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+def test_command_line_from_the_docs_runs(where, args):
+    key = f"docs:{_page(where)}"
+    got = lane.result(key, _PAGES[key])[where, tuple(args)]
+    if isinstance(got, Exception):
+        raise got
+    line, proc, seconds = got
+    if proc is None:  # `stratpack dashboard`: it came up
+        return
     said = proc.stderr.strip().splitlines()
     gpu = any(re.search(p, shlex.join(args)) for p in NEEDS_GPU)
     if proc.returncode == 2:  # what this machine lacks, said in one line: a GPU, or an extra and how to install it
@@ -183,7 +222,7 @@ def test_command_line_from_the_docs_runs(folders, where, args):
             (where, proc.stderr[-2000:])
         return
     assert proc.returncode == 0, (f"{where}: stratpack {shlex.join(line)} exited {proc.returncode} after "
-                                  f"{time.monotonic() - start:.0f} s:\n{proc.stderr[-3000:]}")
+                                  f"{seconds:.0f} s:\n{proc.stderr[-3000:]}")
 
 
 def test_tiny_gives_the_synopsis_values_and_tiny_sizes():

@@ -21,6 +21,8 @@ from strategies.plan import ParallelPlan
 from strategies.runs import MEMORY_CATEGORIES
 from tests.helpers import REAL_3D, record_figure, train_demo
 
+pytestmark = pytest.mark.usefixtures("quiet")  # sampled figures: nothing beside (tests/lane.py)
+
 SIZE = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--seq-len", "128", "--batch-size", "16")
 CI = [("zero2_tp2", 4), ("zero1_pp2_interleaved_v2_mb4", 4), ("zero1_pp2_zb1p_mb4", 4)]  # and REAL_3D at 8, below
 # Run as gloo's users run it, strict p2p mode off: from its second step a pipeline rank posts every receive of a step

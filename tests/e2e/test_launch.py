@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 import strategies
 from demos.gpt import make_demo
 from strategies.checkpoint import ShardedCheckpointIO
+from tests import ports
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
 
@@ -260,14 +261,11 @@ def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
     # Two torchrun agents on this host, joined by c10d rendezvous, act as two nodes of two ranks each: tp2_pp2
     # keeps each tp pair inside a node and runs the pipeline's messages across the two. Equal to one process.
     import os
-    import socket
 
     from tests.helpers import ATOL, COMMON, PARAM_ATOL, RTOL, train_demo
 
     ref, ref_params = train_demo(tmp_path, "single", 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ports.take()  # the rendezvous' (below the ephemeral range: see tests/ports.py)
     out, params = tmp_path / "two-nodes.json", tmp_path / "two-nodes.pt"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",

@@ -13,13 +13,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
+from functools import partial
 
 import pytest
 
 from dashboard import data
 from strategies.plan import ParallelPlan
+from tests import lane
 from tests.helpers import COMMON, REAL_3D, REAL_3D_RUN, record_figure, train_demo
 
 STEPS = 3
@@ -38,7 +39,7 @@ def rehearse(tmp_path, plan: str, world: int, run: tuple[str, ...] = RUN) -> lis
     ranks = ",".join(str(r) for r in range(world))
     cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", ranks,
            "--out", str(out), "--runs-dir", str(tmp_path / "runs"), *COMMON, *run]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    proc = lane.run(cmd, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "pipeline programs: checked" in proc.stdout or "pp" not in plan
     return json.loads(out.read_text())
@@ -56,12 +57,14 @@ def real_comm(run_dir: str, rank: int) -> dict[str, dict[str, float]]:
     return {key: {k: round(v) for k, v in entry.items()} for key, entry in total.items()}
 
 
+@pytest.mark.usefixtures("quiet")
 @pytest.mark.parametrize("plan,world", CASES)
 def test_a_rehearsal_sends_and_holds_what_the_real_run_does(tmp_path, plan: str, world: int):
     real, _ = train_demo(tmp_path, plan, world, "--heap", "--warmup-steps", "0", *RUN)
     compare_with_rehearsals(tmp_path, real, plan, world, ((), ("--real",)) if world == 8 else ((),))
 
 
+@pytest.mark.usefixtures("quiet")  # (its heap and the --real rehearsal's, sampled: nothing beside, tests/lane.py)
 def test_the_3d_plan_at_8_ranks_rehearsed_on_meta_and_on_real_tensors_is_the_real_run(tmp_path, real_3d):
     # The 3D plan is also rehearsed on real tensors (`--real`: this CPU computes each rank's slice alone, its heap
     # sampled as the real run's is), which must hold and send the same.
@@ -116,15 +119,17 @@ def test_a_rehearsal_is_stored_as_a_run_the_dashboard_shows_as_rehearsed(tmp_pat
         (name, "all_reduce", "dp", rehearsed[0]["comm_per_step"]["all_reduce/dp"]["bytes_sent"])]
 
 
+AUTOCAST = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--n-layer", "2", "--n-embd", "256",
+            "--n-head", "4", "--seq-len", "128", "--batch-size", "4")
+
+
 @pytest.mark.parametrize("plan", ["tp2_ac", "tp2_sp_ac3", "tp2_sp_sac"])
-def test_under_autocast_tp_sends_what_the_estimator_predicts(tmp_path, plan: str):
+def test_under_autocast_tp_sends_what_the_estimator_predicts(tmp_path_factory, plan: str):
     # bf16-mixed: tp reduces the row-parallel outputs (bfloat16) and their inputs' gradients, and under sp gathers the
     # norms' outputs (float32) and scatters the row-parallel outputs; recompute repeats the forward's first ones (sac
     # as ac; ac3: for block 0 of the two, half of them, not a third). The estimator once counted them all as float32
     # (a third more).
-    run = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--n-layer", "2", "--n-embd", "256",
-           "--n-head", "4", "--seq-len", "128", "--batch-size", "4")
-    (r,) = rehearse(tmp_path, plan, 2, run)[:1]
+    r = lane.result(f"rehearse:autocast:{plan}", partial(_autocast, tmp_path_factory, plan))
     sent = {k: v["bytes_sent"] for k, v in r["comm_per_step"].items() if v["bytes_sent"] > 65536}  # not sp's norms
     assert sent == r["predicted"]["comm"], plan
 
@@ -135,7 +140,8 @@ PEAKS = [("tp2_pp2_gpipe_mb1", 4, 0, 1), ("pp2_zbv_mb4", 2, 1, 4), ("zero2_ac", 
 
 
 @pytest.mark.parametrize("plan,world,rank,batch", PEAKS, ids=[f"{p}@{w}" for p, w, _, _ in PEAKS])
-def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path, plan: str, world: int, rank: int, batch: int):
+def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path_factory, plan: str, world: int, rank: int,
+                                                    batch: int):
     """Llama 3 8B's width, four blocks, AdamW, a GPU job's ranks: the steady peak rehearsed beside the estimator's
     (its Llama family), within 2%. The first stage of `tp2_pp2_gpipe_mb1` peaks in the optimizer's step (CUDA's foreach
     kernels: a temporary as large as its parameters, beside every gradient; the estimator once left the step out, 26%
@@ -144,13 +150,7 @@ def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path, plan: str, world:
     keys and values, in autocast's dtype as SDPA would take them (they went repeated to every query head, and in
     float32: the rotated k is). Rank 0 also sends what the estimator predicts, per collective: tp's five input
     gradients per block among them."""
-    out = tmp_path / "rehearsal.json"
-    cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", str(rank),
-           "--batch-size", str(batch), "--out", str(out), "--runs-dir", str(tmp_path / "runs"), "--wandb", "off",
-           *LLAMA]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (r,) = json.loads(out.read_text())
+    r = lane.result(f"rehearse:llama:{plan}", partial(_llama, tmp_path_factory, plan, world, rank, batch))
     predicted = r["predicted"]["memory"][rank]
     expected = sum(v for k, v in predicted.items() if k != "host")
     assert r["device_peak"] == pytest.approx(expected, rel=0.02), (plan, r["device_peak"] / 2**20, expected / 2**20)
@@ -160,3 +160,37 @@ def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path, plan: str, world:
     stage = ParallelPlan.parse(plan).resolve(world).coordinates(rank)["pp"]
     if plan == "tp2_pp2_gpipe_mb1":
         assert r["predicted"]["peak_at"][stage] == "step"
+
+
+# The meta rehearsals above run ahead on the suite's second lane (tests/lane.py): one process each, a core idle
+def _autocast(factory, plan: str) -> dict:
+    return rehearse(factory.mktemp(plan), plan, 2, AUTOCAST)[0]
+
+
+def _llama(factory, plan: str, world: int, rank: int, batch: int) -> dict:
+    folder = factory.mktemp(plan)
+    out = folder / "rehearsal.json"
+    cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", str(rank),
+           "--batch-size", str(batch), "--out", str(out), "--runs-dir", str(folder / "runs"), "--wandb", "off",
+           *LLAMA]
+    proc = lane.run(cmd, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (r,) = json.loads(out.read_text())
+    return r
+
+
+def _queued(factory, readers) -> list:
+    work = []
+    for item in readers:
+        p = item.callspec.params
+        if item.originalname == "test_under_autocast_tp_sends_what_the_estimator_predicts":
+            work.append((f"rehearse:autocast:{p['plan']}", partial(_autocast, factory, p["plan"])))
+        else:
+            work.append((f"rehearse:llama:{p['plan']}", partial(_llama, factory, p["plan"], p["world"], p["rank"],
+                                                                 p["batch"])))
+    return work
+
+
+lane.register("rehearse", lambda item: getattr(item, "originalname", "") in (
+    "test_under_autocast_tp_sends_what_the_estimator_predicts", "test_a_llama_rank_peaks_where_the_estimator_says"),
+    _queued)

@@ -9,10 +9,12 @@ left it (`strategies.lightning.resume`; without it they would train on the epoch
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
 
+from tests import lane
 from tests.helpers import ATOL, PARAM_ATOL, RTOL, train_demo
 
 EPOCHS = ("--epoch-steps", "4", "--steps", "8")
@@ -20,17 +22,32 @@ SAVE = ("--checkpoint-every", "3")
 STEP3 = "epoch=0-step=3.ckpt"  # mid-epoch
 
 
+def _reference(factory):
+    return train_demo(factory.mktemp("ref"), "single", 1, *EPOCHS)
+
+
+def _saved(factory):
+    # The headline plan saves: dp2 x tp2 x pp2, ZeRO-3 over dp, each rank writing its part.
+    tmp = factory.mktemp("zero3_tp2_pp2")
+    result, params = train_demo(tmp, "zero3_tp2_pp2", 8, *EPOCHS, *SAVE, "--checkpoint-dir", str(tmp / "ckpt"))
+    return result, params, str(tmp / "ckpt" / STEP3)
+
+
+# (both on the suite's second lane, tests/lane.py)
+lane.register(
+    "reshard", lambda item: item.path.name == "test_reshard.py" and lane.takes(item, "reference", "saved"),
+    lambda factory, readers: [(f"reshard-{name}", partial(fn, factory)) for name, fn in (
+        ("reference", _reference), ("saved", _saved)) if any(lane.takes(item, name) for item in readers)])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return train_demo(tmp_path_factory.mktemp("ref"), "single", 1, *EPOCHS)
+    return lane.result("reshard-reference", partial(_reference, tmp_path_factory))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, reference):
-    # The headline plan saves: dp2 x tp2 x pp2, ZeRO-3 over dp, each rank writing its part.
-    tmp = tmp_path_factory.mktemp("zero3_tp2_pp2")
-    result, params = train_demo(tmp, "zero3_tp2_pp2", 8, *EPOCHS, *SAVE, "--checkpoint-dir", str(tmp / "ckpt"))
-    return result, params, str(tmp / "ckpt" / STEP3)
+    return lane.result("reshard-saved", partial(_saved, tmp_path_factory))
 
 
 def _assert_continues(result, params, reference) -> None:

@@ -26,11 +26,13 @@ accumulation micro-step and so reducing it early (the bug this matrix found unde
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.e2e._sgd_job import ADAMW, BF16, CASES, FULL, GLOBAL, STEPS, model, reference
-from tests.e2e.conftest import sgd_job
+from tests.helpers import run_job
 
 pytestmark = pytest.mark.slow
 PARAM_ATOL = 1e-6
@@ -54,6 +56,14 @@ def expected_llama() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def results(jobs) -> dict:
     return {world: job["states"] for world, job in jobs.items()}
+
+
+def sgd_job(tmp_path_factory, world: int, which: str) -> dict:
+    """``_sgd_job.py`` at ``world`` ranks on its own (``which``: ci, or full for the matrix): {"states", "extras"}.
+    (Here, not in the conftest: a test file that imports a conftest runs it a second time, as another module.)"""
+    # PL_GLOBAL_SEED: the samplers' seed, as the reference's, not whatever this process was seeded with
+    return run_job(os.path.join(os.path.dirname(__file__), "_sgd_job.py"), tmp_path_factory.mktemp(f"sgd{world}"),
+                   str(world), which, timeout_s=900, env={"PL_GLOBAL_SEED": "0"})[0]
 
 
 @pytest.fixture(scope="module")

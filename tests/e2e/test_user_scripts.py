@@ -10,54 +10,74 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
+
+from tests import lane
 
 SCRIPT = Path(__file__).with_name("_user_script.py")
 TWO_RANKS = ["dp", "zero3", "tp2", "cp2", "ep2", "pp2_1f1b_mb4", "pp2_gpipe_mb4", "pp2_interleaved_v2_mb4",
              "pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4"]
 
 
-def _script(tmp_path: Path, devices: int, plans: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "fits.txt"), str(devices), *plans],
-                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[2],
-                          env={**os.environ, **env})
+def _script(factory, devices: int, plans: tuple[str, ...], **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = factory.mktemp("user") / "fits.txt"
+    return lane.run([sys.executable, str(SCRIPT), str(out), str(devices), *plans], timeout=900,
+                    cwd=Path(__file__).parents[2], env={**os.environ, **env}), out
 
 
-def _run(tmp_path: Path, devices: int, plans: list[str]) -> None:
-    out = tmp_path / "fits.txt"
-    proc = _script(tmp_path, devices, plans)
+def _fit_then_test(factory) -> dict:
+    done, folder = {}, factory.mktemp("fit_test")
+    for plan in ("dp", "zero2"):
+        done[plan] = lane.run([sys.executable, str(SCRIPT.with_name("_fit_test_job.py")), str(folder / plan), "2",
+                               plan, "configure_model"], timeout=600, cwd=Path(__file__).parents[2]), folder / plan
+    return done
+
+
+WORK = {"test_two_rank_plans_from_a_script_that_ends_after_fit": (_script, 2, tuple(TWO_RANKS)),
+        "test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_script_prints": (
+            partial(_script, BATCH="6", BUILDS="configure_model"), 2, ("pp2_1f1b_mb4",)),
+        "test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model": (_fit_then_test,)}
+
+
+def _ran(request):
+    """What the test's scripts did: run ahead on the suite's second lane (tests/lane.py), or here."""
+    test = request.node.originalname
+    fn, *args = WORK[test]
+    return lane.result(f"user:{test}", partial(fn, request.getfixturevalue("tmp_path_factory"), *args))
+
+
+lane.register("user scripts", lambda item: item.path.name == "test_user_scripts.py", lambda factory, readers: [
+    (f"user:{item.originalname}", partial(WORK[item.originalname][0], factory, *WORK[item.originalname][1:]))
+    for item in readers])
+
+
+def test_two_rank_plans_from_a_script_that_ends_after_fit(request):
+    proc, out = _ran(request)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "terminate called" not in proc.stderr
     lines = out.read_text().split()
-    assert [(p, b) for p, b in zip(lines[::3], lines[1::3])] == [(p, b) for p in plans
+    assert [(p, b) for p, b in zip(lines[::3], lines[1::3])] == [(p, b) for p in TWO_RANKS
                                                                   for b in ("init", "configure_model")]
     assert all(float(x) > 1 for x in lines[2::3])  # the perplexity logged from loss.item()
 
 
-def test_two_rank_plans_from_a_script_that_ends_after_fit(tmp_path):
-    _run(tmp_path, 2, TWO_RANKS)
-
-
-def test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_script_prints(tmp_path):
+def test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_script_prints(request):
     # The fit stops at its first batch, which does not split into 4 microbatches, with the model still on meta.
     # Teardown used to add its own traceback under it ("Cannot copy out of meta tensor").
-    proc = _script(tmp_path, 2, ["pp2_1f1b_mb4"], BATCH="6", BUILDS="configure_model")
+    proc, _ = _ran(request)
     assert proc.returncode != 0
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
     assert "does not split into mb4 equal microbatches" in last, proc.stderr[-3000:]
     assert "meta tensor" not in proc.stderr
 
 
-def test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model(tmp_path):
+def test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model(request):
     # Lightning's flow (`_fit_test_job.py`): fit with a ModelCheckpoint, then test(ckpt_path="best"). Where every rank
     # holds the weights whole (dp, ZeRO-1/2) the module keeps them after fit; it used to be left on meta and refused.
     # The two plans train alike (plain SGD): the same test loss. (ZeRO-3, tp, pp: the sharded checkpoint work.)
     losses = {}
-    for plan in ("dp", "zero2"):
-        out = tmp_path / plan
-        proc = subprocess.run([sys.executable, str(SCRIPT.with_name("_fit_test_job.py")), str(out), "2", plan,
-                               "configure_model"], capture_output=True, text=True, timeout=600,
-                              cwd=Path(__file__).parents[2])
+    for plan, (proc, out) in _ran(request).items():
         assert proc.returncode == 0, proc.stderr[-4000:]
         losses[plan] = float(out.read_text())
     assert abs(losses["dp"] - losses["zero2"]) <= 1e-5 * losses["dp"], losses

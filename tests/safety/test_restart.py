@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from strategies.runs import list_runs, read_run
+from tests import ports
 from tests.helpers import record_figure
 
 JOB = os.path.join(os.path.dirname(__file__), "_restart_job.py")
@@ -26,9 +26,7 @@ JOB = os.path.join(os.path.dirname(__file__), "_restart_job.py")
 def _torchrun(folder, plan: str, world: int, fault: str, rank: int, step: int):
     """The job under torchrun, restarted up to 3 times: (torchrun's exit, its output, the final parameters)."""
     os.makedirs(folder, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ports.take()  # the rendezvous' (below the ephemeral range: see tests/ports.py)
     params = os.path.join(folder, "params.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--max-restarts", "3",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", JOB, plan, fault, str(rank), str(step),
