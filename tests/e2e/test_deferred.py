@@ -11,7 +11,7 @@ import torch
 from strategies.deferred import Deferred, meta_parameters
 from strategies.runs import MEMORY_CATEGORIES
 from tests.e2e._deferred_job import BATCH, CASES, LR, STEPS, Built, data
-from tests.helpers import record_figure, train_demo
+from tests.helpers import demo_run, demo_runs_ahead, record_figure, train_demo
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -70,15 +70,23 @@ SETUP = [("zero3", 4), ("tp2_pp2_1f1b", 4), ("zero3_tp2_pp2_1f1b", 8)]  # CI: th
 SETUP_PARAMS = [pytest.param(p, d, id=f"{p}@{d}", marks=() if d == 8 else pytest.mark.matrix) for p, d in SETUP]
 
 
+SETUP_TEST = "test_a_meta_build_starts_within_the_predicted_steady_peak_and_one_block"
+# On the suite's second lane (tests/lane.py), beside other tests: a heap sampled beside a busy core reads low if
+# anything, and the bound sits far above the 3D plan's peak (56 MiB against 82) and far below its planted one (108)
+demo_runs_ahead("setup", lambda item: getattr(item, "originalname", "") == SETUP_TEST, lambda readers: {
+    f"setup:{p}@{d}": (p, d, "--configure-model", *SETUP_SIZE)
+    for p, d in (tuple(item.callspec.params[k] for k in ("plan", "devices")) for item in readers)})
+
+
 @pytest.mark.parametrize("plan,devices", SETUP_PARAMS)
-def test_a_meta_build_starts_within_the_predicted_steady_peak_and_one_block(tmp_path, quiet, plan: str,
+def test_a_meta_build_starts_within_the_predicted_steady_peak_and_one_block(tmp_path_factory, plan: str,
                                                                          devices: int):
     """Built in configure_model, each rank makes one piece at a time: its set-up peak (the heap from before the build
     to the end of the first step) stays within the estimator's steady peak plus one block, plus 10% (measured: 78,
     60 and 56 MiB against limits of 82, 73 and 82). Built in ``__init__`` (planted: without --configure-model) the
     set-up peaks were 123, 108 and 108 MiB, and this test fails. Plain SGD and a small batch: the model states and
     activations are small beside the whole model, as at scale."""
-    result, _ = train_demo(tmp_path, plan, devices, "--configure-model", *SETUP_SIZE)
+    result, _ = demo_run(tmp_path_factory, f"setup:{plan}@{devices}", plan, devices, "--configure-model", *SETUP_SIZE)
     block = 4 * (12 * 256 * 256 + 13 * 256)  # one block's fp32 weights (attention, MLP, two norms)
     predicted = result["predicted"]
     for rank, memory in enumerate(result["memory_bytes_per_rank"]):
