@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import lane, ports
+from tests import lane, ports, python
 
 os.environ.setdefault("STRATPACK_STRICT_P2P", "60")
 
@@ -119,7 +119,7 @@ def _compared(tmp_path_factory):
     root = tmp_path_factory.mktemp("compared")
     runs, table = root / "runs", root / "results.json"
     env = {**os.environ, "STRATPACK_CALIBRATION": str(root / "cache" / "calibration.json"), "STRATPACK_RUNS": str(runs)}
-    cli = [sys.executable, "-m", "strategies.cli"]
+    cli = [python.core(), "-m", "strategies.cli"]
     proc = lane.run([*cli, "compare", "--strategies", COMPARED, "--steps", "4", "--json", str(table),
                      "--runs-dir", str(runs), *TINY_RUN], timeout=900, env=env)
     killed = subprocess.Popen([*lane.prefix(), *cli, "train", "dp", "--steps", "100000", *TINY_RUN],

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from functools import partial
 
 import torch
 
 from strategies.clipping import clip_pieces
 from tests import lane
+from tests import python as interpreter
 
 
 class TinyNet(torch.nn.Module):
@@ -100,13 +100,15 @@ REAL_3D_RUN = ("--steps", "3", "--optimizer", "sgd-plain", "--configure-model", 
 
 
 def run_job(script: str, folder, *args: str, timeout_s: float = 600, collective_timeout: str = "120",
-            env: dict[str, str] | None = None):
+            env: dict[str, str] | None = None, hf: bool = False):
     """Run a job script (a set of Trainer fits in one set of ranks: Lightning's popen launcher re-runs it for the
-    other ranks) in ``folder``, with this checkout importable; what it saved at ``folder/results.pt``."""
+    other ranks) in ``folder``, with this checkout importable; what it saved at ``folder/results.pt``. ``hf``: it
+    builds Hugging Face models (`tests/python.py`)."""
     out = folder / "results.pt"
     env = {**os.environ, "STRATPACK_TIMEOUT": collective_timeout, "STRATPACK_RUNS": str(folder / "runs"),
            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    proc = lane.run([sys.executable, script, str(out), *args], cwd=folder, timeout=timeout_s, env=env)
+    exe = interpreter.full() if hf else interpreter.core()
+    proc = lane.run([exe, script, str(out), *args], cwd=folder, timeout=timeout_s, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out), proc
 
@@ -116,7 +118,7 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
     """Train the demo GPT with ``strategy`` on ``devices`` CPU ranks (a subprocess); return the run's result
     and its final parameters (the single-device layout)."""
     out, params = tmp_path / f"{strategy}-{devices}.json", tmp_path / f"{strategy}-{devices}.pt"
-    python = list(launcher) or [sys.executable]
+    python = list(launcher) or [interpreter.full() if interpreter.needs_hf(extra) else interpreter.core()]
     cmd = [*python, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
            "--out", str(out), "--params-out", str(params), *COMMON, *extra]
     env = {**os.environ, "STRATPACK_TIMEOUT": os.environ.get("STRATPACK_TIMEOUT", "120"),

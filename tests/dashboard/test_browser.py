@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
 from strategies.cli.dashboard import wait_until_up
-from tests import ports
+from tests import ports, python
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -19,7 +18,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 @pytest.fixture
 def server(store, tmp_path):
     port = ports.take()  # (below the ephemeral range: see tests/ports.py)
-    proc = subprocess.Popen([sys.executable, "-m", "strategies.cli", "dashboard", "--runs-dir", str(store),
+    proc = subprocess.Popen([python.core(), "-m", "strategies.cli", "dashboard", "--runs-dir", str(store),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     if not wait_until_up(url):

@@ -45,7 +45,7 @@ def run_jobs(factory, world: int) -> dict:
     specs = [f"{job}={hf_saved(factory)}" if job == "_pretrained_job" else job
              for job in JOBS[world] if hf or job not in HF]
     return run_job(os.path.join(HERE, "_jobs.py"), factory.mktemp(f"jobs{world}"), str(world), *specs,
-                   timeout_s=1800, env={"PL_GLOBAL_SEED": "0"})[0]
+                   timeout_s=1800, env={"PL_GLOBAL_SEED": "0"}, hf=True)[0]
 
 
 # the lane runs the largest world first: its first reader (test_deferred) comes early

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +13,7 @@ from dashboard import data
 from strategies import runs as runstore
 from strategies.cli.bench import plan_of
 from strategies.measure.monitor import keep_record
+from tests import python
 
 TINY = ["--repeat", "1", "--steps", "3", "--warmup-steps", "1", "--n-layer", "2", "--n-embd", "32", "--seq-len",
         "16", "--batch-per-rank", "4"]
@@ -21,7 +21,7 @@ TINY = ["--repeat", "1", "--steps", "3", "--warmup-steps", "1", "--n-layer", "2"
 
 def test_bench_writes_report_and_run_store_the_dashboard_shows(tmp_path):
     runs, md, table = tmp_path / "runs", tmp_path / "bench.md", tmp_path / "bench.csv"
-    proc = subprocess.run([sys.executable, "-m", "strategies.cli", "bench", "--pairs", "dp,pp-1f1b", *TINY,
+    proc = subprocess.run([python.core(), "-m", "strategies.cli", "bench", "--pairs", "dp,pp-1f1b", *TINY,
                            "--runs-dir", str(runs), "--report", str(md), "--report", str(table)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,7 +91,7 @@ def test_the_one_device_bench_writes_its_table_traces_and_a_comparison_the_dashb
     # `--accelerator gpu`'s rows (`bench_gpu`) on the CPU at a tiny size: a plain loop and a plan, one traced. Speed
     # is not asserted; that every figure is there, and the traced row's device split is read off its trace.
     runs, md, folder = tmp_path / "runs", tmp_path / "gpu.md", tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "strategies.cli", "bench", "--rows", "plain,dp", "--profile", "dp",
+    proc = subprocess.run([python.core(), "-m", "strategies.cli", "bench", "--rows", "plain,dp", "--profile", "dp",
                            "--steps", "7", "--warmup-steps", "4", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
                            "--seq-len", "16", "--batch-size", "4", "--precision", "32-true", "--runs-dir", str(runs),
                            "--folder", str(folder), "--report", str(md)], capture_output=True, text=True, timeout=300)

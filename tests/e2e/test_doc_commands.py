@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import lane, ports
+from tests import lane, ports, python
 from tests.unit.test_docs import commands
 
 TINY = {"--n-layer": "4", "--n-embd": "16", "--n-head": "2", "--seq-len": "16", "--max-chars": "8000",
@@ -161,7 +161,8 @@ def _run_page(root: Path, values: dict, page: str, todo: list) -> dict:
                 done[where, args] = (line, None, 0.0)
                 continue
             start = time.monotonic()
-            proc = lane.run([sys.executable, "-m", "strategies.cli", *line], cwd=cwd, env=env, timeout=900)
+            exe = python.full() if python.needs_hf(line) else python.core()
+            proc = lane.run([exe, "-m", "strategies.cli", *line], cwd=cwd, env=env, timeout=900)
             done[where, args] = (line, proc, time.monotonic() - start)
         except Exception as e:  # (this line's test fails with it; the page's later lines still run)
             done[where, args] = e
@@ -196,7 +197,7 @@ def _serve(args: list[str], cwd: Path, env: dict) -> None:
 
     port = ports.take()  # (below the ephemeral range: see tests/ports.py)
     args = [a for i, a in enumerate(args) if a != "--port" and (i == 0 or args[i - 1] != "--port")]
-    server = subprocess.Popen([*lane.prefix(), sys.executable, "-m", "strategies.cli", *args, "--port", port],
+    server = subprocess.Popen([*lane.prefix(), python.core(), "-m", "strategies.cli", *args, "--port", port],
                               cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait = 300 if lane.in_lane() else 90  # (in the lane it may wait for the test in front)
     try:

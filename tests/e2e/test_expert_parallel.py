@@ -26,7 +26,7 @@ PARAM_ATOL = {"sgd": 1e-6, "adamw": 1e-4}  # AdamW divides by sqrt(v): sum-order
 
 def _job(tmp_path_factory, world: int, *extra: str) -> dict:
     return run_job(JOB, tmp_path_factory.mktemp(f"ep{world}"), str(world), *extra, timeout_s=900,
-                   env={"PL_GLOBAL_SEED": "0"})[0]
+                   env={"PL_GLOBAL_SEED": "0"}, hf=True)[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ JOB = os.path.join(os.path.dirname(__file__), "_first_batch_job.py")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return run_job(JOB, tmp_path_factory.mktemp("first_batch"), timeout_s=300, collective_timeout="60")[0]
+    return run_job(JOB, tmp_path_factory.mktemp("first_batch"), timeout_s=300, collective_timeout="60", hf=True)[0]
 
 
 @pytest.mark.parametrize("case,expected", [

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+from tests import python
 
 JOB = r'''
 import json, lightning as L, torch, strategies
@@ -40,7 +41,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_gradients_are_freed_before_the_next_forward_except_inside_a_window_or_where_zero_grad_is_customised():
-    proc = subprocess.run([sys.executable, "-c", JOB], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([python.core(), "-c", JOB], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.split("RESULT", 1)[1])
     n = got["plain"]["params"]

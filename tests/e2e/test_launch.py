@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import lightning as L
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader
 import strategies
 from demos.gpt import make_demo
 from strategies.checkpoint import ShardedCheckpointIO
-from tests import ports
+from tests import ports, python
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
 
@@ -59,7 +58,7 @@ def test_slurm_environment_gives_ranks_and_dp_sampler(monkeypatch):
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strategies.cli", *args], capture_output=True, text=True,
+    return subprocess.run([python.core(), "-m", "strategies.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -79,7 +78,7 @@ def test_a_rank_that_train_started_and_that_fails_ends_the_job_at_once():
               "time.sleep(60)\n")
     env = {k: v for k, v in os.environ.items() if k not in ranks_env()}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([python.core(), "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == -signal.SIGTERM and time.monotonic() - start < 20, proc.stderr[-2000:]
     assert re.search(r"stratpack: rank [12] exited with code 2: ending the job", proc.stderr), proc.stderr[-2000:]
 
@@ -117,11 +116,11 @@ def test_compare_prints_one_row_per_strategy_with_equal_losses(compared):
 
 
 def test_acceptance_one_liners():
-    ok = subprocess.run([sys.executable, "-c", "import strategies, lightning as L; "
+    ok = subprocess.run([python.core(), "-c", "import strategies, lightning as L; "
                          "L.Trainer(strategy='zero3_tp2_pp2', accelerator='cpu', devices=8)"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    bad = subprocess.run([sys.executable, "-c", "import strategies, lightning as L; "
+    bad = subprocess.run([python.core(), "-c", "import strategies, lightning as L; "
                           "L.Trainer(strategy='zero3_tp3', accelerator='cpu', devices=8)"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0
@@ -267,7 +266,7 @@ def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
     ref, ref_params = train_demo(tmp_path, "single", 1)
     port = ports.take()  # the rendezvous' (below the ephemeral range: see tests/ports.py)
     out, params = tmp_path / "two-nodes.json", tmp_path / "two-nodes.pt"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+    agent = [python.core(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
              "-m", "strategies.cli", "train", "tp2_pp2", "--devices", "2", "--num-nodes", "2", "--out", str(out),
              "--params-out", str(params), "--wandb", "off", *COMMON]

@@ -41,7 +41,7 @@ def _reference(name: str, optimizer: str, clip: float | None) -> dict[str, torch
 
 
 def _job(tmp_path_factory, which: str):
-    return run_job(JOB, tmp_path_factory.mktemp("zoo"), which)[0]
+    return run_job(JOB, tmp_path_factory.mktemp("zoo"), which, hf=True)[0]
 
 
 @pytest.fixture(scope="module")

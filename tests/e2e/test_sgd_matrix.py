@@ -63,7 +63,7 @@ def sgd_job(tmp_path_factory, world: int, which: str) -> dict:
     (Here, not in the conftest: a test file that imports a conftest runs it a second time, as another module.)"""
     # PL_GLOBAL_SEED: the samplers' seed, as the reference's, not whatever this process was seeded with
     return run_job(os.path.join(os.path.dirname(__file__), "_sgd_job.py"), tmp_path_factory.mktemp(f"sgd{world}"),
-                   str(world), which, timeout_s=900, env={"PL_GLOBAL_SEED": "0"})[0]
+                   str(world), which, timeout_s=900, env={"PL_GLOBAL_SEED": "0"}, hf=True)[0]
 
 
 @pytest.fixture(scope="module")

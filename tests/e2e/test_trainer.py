@@ -9,12 +9,11 @@ steps of a few 1e-6 (observed 3.9e-6 after 5 steps under dp, 1.2e-5 under tp2, w
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 
+from tests import python
 from tests.e2e._sgd_job import CLIP, CLIPPED, SHARED, model
 from tests.e2e._sgd_job import reference as sgd_reference
 from tests.helpers import ATOL, DEEP, PARAM_ATOL, RTOL
@@ -26,7 +25,7 @@ def reference(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("single"), "single", 1)
 
 
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+TORCHRUN = (python.core(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
 
 
 # Every data mode, tp and pipeline path against one process through the Trainer, with AdamW and with plain SGD, and

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
-from tests import lane
+from tests import lane, python
 
 SCRIPT = Path(__file__).with_name("_user_script.py")
 TWO_RANKS = ["dp", "zero3", "tp2", "cp2", "ep2", "pp2_1f1b_mb4", "pp2_gpipe_mb4", "pp2_interleaved_v2_mb4",
@@ -22,14 +21,14 @@ TWO_RANKS = ["dp", "zero3", "tp2", "cp2", "ep2", "pp2_1f1b_mb4", "pp2_gpipe_mb4"
 
 def _script(factory, devices: int, plans: tuple[str, ...], **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = factory.mktemp("user") / "fits.txt"
-    return lane.run([sys.executable, str(SCRIPT), str(out), str(devices), *plans], timeout=900,
+    return lane.run([python.core(), str(SCRIPT), str(out), str(devices), *plans], timeout=900,
                     cwd=Path(__file__).parents[2], env={**os.environ, **env}), out
 
 
 def _fit_then_test(factory) -> dict:
     done, folder = {}, factory.mktemp("fit_test")
     for plan in ("dp", "zero2"):
-        done[plan] = lane.run([sys.executable, str(SCRIPT.with_name("_fit_test_job.py")), str(folder / plan), "2",
+        done[plan] = lane.run([python.core(), str(SCRIPT.with_name("_fit_test_job.py")), str(folder / plan), "2",
                                plan, "configure_model"], timeout=600, cwd=Path(__file__).parents[2]), folder / plan
     return done
 

@@ -12,13 +12,13 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from strategies.checkpoint import sharded as ckpt
+from tests import python
 
 LOOP = os.path.join(os.path.dirname(__file__), "_save_loop.py")
 
@@ -101,7 +101,7 @@ def test_a_process_killed_while_saving_leaves_a_whole_checkpoint(tmp_path, seed)
     path = str(tmp_path / "last.ckpt")
     seen = set()
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, LOOP, path], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([python.core(), LOOP, path], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().startswith("saved")  # at least one whole checkpoint exists
         time.sleep(rng.uniform(0.0, 0.4))
         proc.send_signal(signal.SIGKILL)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
 from strategies import runs as runstore
+from tests import python
 from tests.helpers import record_figure
 
 JOB = os.path.join(os.path.dirname(__file__), "_fault_job.py")
@@ -28,7 +28,7 @@ STEP = 2  # the fault comes after this many optimizer steps
 def _run_job(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "STRATPACK_TIMEOUT": str(TIMEOUT_S), "STRATPACK_RUNS": str(tmp_path / "runs")}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, JOB, *args], capture_output=True, text=True, timeout=4 * TIMEOUT_S,
+    proc = subprocess.run([python.core(), JOB, *args], capture_output=True, text=True, timeout=4 * TIMEOUT_S,
                           env=env, cwd=tmp_path)
     return proc, time.monotonic() - start
 

@@ -11,13 +11,12 @@ import functools
 import os
 import random
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from strategies.runs import list_runs, read_run
-from tests import ports
+from tests import ports, python
 from tests.helpers import record_figure
 
 JOB = os.path.join(os.path.dirname(__file__), "_restart_job.py")
@@ -28,7 +27,7 @@ def _torchrun(folder, plan: str, world: int, fault: str, rank: int, step: int):
     os.makedirs(folder, exist_ok=True)
     port = ports.take()  # the rendezvous' (below the ephemeral range: see tests/ports.py)
     params = os.path.join(folder, "params.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--max-restarts", "3",
+    cmd = [python.core(), "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--max-restarts", "3",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", JOB, plan, fault, str(rank), str(step),
            os.path.join(folder, "checkpoints"), params]
     env = {**os.environ, "STRATPACK_TIMEOUT": "60", "STRATPACK_RUNS": os.path.join(folder, "runs")}
