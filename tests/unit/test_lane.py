@@ -5,13 +5,14 @@ fixtures and caches of its own) stops the session at once instead of handing two
 import itertools
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
 
-from tests import lane, ports
+from tests import lane, ports, python
 
 
 def test_work_not_queued_runs_once_where_it_is_read_and_is_kept():
@@ -83,3 +84,15 @@ def test_ports_are_below_the_ephemeral_range_each_once_and_never_one_held(monkey
         monkeypatch.setattr(ports, "_order", itertools.chain([taken], range(ports.LOW, ports.HIGH)))
         got = [int(ports.take()) for _ in range(3)]
     assert taken not in got and len(set(got)) == 3 and all(ports.LOW <= p < ports.HIGH for p in got)
+
+
+def test_the_core_interpreter_has_the_pack_and_no_transformers():
+    """`tests/python.py`'s core (scripts/setup.sh --dev's .venv-core): the pack, Lightning and the dashboard, and no
+    transformers, so that what runs there proves the pack needs it for nothing but Hugging Face models."""
+    exe = python.core()
+    if exe == sys.executable:
+        pytest.skip("no .venv-core beside this checkout's .venv (scripts/setup.sh --dev makes it)")
+    code = ("import importlib.util as u, lightning, strategies, streamlit; "
+            "print(u.find_spec('transformers') is None, lightning.__file__.startswith(sys.prefix))")
+    out = subprocess.run([exe, "-c", "import sys; " + code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "True"], out.stderr[-2000:]
