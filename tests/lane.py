@@ -6,7 +6,7 @@ one-process test, a rehearsal, a job whose rank 0 imports torch before its other
 launcher), a fault test waiting for a timeout (vmstat through a full run, 29 November 2026: 716 of 2,760 core-seconds
 idle). The session fixtures whose work is only to run processes and keep what they wrote (the shared jobs, the
 `compare` run store, a checkpoint to resume from, the docs' command lines) are registered here; at the session's start
-each one that a selected test needs is queued, and one thread runs the queue in order, its processes under `nice`.
+each one that a selected test needs is queued, and two threads run the queue in order, its processes under `nice`.
 A fixture that finds its work not yet started runs it itself, at normal priority; one that finds it running waits.
 
 What is run here must not depend on timing: values, bytes, exit codes. Tests that compare sampled figures (heap
@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from tests import ports
 
 NICE = 10  # the lane's share under contention: about a tenth (CFS weights 110 against 1024)
+# Two threads: once the tests in front have run out, they wait on what the lane has left, and one thread running
+# one-process work (a rehearsal, a page of the docs' lines) left a core idle for the suite's last three minutes
+WORKERS = 2
 # Wait limits for the lane's ranks: a collective or a strict receive may wait while the test in front takes both cores
 SLACK_ENV = {"STRATPACK_TIMEOUT": "1200", "STRATPACK_STRICT_P2P": "1200"}
 
@@ -148,7 +151,7 @@ def start(items, factory) -> None:
         work += queued.work(factory, readers) if readers else []
     if not work:
         return
-    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane")
+    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="lane")
     for key, fn in work:
         _futures[key] = _pool.submit(_in_lane, fn)
 

@@ -177,9 +177,13 @@ def _hf_checkpoint(root: Path, env: dict) -> dict[str, str]:
     shape = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
     run([sys.executable, "-m", "strategies.cli", "train", "dp", "--workload", "hf-llama", "--steps", "2",
          "--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--wandb", "off", *shape], cwd, env)
+    import torch
+
     from demos.hf_llama import LlamaModule
 
-    LlamaModule(2, 32, 2, 16).config.save_pretrained(cwd / "config")
+    with torch.device("meta"):  # (its config only: no weights drawn from the generator the tests in front use)
+        module = LlamaModule(2, 32, 2, 16)
+    module.config.save_pretrained(cwd / "config")
     (ckpt,) = (cwd / "ckpt").glob("*.ckpt")
     return {"CKPT": str(ckpt), "CONFIG": str(cwd / "config")}
 
