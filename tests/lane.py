@@ -10,7 +10,10 @@ each one that a selected test needs is queued, and two threads run the queue in 
 A fixture that finds its work not yet started runs it itself, at normal priority; one that finds it running waits.
 
 What is run here must not depend on timing: values, bytes, exit codes. Tests that compare sampled figures (heap
-peaks, elapsed times) take the ``quiet`` fixture, which waits until the lane is empty.
+peaks, elapsed times) take the ``quiet`` fixture, which waits until the lane is empty. And what it runs inside pytest's
+own process must draw nothing from torch's, numpy's or Python's global generators, which the tests in front seed and
+draw from (a lane thread that built models beside a one-process reference changed its weights); build such things
+in the work's registration, which runs in pytest's thread before the lane starts, or on meta, or in a subprocess.
 """
 
 from __future__ import annotations
