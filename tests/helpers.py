@@ -118,7 +118,7 @@ def train_demo(tmp_path, strategy: str, devices: int, *extra: str, launcher: tup
     """Train the demo GPT with ``strategy`` on ``devices`` CPU ranks (a subprocess); return the run's result
     and its final parameters (the single-device layout)."""
     out, params = tmp_path / f"{strategy}-{devices}.json", tmp_path / f"{strategy}-{devices}.pt"
-    python = list(launcher) or [interpreter.full() if interpreter.needs_hf(extra) else interpreter.core()]
+    python = list(launcher) or [interpreter.for_args(extra)]
     cmd = [*python, "-m", "strategies.cli", "train", strategy, "--devices", str(devices),
            "--out", str(out), "--params-out", str(params), *COMMON, *extra]
     env = {**os.environ, "STRATPACK_TIMEOUT": os.environ.get("STRATPACK_TIMEOUT", "120"),

@@ -29,6 +29,11 @@ def full() -> str:
     return sys.executable
 
 
+def for_args(args) -> str:
+    """The Python for a process given ``args``: `full()` where they may name a Hugging Face model, else `core()`."""
+    return full() if needs_hf(args) else core()
+
+
 def needs_hf(args) -> bool:
     """Whether a `stratpack` command line (or a job's arguments) may name a Hugging Face model: a workload (`llama3-*`,
     `qwen2-*`, `gpt2-xl`, `hf-*`, `demos.sizes:LLAMA3_8B`), a config (`--hf-config`) or a checkpoint to convert

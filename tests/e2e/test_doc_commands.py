@@ -161,8 +161,7 @@ def _run_page(root: Path, values: dict, page: str, todo: list) -> dict:
                 done[where, args] = (line, None, 0.0)
                 continue
             start = time.monotonic()
-            exe = python.full() if python.needs_hf(line) else python.core()
-            proc = lane.run([exe, "-m", "strategies.cli", *line], cwd=cwd, env=env, timeout=900)
+            proc = lane.run([python.for_args(line), "-m", "strategies.cli", *line], cwd=cwd, env=env, timeout=900)
             done[where, args] = (line, proc, time.monotonic() - start)
         except Exception as e:  # (this line's test fails with it; the page's later lines still run)
             done[where, args] = e

@@ -37,8 +37,7 @@ def rehearse(tmp_path, plan: str, world: int, run: tuple[str, ...] = RUN) -> lis
     """Every rank of ``plan`` at ``world`` rehearsed (`stratpack rehearse`), into the run store tmp_path/runs."""
     out = tmp_path / f"rehearsal-{plan}{'-real' if '--real' in run else ''}.json"
     ranks = ",".join(str(r) for r in range(world))
-    cmd = [python.full() if python.needs_hf(run) else python.core(), "-m", "strategies.cli", "rehearse", plan,
-           "--world-size", str(world), "--rank", ranks,
+    cmd = [python.for_args(run), "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", ranks,
            "--out", str(out), "--runs-dir", str(tmp_path / "runs"), *COMMON, *run]
     proc = lane.run(cmd, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-4000:]
