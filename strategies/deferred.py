@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -169,16 +169,49 @@ class Deferred:
         # Made already (by id: made in place, the same Parameter object): on a meta device (a rehearsal) a made
         # parameter is on meta too, so being on meta does not say it is still to make
         self._made: set[int] = set()
+        self._later: dict[int, Callable[[], None]] = {}  # id(module) -> how it is made (`later`)
 
     def _unmade(self, p: nn.Parameter) -> bool:
         return p.device.type == "meta" and id(p) not in self._made
 
     def __call__(self, module: nn.Module) -> None:
-        """Make every meta parameter under ``module`` (a layer, a block, a unit): each module whole, initialised."""
+        """Make every meta parameter under ``module`` (a layer, a block, a unit): each module whole, initialised; a
+        module registered by `later` by its own way, unless this rank keeps none of it (another stage's)."""
         owners = _owners(self.root)
+        for sub in list(module.modules()):
+            unmade = [p for p in sub.parameters(recurse=False) if self._unmade(p)]
+            if not unmade:
+                continue
+            make = self._later.pop(id(sub), None)
+            if make is not None and not any(_placeholder(p) for p in unmade):
+                make()
+            else:
+                self._make(sub, owners)
+
+    def unmade(self, module: nn.Module) -> bool:
+        """Whether each of ``module``'s own parameters is still to make (and it has some)."""
+        params = list(module.parameters(recurse=False))
+        return bool(params) and all(self._unmade(p) for p in params)
+
+    def later(self, module: nn.Module, make: Callable[[], None]) -> None:
+        """``module``, which a technique built on meta from the model's own modules (tensor parallel's slice of a
+        layer), is made by ``make()`` when this rank makes it: under pp only on the stage that keeps it."""
+        self._later[id(module)] = make
+
+    def apart(self, module: nn.Module) -> None:
+        """Make ``module`` whole and initialised as `__call__` would, where a technique took it out of the model (the
+        user's layer behind a tp slice: its name is still the one it had in the model)."""
+        owners = _owners(module)
         for sub in list(module.modules()):
             if any(self._unmade(p) for p in sub.parameters(recurse=False)):
                 self._make(sub, owners)
+
+    def fill(self, module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+        """``module``'s meta parameters take ``values`` (by attribute), in place, and count as made."""
+        for attr, value in values.items():
+            p = module._parameters[attr]
+            torch.utils.swap_tensors(p, nn.Parameter(value.detach(), p.requires_grad))
+            self._made.add(id(p))
 
     def rest(self) -> None:
         """Make whatever is still on meta: the parameters of this rank's part that no technique sliced."""

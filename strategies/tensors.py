@@ -48,6 +48,24 @@ def making_host_memory() -> bool:
     return _HOST[0] > 0
 
 
+_LATER = [0]  # inside `unmade_shapes`
+
+
+@contextlib.contextmanager
+def unmade_shapes() -> Any:
+    """Inside, the meta tensors made are shapes in a real run too (a slice a rank makes later, if at all): a
+    rehearsal's heap (`measure.meta_heap`) counts none of them."""
+    _LATER[0] += 1
+    try:
+        yield
+    finally:
+        _LATER[0] -= 1
+
+
+def making_unmade_shapes() -> bool:
+    return _LATER[0] > 0
+
+
 class MetaAutocast(torch.overrides.TorchFunctionMode):
     """Autocast for meta tensors, which torch's autocast leaves alone (it knows no meta device): while the host's
     autocast is on (Lightning's ``*-mixed`` precision turns it on around each step), a matmul or attention on meta

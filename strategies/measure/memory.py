@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from strategies.measure.meta_heap import holds
 from strategies.runs.schema import MODEL_STATE
 from strategies.tensors import storage_id
 
@@ -33,7 +34,7 @@ def count_bytes(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
             key = (t.device, storage._cdata if t.device.type == "meta" else storage.data_ptr())  # (`storage_id`)
-            if nbytes == 0 or key in seen:
+            if nbytes == 0 or key in seen or t.device.type == "meta" and not holds(storage):
                 continue
             seen.add(key)
             total += nbytes

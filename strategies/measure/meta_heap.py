@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from strategies.tensors import making_host_memory
+from strategies.tensors import making_host_memory, making_unmade_shapes
 
 _aten = torch.ops.aten
 _READS = {_aten._local_scalar_dense.default}
@@ -101,7 +101,7 @@ class MetaHeap:
 
     def count(self, storage: torch.UntypedStorage, host: bool = False) -> None:
         key = storage._cdata
-        if key in self._sizes or self.paused:
+        if key in self._sizes or self.paused or making_unmade_shapes():
             return
         size = storage.nbytes()
         self._sizes[key] = size
@@ -138,6 +138,12 @@ class MetaHeap:
 
 
 _ACTIVE: list[MetaHeap] = []  # the heaps tracking now (`MetaHeap.tracking`)
+
+
+def holds(storage: torch.UntypedStorage) -> bool:
+    """Whether a meta storage stands for memory: in a rehearsal, where its heap counts it (a parameter made, not a
+    model's shapes before its slices are made); outside one, never (a real run's meta tensors are shapes)."""
+    return any(storage._cdata in heap._sizes for heap in _ACTIVE)
 
 
 @contextlib.contextmanager

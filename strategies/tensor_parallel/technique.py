@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from strategies.comm import Axis
+from strategies.deferred import Deferred
 from strategies.technique import HeldGrad, OptimizerState, Technique
 from strategies.tensor_parallel import state as tp_state
 from strategies.tensor_parallel.plans import Colwise, Rowwise, Style, apply_plan, param_splits, split_params
@@ -20,7 +21,7 @@ class TensorParallel(Technique):
     between them see 1/tp of the sequence (`SequenceParallel`)."""
 
     def __init__(self, module: nn.Module, plan: dict[str, Style], axis: Axis, sequence_parallel: bool = False,
-                 materialise: Callable[[nn.Module], None] | None = None):
+                 materialise: Deferred | None = None):
         self.module, self.axis = module, axis
         self.layers = apply_plan(module, plan, axis, materialise)  # split the full layers: name -> style
         self.splits = param_splits(module, self.layers)  # split parameter name (every name of a tied one) -> cut
