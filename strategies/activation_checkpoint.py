@@ -9,8 +9,9 @@ activation bytes: only each block's input is kept. (Not to be confused with `str
 run saves and resumes from.)
 
 Selective (``sac``, torchtitan's op-level policy, through torch's ``create_selective_checkpoint_contexts``): the
-block also keeps what its matmuls and fused attention return, the costly ops, and recomputes the rest (norms,
-activation functions, casts, and the collectives between them, as ``ac`` does).
+block also keeps what its fused attention and every second matmul return (the first, third, ...), the costly ops, and
+recomputes the rest (the other matmuls, norms, activation functions, casts, and the collectives between them, as
+``ac`` does).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from strategies.tensors import meta_autocast_again
 
 @functools.cache
 def _kept_ops() -> frozenset:
-    """The ops whose outputs ``sac`` keeps: the linears' matmuls and every fused attention kernel torch has."""
+    """The ops whose outputs ``sac`` may keep: the linears' matmuls (every second one) and every fused attention kernel
+    torch has."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
@@ -36,12 +38,23 @@ def _kept_ops() -> frozenset:
                       *(getattr(aten, n).default for n in names if hasattr(aten, n))])
 
 
-def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _selective():
-    return create_selective_checkpoint_contexts(_policy)
+    """One block's call: it keeps every fused attention's output and the first, third, fifth... matmul's, and makes
+    the rest again (torchtitan's op-level policy: Llama's q, v, gate and down projections kept, k, o and up made
+    again). Counted apart in the forward and in the recompute, so that both take the same ops."""
+    matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+    mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in _kept_ops():
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in mm:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _checkpointed(forward, selective: bool, *args, **kwargs):
@@ -61,7 +74,7 @@ def _checkpointed(forward, selective: bool, *args, **kwargs):
 def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False, every: int = 1) -> list[nn.Module]:
     """Wrap the forward of every ``every``-th element of ``blocks`` (a ModuleList/Sequential), from the first: the
     first, third, ... for 2, all for 1 (the last block's backward comes first, so recomputing it would free nothing
-    before it is made again); returns them for `remove`. ``selective``: keep the matmuls' and attention's outputs
+    before it is made again); returns them for `remove`. ``selective``: keep attention's and every second matmul's outputs
     (``sac``)."""
     wrapped = []
     for block in list(blocks)[::every]:
@@ -97,7 +110,7 @@ def caches_off(model: nn.Module) -> list:
 
 
 class ActivationCheckpointing(Technique):
-    """Every (``every``-th) block of ``blocks`` recomputed in backward (``selective``: all but its matmuls and
+    """Every (``every``-th) block of ``blocks`` recomputed in backward (``selective``: all but every second matmul and
     attention), with ``model``'s key/value caches off (`caches_off`); undone at teardown."""
 
     def __init__(self, blocks: nn.Module, model: nn.Module | None = None, selective: bool = False,

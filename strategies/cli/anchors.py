@@ -15,7 +15,7 @@ from typing import Any
 # (workload, ranks, the pack's plan, global batch, the anchor's GiB per GPU, the anchor's run)
 ANCHORS = [
     ("llama3-8b", 8, "zero3_dp8_sac", 16, 82.4, "torchtitan 8B, FSDP 8, local batch 2, selective AC (op-level; "
-     "the pack's sac keeps every matmul's output)"),
+     "as the pack's sac: every second matmul's output kept)"),
     ("llama3-8b", 8, "zero3_dp8_ac", 16, 82.4, "the same, full AC"),
     ("llama3-70b", 256, "zero3_dp32_tp8_sp_vp_ac", 512, 71.9, "torchtitan 70B, FSDP 32 x TP 8, local batch 16, "
      "full AC"),

@@ -360,7 +360,7 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     # both beside the log-softmax
     half = wide_bytes is not None or (shape.llama and act_bytes < 4)
     loss = logits + b * s * shape.vocab * act_bytes / _vocab_split(plan) if half else logits
-    # sac keeps the matmuls' and attention's outputs too (two of them, the row-parallel ones, no block keeps
+    # sac keeps every second matmul's and attention's outputs too (a row-parallel one among them, which no block keeps
     # otherwise) and makes the rest again (ac<N>: counted here as ac, each rank's blocks then by `_one_in`)
     block = boundary + saved.matmuls if plan.sac else boundary if plan.ac else whole
     return Pieces(boundary=boundary, block=block,
@@ -378,8 +378,8 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
 @dataclass(frozen=True)
 class _Saved:
     whole: float  # what one block saves for backward
-    matmuls: float  # the outputs of its matmuls and fused attention (what ``sac`` keeps beside the block's input)
-    unkept: float  # of those, what ``whole`` does not hold (the row-parallel linears' outputs)
+    matmuls: float  # what ``sac`` keeps beside the block's input: every second matmul's and fused attention's outputs
+    unkept: float  # of those, what ``whole`` does not hold (a row-parallel linear's output)
     norm_extra: float  # what a norm saves beyond its input (the final norm's, with the head)
     stash: float  # what a split backward's B keeps for W
 
@@ -403,10 +403,12 @@ def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, 
     # gradient (the two row-parallel ones whole, the column-parallel ones 1/t: the demo's qkv 3 and fc f, Llama's q 1,
     # k and v g each, gate and up f each), with sp too (gathered). The head's weight gradient is made in B.
     outputs = (1 + 2 * g + 2 * f) if shape.llama else (3 + f)
-    # sac: the column-parallel linears' outputs (the counts of ``outputs``) split, fused
-    # attention's output and row statistic split, the two row-parallel linears' outputs whole (partial sums)
+    # sac: every second matmul's output, the first, third...: Llama's q, v and gate (column-parallel, split) and down
+    # (row-parallel, whole: a partial sum), the demo's qkv and fc (split); fused attention's output and row statistic
+    # split. Of those, ``whole`` does not hold the row-parallel one's.
+    kept, rows = ((1 + g + f), 1) if shape.llama else ((3 + f), 0)
     attention = (u + 4 * bsh * shape.heads / shape.hidden) / t if shape.flash_attention else 0.0
-    return _Saved(whole, outputs * u / t + attention + 2 * u, 2 * u, norm - wide * bsh,
+    return _Saved(whole, kept * u / t + attention + rows * u, rows * u, norm - wide * bsh,
                   (casts + 2) * u + (1 + f + outputs) * u / t)
 
 

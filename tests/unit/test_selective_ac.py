@@ -52,8 +52,9 @@ def _peak(tmp_path, capsys, plan: str) -> tuple[float, float]:
 
 
 def test_selective_recompute_peaks_between_none_and_full_where_the_estimator_says(tmp_path, capsys):
-    # Rehearsed 177.2 (none), 149.1 (sac), 118.1 (ac2), 90.1 MiB (ac); the estimator 178.9, 152.9, 118.9, 88.9. What
-    # sac keeps (the matmuls' and attention's outputs) is a third of a block's saved activations here. ac2 recomputes
+    # Rehearsed 177.2 (none), 135.1 (sac), 118.1 (ac2), 90.1 MiB (ac); the estimator 178.9, 136.9, 118.9, 88.9. What
+    # sac keeps (attention's and every second matmul's outputs: qkv and fc here) is a fifth of a block's saved
+    # activations (149.1 when it kept every matmul's). ac2 recomputes
     # blocks 0 and 2: the last block, whose backward comes first, keeps its activations (recomputing blocks 1 and 3
     # instead peaks at 147.1: the last one is made again at once).
     none, sac, half, full = (_peak(tmp_path, capsys, plan) for plan in ("dp", "dp_sac", "dp_ac2", "dp_ac"))
