@@ -74,8 +74,8 @@ def _checkpointed(forward, selective: bool, *args, **kwargs):
 def apply_activation_checkpointing(blocks: nn.Module, selective: bool = False, every: int = 1) -> list[nn.Module]:
     """Wrap the forward of every ``every``-th element of ``blocks`` (a ModuleList/Sequential), from the first: the
     first, third, ... for 2, all for 1 (the last block's backward comes first, so recomputing it would free nothing
-    before it is made again); returns them for `remove`. ``selective``: keep attention's and every second matmul's outputs
-    (``sac``)."""
+    before it is made again); returns them for `remove`. ``selective``: keep attention's and every second matmul's
+    outputs (``sac``)."""
     wrapped = []
     for block in list(blocks)[::every]:
         if "forward" in vars(block):  # compiled one by one (block.forward = torch.compile(...)) or patched
