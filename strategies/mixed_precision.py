@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 _SHARING = [0]  # depth of `step_casts`
 _CASTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its half copy), this step
@@ -92,3 +93,75 @@ def shared_cast(weight: torch.Tensor, dtype: torch.dtype, param: torch.Tensor | 
         with torch.enable_grad():  # (a custom function's forward runs without grad)
             held = _CASTS[id(param)] = (param, param.to(dtype))
     return held[1].detach() if detached else held[1]
+
+
+def _cast_by_autocast(module: nn.Module) -> set[str]:
+    """The parameters of ``module`` autocast casts at its matmul (once per step under `step_casts`): a linear layer's
+    weight and bias; a row-parallel layer's weight only (it adds its bias after the reduction)."""
+    from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+    from strategies.tensor_parallel.vocab import VocabParallelHead
+
+    if isinstance(module, RowParallelLinear):
+        return {"weight"}
+    if isinstance(module, (nn.Linear, ColumnParallelLinear, VocabParallelHead)) or is_conv1d(module):
+        return {"weight", "bias"}
+    return set()
+
+
+class ParamDtype:
+    """The strategy's ``param_dtype`` (FSDP2's, Megatron's half weights): under autocast every module computes with
+    ``dtype`` copies of its float32 parameters, made once per step (`shared_cast`), while the float32 parameters stay
+    what the optimizer steps and what gradients accumulate into (each copy's backward casts its gradient back). What
+    autocast leaves in float32 then computes in ``dtype`` too: the embedding's output, so the residual stream between
+    the blocks and what each block keeps of it, and the norms' weights (the norms still compute in float32 where
+    autocast or the model puts them, as do softmax and the loss). The linears' weights autocast casts anyway, to the
+    same values, so they are left to it (a zero-bubble schedule's deferred linears keep finding their parameters).
+    Swapped in a forward pre-hook, put back in a forward hook that runs on errors too; a recomputed block's forward
+    swaps again."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype, self._saved = dtype, {}
+        self.handles, self._names = [], {}
+        for module in model.modules():
+            left = _cast_by_autocast(module)
+            names = [n for n, p in module._parameters.items() if p is not None and p.dtype == torch.float32 and
+                     n not in left]
+            if names:
+                self._names[id(module)] = names
+                self.handles += [module.register_forward_pre_hook(self._swap),
+                                 module.register_forward_hook(self._back, always_call=True)]
+
+    def _swap(self, module: nn.Module, args: Any) -> None:
+        depth, saved = self._saved.setdefault(id(module), [0, {}])
+        self._saved[id(module)][0] = depth + 1
+        if depth:  # called inside its own forward: swapped already
+            return
+        for name in self._names[id(module)]:
+            saved[name] = p = module._parameters[name]
+            module._parameters[name] = shared_cast(p, self.dtype)  # (a tensor, not a Parameter: for this call)
+
+    def _back(self, module: nn.Module, args: Any, output: Any) -> None:
+        entry = self._saved.get(id(module))
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            module._parameters.update(self._saved.pop(id(module))[1])
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def check_param_dtype(options: Any, precision_plugin: Any) -> None:
+    """``param_dtype`` is autocast's dtype under Lightning's matching ``*-mixed`` precision, on eager blocks."""
+    precision = str(getattr(precision_plugin, "precision", ""))
+    wanted = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}[options.param_dtype]
+    if precision != wanted:
+        raise ValueError(f"param_dtype={options.param_dtype} computes with half copies of the weights under autocast: "
+                         f"it needs precision='{wanted}' (this Trainer's is '{precision}'); or leave param_dtype=None")
+    if options.compile:
+        raise ValueError("param_dtype swaps each module's weights for their half copies in forward hooks, which "
+                         "torch.compile'd blocks do not run as eager modules do: use compile=False with param_dtype, "
+                         "or param_dtype=None (autocast alone) with compile")

@@ -26,6 +26,9 @@ SINGLE = "single"  # one process, Lightning's default single-device strategy: th
 HF_WORKLOAD = "hf-config"  # the workload of `--hf-config` (demos.sizes.HF_CONFIG)
 
 
+PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", None: ""}  # --param-dtype -> torch's name
+
+
 @dataclass(frozen=True)
 class RunConfig:
     strategy: str = "dp"
@@ -44,6 +47,7 @@ class RunConfig:
     max_chars: int = 200_000
     seed: int = 0
     precision: str = "32-true"
+    param_dtype: str | None = None  # bf16 / fp16: a plan computes with half copies of every weight (`ParamDtype`)
     warmup_steps: int = 3
     gradient_clip_val: float | None = None
     optimizer: str = "adamw"
@@ -167,13 +171,15 @@ def _strategy(config: RunConfig) -> Any:
         return config.strategy
     import dataclasses
 
+    import torch
     from lightning.pytorch.strategies import StrategyRegistry
 
     strategy = StrategyRegistry.get(config.strategy)
     # --heap measures memory: the check's copy of the model would sit in its set-up figure.
     options: dict[str, Any] = {"check_first_batch": config.check_first_batch and not config.heap,
                                "resume": "auto" if config.resume == "auto" else None,
-                               "async_save": config.async_save}
+                               "async_save": config.async_save,
+                               "param_dtype": getattr(torch, PARAM_DTYPES[config.param_dtype], None)}
     if config.compile:
         options["compile"] = {"backend": config.compile}
     strategy.options = dataclasses.replace(strategy.options, **options)
@@ -381,6 +387,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts each token is sent to")
     p.add_argument("--data", default=None, help="a text file to train on (default: Python stdlib sources)")
     p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
+    p.add_argument("--param-dtype", choices=["bf16", "fp16"], default=None,
+                   help="under a plan and the matching *-mixed precision: every module computes with half copies of "
+                        "its weights, cast once per step (FSDP2's param_dtype): the residual stream in half too")
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps left out of timing")
     p.add_argument("--gradient-clip-val", type=float, default=None, help="clip by the global gradient norm")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-plain"), default=defaults.optimizer)

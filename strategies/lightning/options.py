@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from strategies.data_parallel import DEFAULT_BUCKET_CAP_MB
@@ -99,6 +100,15 @@ class PlanOptions:
     shared by every microbatch of a pipeline's step and by recompute (`strategies.mixed_precision`), as FSDP2's
     ``param_dtype`` and Megatron's half weights are; the same values as Lightning's autocast, which casts at every
     call. False: Lightning's autocast as it is."""
+    param_dtype: Any = None
+    """``torch.bfloat16`` (or ``torch.float16``) under the matching ``*-mixed`` precision: every module computes with
+    copies of its weights in that dtype, cast once per step, the float32 weights kept for the optimizer (FSDP2's and
+    Megatron's mixed precision: the embedding's output, the residual stream and the norms' weights in half too, where
+    autocast alone keeps them float32; `mixed_precision.ParamDtype`). Halves what a block keeps of the stream; its
+    values are no longer autocast's alone (the stream rounded to half between blocks). None: autocast's casts only."""
+    reduce_dtype: Any = None
+    """The dtype gradients are reduced in: float32 (None means the same), as the pack reduces the float32 gradients
+    that accumulate into the float32 weights; a half-precision reduction is refused."""
     async_save: bool = False
     """Save checkpoints without stopping training: each rank copies its part to host memory and a background thread
     writes it, the manifest last (`checkpoint.async_save`); one save in flight, the next waits for it. Training waits
@@ -130,6 +140,10 @@ _RULES = {
     "check_first_batch": _BOOL,
     "async_save": _BOOL,
     "share_casts": _BOOL,
+    "param_dtype": _rule(lambda v: v is None or v in (torch.bfloat16, torch.float16), "None, torch.bfloat16 or "
+                         "torch.float16 (with the matching precision, 'bf16-mixed' or '16-mixed')"),
+    "reduce_dtype": _rule(lambda v: v is None or v == torch.float32, "None or torch.float32 (the pack reduces the "
+                          "float32 gradients that accumulate into the float32 weights)"),
     "deterministic": _BOOL,
     "compile": _rule(lambda v: isinstance(v, bool) or isinstance(v, dict) and all(isinstance(k, str) for k in v),
                      "True, False or a dict of torch.compile keyword arguments"),

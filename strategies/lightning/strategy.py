@@ -62,7 +62,7 @@ from strategies.lightning.steps import (
 )
 from strategies.measure.memory import SavedTensorsMeter, model_state_bytes
 from strategies.mesh import ParallelMesh
-from strategies.mixed_precision import share_casts, step_casts, unshare_casts
+from strategies.mixed_precision import ParamDtype, check_param_dtype, share_casts, step_casts, unshare_casts
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import split_microbatches
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
@@ -121,6 +121,7 @@ class PlanStrategy(ParallelStrategy):
         self._grads_stale = False  # an optimizer step ran: its gradients are freed before the next forward ...
         self._free_grads_early: bool | None = None  # ... where Lightning's zero_grad is not customised (each fit)
         self._shared_casts = False  # *-mixed: each weight cast once per training step (`mixed_precision`)
+        self._param_dtype: ParamDtype | None = None  # options.param_dtype: every module computes in half copies
 
     # -- where ranks come from -------------------------------------------------------------------------
 
@@ -256,6 +257,11 @@ class PlanStrategy(ParallelStrategy):
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
         self._shared_casts = self.options.share_casts and share_casts(self.precision_plugin)
+        if self.options.param_dtype is not None and self._param_dtype is None:
+            check_param_dtype(self.options, self.precision_plugin)
+            self._param_dtype = ParamDtype(self.lightning_module, self.options.param_dtype)
+            if self._first_batch is not None and self._first_batch.copy is not None:  # its reference, the same way
+                ParamDtype(self._first_batch.copy, self.options.param_dtype)
 
     def _make_steps(self, fitting: bool) -> DirectSteps:
         if self.resolved_plan.pp == 1:
@@ -712,6 +718,9 @@ class PlanStrategy(ParallelStrategy):
             technique.teardown(healthy and whole)
         comm.set_ordered_sums(False)
         unshare_casts(self.precision_plugin)
+        if self._param_dtype is not None:
+            self._param_dtype.remove()
+            self._param_dtype = None
         self._first_batch = None
         self.techniques = []
         self._steps = DirectSteps(self._lightning_hook)

@@ -110,7 +110,8 @@ class Zero3GradSync(ZeroGradSync):
         for unit in units:
             if unit.pinned:
                 continue
-            self._module_hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
+            # first: the gather precedes every other hook on the unit (`ParamDtype` casts the gathered weights)
+            self._module_hooks.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), prepend=True))
             self._module_hooks.append(unit.module.register_forward_hook(self._post_forward(unit)))
             unit.release()
 

@@ -49,6 +49,11 @@ CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CON
 # it averages (x dp), and the pipeline dropping one microbatch's gradient (1 of 4).
 BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
         ("zero2+bf16+plant_sum", 1), ("pp2_mb4+bf16+plant_drop", 1)]
+# The strategy's param_dtype (`mixed_precision.ParamDtype`: every module computes with bf16 copies of its weights, the
+# residual stream in bf16) against a single process under the same policy (`test_sgd_matrix`: its own tolerance)
+POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero3", "tp2_sp", "pp2_1f1b_mb4",
+                                                      "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
+          4: [], 8: [("zero3_tp2_pp2_mb4+bf16+policy", 1)]}
 # The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call
 # (``+unshared``: share_casts=False): the same bits, one copy per microbatch in flight less (`test_trainer`).
 SHARED = [(f"{plan}+bf16{how}", 1) for plan in ("pp2_mb4", "pp2_zbv_mb4") for how in ("", "+unshared")]
@@ -118,14 +123,20 @@ class Module(L.LightningModule):
 
 
 def reference(bf16: bool = False, chunks: int = 1, kind: str = "gpt", optimizer: str = "sgd",
-              losses: list[float] | None = None, clip: float | None = None) -> dict[str, torch.Tensor]:
+              losses: list[float] | None = None, clip: float | None = None,
+              policy: bool = False) -> dict[str, torch.Tensor]:
     """One process, one batch of GLOBAL samples per step: Lightning's DistributedSampler (shuffled, seed 0) gives
     the k-th micro-step of every dp rank together the k-th slice of the same permutation. ``bf16``: the forward
     under CPU autocast to bfloat16, as Lightning's bf16-mixed runs training_step; ``chunks``: the step's batch in
     that many accumulated parts (the same samples summed in another order); ``kind``: the model (`model`);
     ``optimizer``: sgd or adamw (`optimizer_for`); ``losses``: each step's loss is appended there; ``clip``: the
-    gradient clipped to that global norm before each step."""
+    gradient clipped to that global norm before each step; ``policy``: every module computes with bf16 copies of its
+    weights (the strategy's param_dtype)."""
     net, (x, y) = model(kind), data().tensors
+    if policy:
+        from strategies.mixed_precision import ParamDtype
+
+        ParamDtype(net, torch.bfloat16)
     opt = optimizer_for(optimizer, net.parameters())
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
@@ -200,7 +211,8 @@ def strict_p2p(on: bool) -> Iterator[None]:
 
 def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> dict[str, torch.Tensor]:
     """``case``: a plan, then options after ``+``: ``deterministic`` (the strategy's ordered sums), ``bf16``
-    (bf16-mixed), ``unshared`` (share_casts=False), ``plant_*`` (`planted`), ``adamw`` (the optimizer), ``gloo``
+    (bf16-mixed), ``unshared`` (share_casts=False), ``policy`` (param_dtype=torch.bfloat16), ``plant_*``
+    (`planted`), ``adamw`` (the optimizer), ``gloo``
     (`strict_p2p` off), ``llama``.
     ``extras``: gets the fit's collectives per step (`CommStats.snapshot` over the steps) and its logged loss."""
     from strategies import PlanStrategy
@@ -209,7 +221,8 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
     plan, *options = case.split("+")
     dp = ParallelPlan.parse(plan).resolve(world).dp
     module = Module("llama" if "llama" in options else "gpt", "adamw" if "adamw" in options else "sgd")
-    strategy = PlanStrategy(plan, deterministic="deterministic" in options, share_casts="unshared" not in options)
+    strategy = PlanStrategy(plan, deterministic="deterministic" in options, share_casts="unshared" not in options,
+                            param_dtype=torch.bfloat16 if "policy" in options else None)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
@@ -218,6 +231,9 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
     plant = next((o for o in options if o.startswith("plant_")), "")
     counted = Counted()
     trainer.callbacks.append(counted)
+    streams: set[str] = set()  # the dtypes the first block's input came in (on the ranks that run it)
+    blocks = next(m for m in module.model.modules() if isinstance(m, nn.ModuleList))
+    first = blocks[0].register_forward_pre_hook(lambda _, args: streams.add(str(args[0].dtype)))
     if extras is not None:  # what the monitor reads: the activations kept for backward, the pipeline's timeline
         from strategies.measure.monitor import StrategyMonitor
 
@@ -225,7 +241,9 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
         trainer.callbacks.append(monitor)
     with planted(plant), strict_p2p("gloo" not in options):
         trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
+    first.remove()
     if extras is not None:
+        extras["streams"] = sorted(streams)
         extras["comm"] = {key: {k: v / STEPS for k, v in rec.items()} for key, rec in counted.comm.items()}
         extras["logged"] = float(trainer.callback_metrics["train_loss"])
         extras["activations_peak"] = monitor.summary["memory_bytes"]["activations_peak"]
@@ -235,7 +253,8 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
 
 def main(world: int, which: str = "ci") -> dict:
     full = which == "full"
-    measured = [] if full else ADAMW[world] + (CLIPPED + SHARED if world == 2 else [])
+    measured = [] if full else ADAMW[world] + (CLIPPED + SHARED if world == 2 else []) + POLICY[world] + \
+        BF16[:1] * (world == 2)
     cases = list(dict.fromkeys((FULL if full else CASES)[world] + (BF16 if world == 2 else []) + measured))
     extras = {case: {} if case in measured else None for case in cases}
     return {"states": {case: fit(*case, world, extras[case]) for case in cases},
