@@ -29,16 +29,19 @@ GOAL = 0.9
 
 
 def anchor_row(row: tuple, base: Any, rehearse_ends: Callable[..., dict[str, Any]]) -> dict[str, Any]:
-    """``row`` of `ANCHORS` rehearsed by ``rehearse_ends`` (`cli.rehearse`: the first and last stage's first rank)."""
+    """``row`` of `ANCHORS` rehearsed by ``rehearse_ends`` (`cli.rehearse`: the first and last stage's first rank),
+    with bf16 copies of the weights for compute (``param_dtype``), as every anchor computes (FSDP2's param_dtype,
+    Megatron's half weights)."""
     workload, world, plan, batch, anchor, run = row
-    out = rehearse_ends(replace(base, strategy=plan, workload=workload, batch_size=batch), world)
+    out = rehearse_ends(replace(base, strategy=plan, workload=workload, batch_size=batch, param_dtype="bf16"), world)
     return {**out, "anchor": anchor * 2**30, "run": run}
 
 
 def report(rows: list[dict[str, Any]], command: str) -> str:
     GiB = 2**30
     lines = [f"# The anchors' published runs, rehearsed ({time.strftime('%Y-%m-%d')})", "", f"`{command}`", "",
-             "One rank of each run rehearsed on this machine (`--target cuda`: NCCL's ranks, bf16-mixed, AdamW, "
+             "One rank of each run rehearsed on this machine (`--target cuda`: NCCL's ranks, bf16-mixed with "
+             "`param_dtype=torch.bfloat16` (`--param-dtype bf16`, as the anchors compute), AdamW, "
              "sequences of 8,192 tokens): the first and the last pipeline stage's first rank, the worse shown. "
              f"GiB per GPU; goal: the larger of the steady and set-up peaks at most {GOAL} x the anchor's.", "",
              "| anchor's run | ranks | the pack's plan | rank | anchor | rehearsed steady | set-up | estimator | "

@@ -41,7 +41,7 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
 
     import lightning as L
 
-    from strategies.cli.train import _loader, _model_config
+    from strategies.cli.train import _loader, _model_config, estimator_precision
     from strategies.cli.workload import find_workload
     from strategies.lightning.rehearsal import leave_fake_world
     from strategies.measure.predict import predict_run
@@ -51,8 +51,8 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
     module, dataset = find_workload(config.workload).lightning(config)
     model = _model_config(module, config.seq_len)
     predicted = predict_run(config.strategy, world_size, model, config.batch_size, config.accumulate,
-                            config.precision, "cpu" if target == "cpu" else "gpu", optimizer=config.optimizer,
-                            deferred=True)
+                            estimator_precision(config), "cpu" if target == "cpu" else "gpu",
+                            optimizer=config.optimizer, deferred=True)
     trainer, monitor, heap = _trainer(config, rank, world_size, target, real)
     start = time.perf_counter()
     try:
@@ -107,7 +107,9 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
     else:
         heap = CudaHeap() if target == "cuda" else HeapSampler()
     monitor = StrategyMonitor(warmup_steps=int(real), store=False, label=config.strategy, heap=heap)
-    strategy = RehearsalStrategy(config.strategy, rank=rank, world_size=world_size,
+    from strategies.cli.train import param_dtype
+
+    strategy = RehearsalStrategy(config.strategy, rank=rank, world_size=world_size, param_dtype=param_dtype(config),
                                  backend="gloo" if target == "cpu" else "nccl",
                                  device=({"cuda": "cuda:0"}.get(target, target) if real else None))
     trainer = L.Trainer(accelerator="cuda" if real and target == "cuda" else "cpu", devices=1, strategy=strategy,

@@ -104,7 +104,7 @@ def run(config: RunConfig, params_out: str | None = None) -> dict[str, Any]:
     dataset = _check_batches(config, dataset)
     model = _model_config(module, config.seq_len)
     predicted = predict_run(config.strategy, _world(config), model, config.batch_size, config.accumulate,
-                            config.precision, config.accelerator, optimizer=config.optimizer,
+                            estimator_precision(config), config.accelerator, optimizer=config.optimizer,
                             deferred=config.configure_model and _is_plan(config.strategy))
     trainer, monitor, final = _trainer(config, predicted, params_out)
     with warnings.catch_warnings():
@@ -171,7 +171,6 @@ def _strategy(config: RunConfig) -> Any:
         return config.strategy
     import dataclasses
 
-    import torch
     from lightning.pytorch.strategies import StrategyRegistry
 
     strategy = StrategyRegistry.get(config.strategy)
@@ -179,11 +178,25 @@ def _strategy(config: RunConfig) -> Any:
     options: dict[str, Any] = {"check_first_batch": config.check_first_batch and not config.heap,
                                "resume": "auto" if config.resume == "auto" else None,
                                "async_save": config.async_save,
-                               "param_dtype": getattr(torch, PARAM_DTYPES[config.param_dtype], None)}
+                               "param_dtype": param_dtype(config)}
     if config.compile:
         options["compile"] = {"backend": config.compile}
     strategy.options = dataclasses.replace(strategy.options, **options)
     return strategy
+
+
+def param_dtype(config: RunConfig) -> Any:
+    """``--param-dtype`` as torch's dtype (None: autocast's casts alone)."""
+    import torch
+
+    return getattr(torch, PARAM_DTYPES[config.param_dtype], None)
+
+
+def estimator_precision(config: RunConfig) -> str:
+    """The run's precision as the estimator reads it, with ``--param-dtype`` (`estimate.with_param_dtype`)."""
+    from strategies.measure.estimate import with_param_dtype
+
+    return with_param_dtype(config.precision, config.param_dtype is not None)
 
 
 def _model_config(module: Any, seq_len: int | None = None) -> dict[str, Any]:

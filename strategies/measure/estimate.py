@@ -66,8 +66,27 @@ BUCKET = DEFAULT_BUCKET_CAP_MB * 2**20  # DDP's buckets, which ZeRO-1/2's flats 
 OPTIMIZERS = {"adamw": 1.0, "adam": 1.0, "sgd": 0.5, "sgd-plain": 0.0}
 
 
+PARAM_DTYPE = "+param_dtype"  # after a *-mixed precision: the strategy's param_dtype too (`mixed_precision.ParamDtype`)
+
+
+def with_param_dtype(precision: str, on: bool = True) -> str:
+    """``precision`` as the estimator reads it when the strategy computes with half copies of every weight (``on``):
+    the same bytes per parameter, the residual stream in the half dtype."""
+    name = _ALIASES.get(str(precision), str(precision))
+    if on and not name.endswith("-mixed"):
+        raise ValueError(f"param_dtype needs a *-mixed precision (bf16-mixed, 16-mixed), got {precision!r}")
+    return name + PARAM_DTYPE if on else str(precision)
+
+
+def _policy(precision: str) -> tuple[str, bool]:
+    """(Lightning's precision, whether param_dtype is on) of an estimator's precision (`with_param_dtype`)."""
+    name = str(precision)
+    return (name[: -len(PARAM_DTYPE)], True) if name.endswith(PARAM_DTYPE) else (name, False)
+
+
 def layout(precision: str) -> tuple[int, int, int, int]:
     """Bytes per parameter (weights, gradients, optimizer) and per activation under Lightning's ``precision``."""
+    precision = _policy(precision)[0]
     name = _ALIASES.get(str(precision), str(precision))
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -338,21 +357,24 @@ def setup_peaks(shape: ModelShape, plan: ParallelPlan, memory: list[dict[str, fl
 
 
 def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_bytes: float,
-                backend: str = "nccl", wide_bytes: float | None = None) -> Pieces:
+                backend: str = "nccl", wide_bytes: float | None = None, policy: bool = False) -> Pieces:
     """The bytes of one microbatch's step on a rank (`peak.Pieces`; the counts are in the module docstring there).
     ``wide_bytes``: of an element of the residual stream and of the loss's input (default ``act_bytes``). Under
     autocast (``*-mixed``) they stay in the weights' float32 while the matmuls' outputs are half: each norm keeps its
-    float32 input and each matmul a half copy of the norm's output (found by rehearsing, `stratpack rehearse`)."""
+    float32 input and each matmul a half copy of the norm's output (found by rehearsing, `stratpack rehearse`).
+    ``policy``: the strategy's param_dtype: the stream in ``wide_bytes`` (autocast's dtype), a norm's output too, so
+    the matmuls share it; the loss still float32."""
     s, h, t = shape.seq / plan.cp, shape.hidden, plan.tp  # cp: this rank's part of each sequence
     b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
     u = b * s * h * act_bytes
     wide = wide_bytes or act_bytes
     r = u * wide / act_bytes  # the residual stream's
     boundary = r / t if plan.sp else r
-    saved = _block_saved(shape, plan, b * s * h, act_bytes, wide, wide_bytes is not None)
+    saved = _block_saved(shape, plan, b * s * h, act_bytes, wide, wide_bytes is not None and not policy, policy)
     whole, f = saved.whole, shape.mlp() / h
-    # the log-softmax's output, in float32 for Hugging Face's loss (which casts the logits up), else the stream's dtype
-    logits = b * s * shape.vocab * (4 if shape.llama else wide) / _vocab_split(plan)
+    # the log-softmax's output, in float32 for Hugging Face's loss (which casts the logits up) and autocast's, else
+    # the stream's dtype
+    logits = b * s * shape.vocab * (4 if shape.llama or policy else wide) / _vocab_split(plan)
     split, kept = shape.block()
     unit = (math.ceil(split / t) + kept) * weight_bytes if plan.data.stage == 3 else 0.0
     # Recompute makes a block's activations again but not its output (the residual add, which it drops).
@@ -384,13 +406,15 @@ class _Saved:
     stash: float  # what a split backward's B keeps for W
 
 
-def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, wide: float, mixed: bool) -> _Saved:
+def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, wide: float, mixed: bool,
+                 policy: bool = False) -> _Saved:
     """What one block saves with one microbatch's ``bsh`` hidden elements (``act``, ``wide``: bytes of a matmul's
     output and of the residual stream's element), counted tensor by tensor (`stratpack rehearse` finds the same)."""
     t, u, g, f = plan.tp, bsh * act, shape.groups(), shape.mlp() / shape.hidden
     # Each norm keeps its input (the stream); Hugging Face's RMSNorm computes in float32: it keeps the input in float32
     # (a copy on half weights) and its normalised output in the weights' dtype. Whole, or 1/t of the sequence under sp.
-    norm = (4 + wide) * bsh if shape.llama else wide * bsh
+    # Under param_dtype a LayerNorm's half input is cast up by autocast (which computes it in float32): that copy kept.
+    norm = (4 + wide) * bsh if shape.llama else (4 if policy else wide) * bsh
     # The column-parallel linears' input (the norm's output, gathered whole under sp): under autocast each linear
     # keeps its own half copy (q, k, v; gate, up: Llama's five; the demo's fused qkv and fc: two), else one is shared.
     casts = (5 if shape.llama else 2) if mixed else 2
@@ -600,8 +624,11 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     _check_plan(shape, plan)
     weight_bytes, grad_bytes, _, default_act = layout(precision)
     act_bytes = act_bytes or default_act
-    mixed = _ALIASES.get(str(precision), str(precision)).endswith("-mixed")
-    pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend, weight_bytes if mixed else None)
+    lightning, policy = _policy(precision)
+    mixed = _ALIASES.get(lightning, lightning).endswith("-mixed")
+    # the residual stream's bytes: float32 under autocast alone, autocast's dtype under param_dtype
+    stream = weight_bytes if mixed and not policy else act_bytes
+    pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend, stream if mixed else None, policy)
     ranges, per_stage = _stages(shape, plan)
     memory, where, between = [], [], []
     per_rank, experts = stage_params(shape, plan), stage_experts(shape, plan)
@@ -625,7 +652,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         between.append(states)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
-    comm = _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes, weight_bytes if mixed else act_bytes)
+    comm = _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes, stream)
     return Estimate(str(plan), memory, comm, bubble, per_rank,
                     peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
