@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="bf16-mixed",
                    help="Lightning's precision, for the layout it implies: 32-true, bf16-mixed and 16-mixed hold "
                         "4 + 4 + 8 bytes per parameter with Adam, bf16-true and 16-true 2 + 2 + 4")
+    p.add_argument("--param-dtype", choices=["bf16", "fp16"], default=None,
+                   help="plan for runs that compute with half copies of the weights (PlanStrategy(param_dtype=...), "
+                        "--param-dtype of train: the residual stream in half), under the matching *-mixed precision")
     p.add_argument("--top", type=int, default=10, help="plans to show")
     p.add_argument("--rehearse", action="store_true",
                    help="rehearse the top three plans that fit (`stratpack rehearse --target cuda`: the demo GPT at "
@@ -72,12 +75,13 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _rank_plans(args: argparse.Namespace) -> int:
-    from strategies.measure.estimate import layout
+    from strategies.measure.estimate import layout, with_param_dtype
     from strategies.measure.planner import GiB, rank_plans
 
     try:
         shape, model = _shape(args)
         layout(args.precision)
+        precision = with_param_dtype(args.precision, args.param_dtype is not None)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -85,13 +89,14 @@ def _rank_plans(args: argparse.Namespace) -> int:
     if args.calibrate:
         hw = calibrated_hardware(args.gpus, args.gpu_mem * GiB)
     batch = args.global_batch or 8 * args.gpus
-    ranked = rank_plans(shape, hw, batch, precision=args.precision)
+    ranked = rank_plans(shape, hw, batch, precision=precision)
     fits = [r for r in ranked if r.fits]
     print(f"{model}: {shape.total():.3g} parameters as {shape.layers} layers x {shape.hidden} wide, {shape.heads} "
           f"heads{_extras(shape)}, sequence {shape.seq}, vocab {shape.vocab}; global batch {batch}; {args.gpus} GPUs "
           f"of {args.gpu_mem:g} GiB "
           f"(plans may fill {hw.usable:.0%}, set-up included: the model built in configure_model, each rank making its "
-          f"slice); {args.precision} precision with Adam")
+          f"slice); {args.precision} precision{f' with param_dtype {args.param_dtype}' if args.param_dtype else ''} "
+          "with Adam")
     cal = hw.calibration
     links = (f"this machine's links as calibrated (all_reduce over {cal.world}: {hw.tp_bandwidth / 1e9:.2f} GB/s, "
              f"{cal.link('all_reduce', cal.world)[0] * 1e3:.2f} ms a call)" if cal else
@@ -183,7 +188,7 @@ def _rehearse_top(args: argparse.Namespace, shape: Any, picks: list, batch: int)
 
     base = RunConfig(workload="gpt-shape", n_layer=shape.layers, n_head=shape.heads, n_embd=shape.hidden,
                      seq_len=shape.seq, vocab=shape.vocab, batch_size=batch, precision=args.precision, steps=2,
-                     wandb="off")
+                     wandb="off", param_dtype=args.param_dtype)
     what = "the demo GPT at this shape"
     if args.params is None:  # the model itself, at its own depth
         base = replace(base, workload=args.workload or "hf-config", hf_config=args.hf_config, n_layer=RunConfig.n_layer)
