@@ -112,17 +112,25 @@ class ParamDtype:
     """The strategy's ``param_dtype`` (FSDP2's, Megatron's half weights): under autocast every module computes with
     ``dtype`` copies of its float32 parameters, made once per step (`shared_cast`), while the float32 parameters stay
     what the optimizer steps and what gradients accumulate into (each copy's backward casts its gradient back). What
-    autocast leaves in float32 then computes in ``dtype`` too: the embedding's output, so the residual stream between
-    the blocks and what each block keeps of it, and the norms' weights (the norms still compute in float32 where
-    autocast or the model puts them, as do softmax and the loss). The linears' weights autocast casts anyway, to the
-    same values, so they are left to it (a zero-bubble schedule's deferred linears keep finding their parameters).
+    autocast leaves in float32 then computes in ``dtype`` too: the embedding's output (cast itself: the same values),
+    so the residual stream between the blocks and what each block keeps of it, and the norms' weights (the norms still
+    compute in float32 where autocast or the model puts them, as do softmax and the loss). The linears' weights
+    autocast casts anyway, to the same values, so they are left to it (a zero-bubble schedule's deferred linears keep
+    finding their parameters).
     Swapped in a forward pre-hook, put back in a forward hook that runs on errors too; a recomputed block's forward
     swaps again."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        from strategies.tensor_parallel.layers import VocabParallelEmbedding
+
         self.dtype, self._saved = dtype, {}
         self.handles, self._names = [], {}
         for module in model.modules():
+            if isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
+                # its output cast, not its weight: the same rows, rounded the same, without a half copy of a whole
+                # vocabulary held for the step (3.9 GiB at 405B); its gradient's rows then summed in float32
+                self.handles.append(module.register_forward_hook(self._half_output))
+                continue
             left = _cast_by_autocast(module)
             names = [n for n, p in module._parameters.items() if p is not None and p.dtype == torch.float32 and
                      n not in left]
@@ -139,6 +147,9 @@ class ParamDtype:
         for name in self._names[id(module)]:
             saved[name] = p = module._parameters[name]
             module._parameters[name] = shared_cast(p, self.dtype)  # (a tensor, not a Parameter: for this call)
+
+    def _half_output(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return output.to(self.dtype) if isinstance(output, torch.Tensor) and output.dtype == torch.float32 else None
 
     def _back(self, module: nn.Module, args: Any, output: Any) -> None:
         entry = self._saved.get(id(module))
