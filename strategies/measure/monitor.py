@@ -456,7 +456,8 @@ class StrategyMonitor(L.Callback):
             plan=getattr(trainer.strategy, "resolved_plan", None),
             model=vars(config) if config is not None and hasattr(config, "__dict__") else None,
             num_params=sum(p.numel() for p in pl_module.parameters()),
-            accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision))
+            accumulate=trainer.accumulate_grad_batches, precision=str(trainer.precision),
+            param_dtype=str(getattr(getattr(trainer.strategy, "options", None), "param_dtype", None) or "") or None)
         meta["wandb_run"] = readings.wandb_run_dir(trainer)  # where `wandb sync` finds it (None: not logged)
         meta.update(self.extra_meta)  # the caller's fields win, but for the count made before the split and the id
         if hasattr(self, "_num_params"):  # counted in `setup`, before the strategy split the model
