@@ -33,15 +33,20 @@ _HOST = [0]  # inside `host_memory` (nested)
 
 
 @contextlib.contextmanager
+def _raised(flag: list[int]) -> Any:
+    """``flag[0]`` one higher inside (nested: a count)."""
+    flag[0] += 1
+    try:
+        yield
+    finally:
+        flag[0] -= 1
+
+
 def host_memory() -> Any:
     """Inside, the storages made are host memory: offload's copies of a device's tensors. On a device they are made
     on the CPU and say so; a rehearsal's are meta like the rest, and its heap (`measure.meta_heap`) counts them apart
     from the device's while this is on (and what is computed from them alone: the optimizer's state and step)."""
-    _HOST[0] += 1
-    try:
-        yield
-    finally:
-        _HOST[0] -= 1
+    return _raised(_HOST)
 
 
 def making_host_memory() -> bool:
@@ -51,15 +56,10 @@ def making_host_memory() -> bool:
 _LATER = [0]  # inside `unmade_shapes`
 
 
-@contextlib.contextmanager
 def unmade_shapes() -> Any:
     """Inside, the meta tensors made are shapes in a real run too (a slice a rank makes later, if at all): a
     rehearsal's heap (`measure.meta_heap`) counts none of them."""
-    _LATER[0] += 1
-    try:
-        yield
-    finally:
-        _LATER[0] -= 1
+    return _raised(_LATER)
 
 
 def making_unmade_shapes() -> bool:

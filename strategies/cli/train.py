@@ -399,10 +399,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="the demo GPT's MLPs as a mixture of N experts (for ep<N>); 0: dense")
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts each token is sent to")
     p.add_argument("--data", default=None, help="a text file to train on (default: Python stdlib sources)")
-    p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
-    p.add_argument("--param-dtype", choices=["bf16", "fp16"], default=None,
-                   help="under a plan and the matching *-mixed precision: every module computes with half copies of "
-                        "its weights, cast once per step (FSDP2's param_dtype): the residual stream in half too")
+    _precision_options(p, defaults)
     p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="steps left out of timing")
     p.add_argument("--gradient-clip-val", type=float, default=None, help="clip by the global gradient norm")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-plain"), default=defaults.optimizer)
@@ -426,6 +423,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="skip the first-batch check (a plan's first loss against the whole model's, which stops a "
                         "run that computes something else)")
     _workload_options(p, defaults)
+
+
+def _precision_options(p: argparse.ArgumentParser, defaults: RunConfig) -> None:
+    p.add_argument("--precision", default=defaults.precision, help="Lightning precision, e.g. 32-true, bf16-mixed")
+    p.add_argument("--param-dtype", choices=["bf16", "fp16"], default=None,
+                   help="under a plan and the matching *-mixed precision: every module computes with half copies of "
+                        "its weights, cast once per step (FSDP2's param_dtype): the residual stream in half too")
 
 
 def _checkpoint_options(p: argparse.ArgumentParser) -> None:

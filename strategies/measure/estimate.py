@@ -624,11 +624,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     _check_plan(shape, plan)
     weight_bytes, grad_bytes, _, default_act = layout(precision)
     act_bytes = act_bytes or default_act
-    lightning, policy = _policy(precision)
-    mixed = _ALIASES.get(lightning, lightning).endswith("-mixed")
-    # the residual stream's bytes: float32 under autocast alone, autocast's dtype under param_dtype
-    stream = weight_bytes if mixed and not policy else act_bytes
-    pieces = step_pieces(shape, plan, act_bytes, weight_bytes, backend, stream if mixed else None, policy)
+    mixed, stream, pieces = _mixed_pieces(shape, plan, precision, act_bytes, weight_bytes, backend)
     ranges, per_stage = _stages(shape, plan)
     memory, where, between = [], [], []
     per_rank, experts = stage_params(shape, plan), stage_experts(shape, plan)
@@ -656,6 +652,16 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     return Estimate(str(plan), memory, comm, bubble, per_rank,
                     peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
+
+
+def _mixed_pieces(shape: ModelShape, plan: ParallelPlan, precision: str, act_bytes: int, weight_bytes: int,
+                  backend: str) -> tuple[bool, int, Pieces]:
+    """Whether ``precision`` autocasts, the residual stream's bytes (float32 under autocast alone, autocast's dtype
+    under param_dtype, `with_param_dtype`) and one microbatch's `step_pieces`."""
+    lightning, policy = _policy(precision)
+    mixed = _ALIASES.get(lightning, lightning).endswith("-mixed")
+    stream = weight_bytes if mixed and not policy else act_bytes
+    return mixed, stream, step_pieces(shape, plan, act_bytes, weight_bytes, backend, stream if mixed else None, policy)
 
 
 def optimizer_step_bytes(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float],

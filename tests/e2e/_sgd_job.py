@@ -51,7 +51,7 @@ BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
         ("zero2+bf16+plant_sum", 1), ("pp2_mb4+bf16+plant_drop", 1)]
 # The strategy's param_dtype (`mixed_precision.ParamDtype`: every module computes with bf16 copies of its weights, the
 # residual stream in bf16) against a single process under the same policy (`test_sgd_matrix`: its own tolerance)
-POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero3", "tp2_sp", "pp2_1f1b_mb4",
+POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero2", "zero3", "tp2_sp", "pp2_1f1b_mb4",
                                                       "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
           4: [], 8: [("zero3_tp2_pp2_mb4+bf16+policy", 1)]}
 # The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call

@@ -135,7 +135,7 @@ def policy() -> tuple[dict, dict, float]:
 
 
 def test_param_dtype_matches_a_single_process_under_the_same_policy(jobs, policy):
-    """dp, ZeRO-1 and 3, tp2_sp, pp2 under 1F1B, interleaved and ZB-V at 2 ranks, zero3_tp2_pp2 at 8: each within
+    """dp, ZeRO-1, 2 and 3, tp2_sp, pp2 under 1F1B, interleaved and ZB-V at 2 ranks, zero3_tp2_pp2 at 8: each within
     twice the policy's measured spread of the single process under it (0.0068; autocast's own single process is
     0.0086 from it), three times under tp: its row-parallel partial sums are rounded to bf16 before they are reduced,
     where one process rounds the whole sum once (measured 0.0078 for tp2 and tp2_sp; under autocast alone the sum is
