@@ -95,17 +95,19 @@ def shared_cast(weight: torch.Tensor, dtype: torch.dtype, param: torch.Tensor | 
     return held[1].detach() if detached else held[1]
 
 
-def _cast_by_autocast(module: nn.Module) -> set[str]:
+def _cast_by_autocast(module: nn.Module) -> tuple[str, ...]:
     """The parameters of ``module`` autocast casts at its matmul (once per step under `step_casts`): a linear layer's
-    weight and bias; a row-parallel layer's weight only (it adds its bias after the reduction)."""
-    from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
-    from strategies.tensor_parallel.vocab import VocabParallelHead
+    weight and bias (torch's, a ``transformers`` ``Conv1D``); what a layer of the pack's names in its class's
+    ``autocast_casts`` (tensor parallel's: a row-parallel layer adds its bias after the reduction, outside the
+    matmul)."""
+    if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+        return ("weight", "bias")
+    return getattr(type(module), "autocast_casts", ())
 
-    if isinstance(module, RowParallelLinear):
-        return {"weight"}
-    if isinstance(module, (nn.Linear, ColumnParallelLinear, VocabParallelHead)) or is_conv1d(module):
-        return {"weight", "bias"}
-    return set()
+
+def _embeds(module: nn.Module) -> bool:
+    """An embedding: torch's, or a layer of the pack's whose class says so (tensor parallel's vocabulary-split one)."""
+    return isinstance(module, nn.Embedding) or getattr(type(module), "embeds", False)
 
 
 class ParamDtype:
@@ -121,12 +123,10 @@ class ParamDtype:
     swaps again."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        from strategies.tensor_parallel.layers import VocabParallelEmbedding
-
         self.dtype, self._saved = dtype, {}
         self.handles, self._names = [], {}
         for module in model.modules():
-            if isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
+            if _embeds(module):
                 # its output cast, not its weight: the same rows, rounded the same, without a half copy of a whole
                 # vocabulary held for the step (3.9 GiB at 405B); its gradient's rows then summed in float32
                 self.handles.append(module.register_forward_hook(self._half_output))

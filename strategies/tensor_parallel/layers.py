@@ -198,6 +198,8 @@ class ColumnParallelLinear(nn.Module):
     state keeps the single-process layout.
     """
 
+    autocast_casts = ("weight", "bias")  # (`mixed_precision.ParamDtype`: both reach the matmul)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, gather_output: bool = False,
                  transposed: bool = False):
         super().__init__()
@@ -238,6 +240,8 @@ class RowParallelLinear(nn.Module):
     the summed output for its 1/p of the sequence (and the bias's gradient is then a partial sum).
     ``transposed`` as for `ColumnParallelLinear`."""
 
+    autocast_casts = ("weight",)  # (`mixed_precision.ParamDtype`: the bias is added after the reduction)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, transposed: bool = False):
         super().__init__()
         self.axis, self.transposed = axis, transposed
@@ -262,6 +266,8 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split into p contiguous ranges: rank i looks up the ids in its range
     (zeros elsewhere) and the partial results are all-reduced forward (g)."""
+
+    embeds = True  # (`mixed_precision.ParamDtype` casts its output)
 
     def __init__(self, weight: torch.Tensor, start: int, axis: Axis, padding_idx: int | None = None):
         super().__init__()
