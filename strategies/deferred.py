@@ -177,7 +177,9 @@ class Deferred:
     def __call__(self, module: nn.Module) -> None:
         """Make every meta parameter under ``module`` (a layer, a block, a unit): each module whole, initialised; a
         module registered by `later` by its own way, unless this rank keeps none of it (another stage's)."""
-        owners = _owners(self.root)
+        self._each(module, _owners(self.root))
+
+    def _each(self, module: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]]) -> None:
         for sub in list(module.modules()):
             unmade = [p for p in sub.parameters(recurse=False) if self._unmade(p)]
             if not unmade:
@@ -201,10 +203,7 @@ class Deferred:
     def apart(self, module: nn.Module) -> None:
         """Make ``module`` whole and initialised as `__call__` would, where a technique took it out of the model (the
         user's layer behind a tp slice: its name is still the one it had in the model)."""
-        owners = _owners(module)
-        for sub in list(module.modules()):
-            if any(self._unmade(p) for p in sub.parameters(recurse=False)):
-                self._make(sub, owners)
+        self._each(module, _owners(module))
 
     def fill(self, module: nn.Module, values: dict[str, torch.Tensor]) -> None:
         """``module``'s meta parameters take ``values`` (by attribute), in place, and count as made."""

@@ -26,7 +26,7 @@ SINGLE = "single"  # one process, Lightning's default single-device strategy: th
 HF_WORKLOAD = "hf-config"  # the workload of `--hf-config` (demos.sizes.HF_CONFIG)
 
 
-PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", None: ""}  # --param-dtype -> torch's name
+PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # --param-dtype -> torch's name
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def param_dtype(config: RunConfig) -> Any:
     """``--param-dtype`` as torch's dtype (None: autocast's casts alone)."""
     import torch
 
-    return getattr(torch, PARAM_DTYPES[config.param_dtype], None)
+    return getattr(torch, PARAM_DTYPES[config.param_dtype]) if config.param_dtype else None
 
 
 def estimator_precision(config: RunConfig) -> str:
