@@ -106,6 +106,7 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "world size": meta.get("world_size"), "dp": degrees.get("dp"), "tp": degrees.get("tp"),
             "cp": degrees.get("cp", 1 if degrees else None),  # runs from before cp existed had none
             "pp": degrees.get("pp"), "device": ", ".join(meta.get("devices") or []),
+            "precision": runstore.precision_label(meta.get("precision"), meta.get("param_dtype")),
             "peak MiB/rank (measured)": max(peaks) / 2**20 if peaks else None,
             "peak MiB/rank (predicted)": max(pred_peaks) / 2**20 if pred_peaks else None,
             "allocator peak MiB/rank": max(allocated) / 2**20 if allocated else None,  # CUDA's max_allocated

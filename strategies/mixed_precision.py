@@ -22,7 +22,7 @@ leaves alone, through `tensors.MetaAutocast`, which asks `shared_cast` too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -123,8 +123,9 @@ class ParamDtype:
     swaps again."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.dtype, self._saved = dtype, {}
+        self.dtype, self._model, self._saved = dtype, model, {}
         self.handles, self._names = [], {}
+        self._halves: dict[int, Callable[[torch.Tensor], torch.Tensor | None]] = {}  # id(param) -> its maker
         for module in model.modules():
             if _embeds(module):
                 # its output cast, not its weight: the same rows, rounded the same, without a half copy of a whole
@@ -132,12 +133,23 @@ class ParamDtype:
                 self.handles.append(module.register_forward_hook(self._half_output))
                 continue
             left = _cast_by_autocast(module)
-            names = [n for n, p in module._parameters.items() if p is not None and p.dtype == torch.float32 and
-                     n not in left]
-            if names:
-                self._names[id(module)] = names
-                self.handles += [module.register_forward_pre_hook(self._swap),
-                                 module.register_forward_hook(self._back, always_call=True)]
+            self._hook(module, [n for n, p in module._parameters.items() if p is not None and p.dtype == torch.float32
+                                and n not in left])
+
+    def _hook(self, module: nn.Module, names: list[str]) -> None:
+        if names and id(module) not in self._names:
+            self.handles += [module.register_forward_pre_hook(self._swap),
+                             module.register_forward_hook(self._back, always_call=True)]
+        if names:
+            self._names[id(module)] = list(dict.fromkeys(self._names.get(id(module), []) + names))
+
+    def gathered(self, params: list[nn.Parameter], make: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """``params`` have their half copies made by another technique (ZeRO-3 gathers them in half, `make` gives the
+        gathered copy): each module computes with those, its linears' and embeddings' too (their float32 storage
+        is not gathered)."""
+        self._halves.update(dict.fromkeys((id(p) for p in params), make))
+        for module in self._model.modules():
+            self._hook(module, [n for n, p in module._parameters.items() if p is not None and id(p) in self._halves])
 
     def _swap(self, module: nn.Module, args: Any) -> None:
         depth, saved = self._saved.setdefault(id(module), [0, {}])
@@ -146,7 +158,10 @@ class ParamDtype:
             return
         for name in self._names[id(module)]:
             saved[name] = p = module._parameters[name]
-            module._parameters[name] = shared_cast(p, self.dtype)  # (a tensor, not a Parameter: for this call)
+            make = self._halves.get(id(p))
+            half = make(p) if make is not None else None
+            # (a tensor, not a Parameter: for this call)
+            module._parameters[name] = half if half is not None else shared_cast(p, self.dtype)
 
     def _half_output(self, module: nn.Module, args: Any, output: Any) -> Any:
         return output.to(self.dtype) if isinstance(output, torch.Tensor) and output.dtype == torch.float32 else None

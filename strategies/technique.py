@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from strategies.comm import Axis
@@ -179,6 +180,15 @@ class Technique:
     def parameter_buffers(self) -> list[Tensor]:
         """Buffers that hold parameters (not activations, though autograd saves them)."""
         return []
+
+    def compute_in(self, dtype: torch.dtype) -> list[nn.Parameter]:
+        """Under the strategy's half ``param_dtype``: the parameters whose copies in ``dtype`` this technique makes
+        itself (ZeRO-3 gathers them in it), each given by `half_weight` while its module computes."""
+        return []
+
+    def half_weight(self, param: Tensor) -> Tensor | None:
+        """``param``'s copy in the half dtype (`compute_in`), its gradient going to ``param``."""
+        return None
 
     # -- the end ----------------------------------------------------------------------------------------------
 

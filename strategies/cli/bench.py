@@ -10,10 +10,12 @@ separate short runs (`bench_report` writes it). Kept apart from the tests: speed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ PAIRS = {
     "zero2": ("zero2", "deepspeed2"),
     "zero3": ("zero3", "deepspeed3"),
     "zero3-fsdp2": ("zero3", "fsdp2"),
+    "zero3-fsdp2-bf16": ("zero3_bf16", "fsdp2_bf16"),  # both under param_dtype=bf16, reduce_dtype=fp32
     "tp": ("tp", "dtensor_tp"),
     **{f"pp-{s}": (f"pp_{s}", f"torch_pp_{s}") for s in PIPELINE_SCHEDULES},
     "ep": ("ep", "deepspeed_moe"),  # the demo GPT's MoE (--experts; default 2 per rank), experts over every rank
@@ -99,17 +102,58 @@ def _train(rank: int, world: int, impl: str, cfg: BenchConfig) -> dict[str, Any]
     model = workload.bench_model(cfg)
     batches = workload.bench_batches(cfg, rank if shared > 1 else 0)
     step = build_engine(impl, workload, model, cfg)
-    times, ends = [], []
+    times, ends, moved = [], [], []
     for batch in batches:
-        start = time.perf_counter()
-        step(batch)
-        times.append(time.perf_counter() - start)
+        with _counted() as sent:
+            start = time.perf_counter()
+            step(batch)
+            times.append(time.perf_counter() - start)
         ends.append(time.time())
+        moved.append(sent)
     timed = times[cfg.warmup_steps :]
     tokens_per_step = cfg.batch_per_rank * cfg.seq_len * shared
     return {"impl": impl, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),
             "step_s": statistics.median(timed), "step_times": times, "step_ends": ends,
-            "tokens_per_step": tokens_per_step}
+            "tokens_per_step": tokens_per_step,  # (and what its collectives sent, as its time: the timed steps')
+            "bytes_per_step": {k: statistics.mean(m.get(k, 0.0) for m in moved[cfg.warmup_steps :]) for k in moved[-1]}}
+
+
+@contextlib.contextmanager
+def _counted() -> Iterator[dict[str, float]]:
+    """The bytes this rank sends per collective kind while inside, counted the same way for ours and the peers (at
+    torch.distributed's flat gathers, scatters and all-reduce, where both sides call them; ring volumes: (N-1)/N of
+    the whole tensor, twice for an all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    from strategies.comm import ops
+
+    moved: dict[str, float] = {}
+
+    def wrap(kind: str, real: Any, factor: int = 1) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            n = dist.get_world_size(kwargs.get("group"))
+            # the whole tensor: a gather's output, a scatter's input (the larger of the two), an all-reduce's one
+            whole = max((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), key=torch.numel)
+            moved[kind] = moved.get(kind, 0.0) + factor * (n - 1) / n * whole.numel() * whole.element_size()
+            return real(*args, **kwargs)
+        return call
+
+    # (torch 2.13's names, else the older ones: one of each, as a deprecated name may call the new one)
+    names = [("all_gather", "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor",
+              1), ("reduce_scatter", "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                   else "reduce_scatter_tensor", 1), ("all_reduce", "all_reduce", 2)]
+    patched = [(dist, name, wrap(kind, getattr(dist, name), factor)) for kind, name, factor in names]
+    patched += [(ops, "_ALL_GATHER", wrap("all_gather", ops._ALL_GATHER)),
+                (ops, "_REDUCE_SCATTER", wrap("reduce_scatter", ops._REDUCE_SCATTER))]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, fn in patched:
+        setattr(owner, name, fn)
+    try:
+        yield moved
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def available(impl: str) -> bool:
@@ -166,10 +210,14 @@ def model_config(cfg: BenchConfig) -> dict[str, Any]:
 def predict(impl: str, cfg: BenchConfig) -> dict | None:
     """What `measure.predict.predict_run` expects of ``impl``'s plan (per-rank memory by category, bytes, bubble), on
     the CPU ranks the bench runs (gloo: its buffers, the kernels' workspace, a pipeline's receives posted ahead)."""
+    from strategies.cli.bench_engines import HALF
+    from strategies.measure.estimate import with_param_dtype
     from strategies.measure.predict import predict_run
 
+    precision = with_param_dtype("bf16-mixed", True) if impl.endswith(HALF) else "32-true"
     return predict_run(plan_of(impl, cfg.world_size), cfg.world_size, model_config(cfg),
-                       cfg.batch_per_rank * replicas(impl, cfg.world_size), accelerator="cpu")  # gloo ranks, as run
+                       cfg.batch_per_rank * replicas(impl, cfg.world_size), precision=precision,
+                       accelerator="cpu")  # gloo ranks, as run
 
 
 def describe(cfg: BenchConfig, names: tuple[str, ...] = ()) -> str:

@@ -22,6 +22,7 @@ Step = Callable[[Any], None]
 
 MICROBATCHES = 4  # per step in the pipeline pairs (at least 2 x pp: DualPipeV's least)
 VIRTUAL = 2  # stages per rank in the interleaved pair
+HALF = "_bf16"  # an implementation under param_dtype=bf16 (ours `ParamDtype`, FSDP2's MixedPrecisionPolicy)
 
 
 def _plain(model: nn.Module, opt: torch.optim.Optimizer, workload: Any) -> Step:
@@ -58,6 +59,47 @@ def ours_data_parallel(stage: int) -> Callable[..., Step]:
             opt.zero_grad(set_to_none=True)
         return step
     return build
+
+
+def _half_plain(model: nn.Module, opt: torch.optim.Optimizer, workload: Any, finish: Callable[[], None] = lambda: None,
+                after: Callable[[], None] = lambda: None) -> Step:
+    """`_plain` under bf16 autocast (what Lightning's ``bf16-mixed`` runs a step in), backward outside it."""
+    def step(batch: Any) -> None:
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = workload.loss(model(x), y)
+        loss.backward()
+        finish()
+        opt.step()
+        after()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def ours_zero3_bf16(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """Our ZeRO-3 under the strategy's ``param_dtype=bf16`` (`mixed_precision.ParamDtype`): the units gathered in bf16,
+    the gradients reduce-scattered in float32."""
+    from strategies.mixed_precision import ParamDtype
+    from strategies.zero import shard_model
+
+    opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
+    sync = shard_model(model, opt, _world_axis("dp"), 3)
+    ParamDtype(model, torch.bfloat16).gathered(sync.compute_in(torch.bfloat16), sync.half_weight)
+    return _half_plain(model, opt, workload, sync.finish, sync.after_step)
+
+
+def fsdp2_bf16(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+    """torch's FSDP2 as `fsdp2`, with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, under the same
+    autocast as ours (which computes norms, softmax and the loss in float32 on both sides)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from strategies.pipeline.stages import find_blocks
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.get_submodule(find_blocks(model)):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return _half_plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload)
 
 
 def ours_tensor_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
@@ -108,6 +150,7 @@ def plan_of(impl: str, world_size: int) -> str:
     """The plan whose estimator figures stand beside ``impl``'s measurements (ours, or the peer's twin)."""
     from strategies.equivalents import PEERS
 
+    impl = impl.removesuffix(HALF)  # (its precision: `bench.predict`)
     base = impl.removeprefix("torch_")
     if base.startswith("pp_"):
         return pipeline_plan(base[3:], world_size)
@@ -275,6 +318,7 @@ def torch_pipeline(schedule: str) -> Callable[..., Step]:
 ENGINES: dict[str, Callable[..., Step]] = {
     "dp": ours_data_parallel(0), "zero1": ours_data_parallel(1), "zero2": ours_data_parallel(2),
     "zero3": ours_data_parallel(3), "tp": ours_tensor_parallel,
+    "zero3_bf16": ours_zero3_bf16, "fsdp2_bf16": fsdp2_bf16,
     "torch_ddp": torch_ddp, "fsdp2": fsdp2, "dtensor_tp": dtensor_tp, "deepspeed1": deepspeed_zero(1),
     "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3), "ep": ours_expert_parallel,
     "deepspeed_moe": deepspeed_moe,

@@ -106,7 +106,7 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
     heap = all((r.get("config") or {}).get("heap") for runs in ok_of.values() for r in runs)
     header = (f"{'strategy':<18}{'ranks':>6}{'final loss':>11}{'loss match':>11}{'tokens/s':>10}"
               f"{'vs ' + (baseline or '-'):>10}{'state KiB meas/pred':>22}{'comm KiB/step meas/pred':>26}"
-              f"{'act KiB':>9}" + (f"{'setup KiB meas/pred':>22}" if heap else ""))
+              f"{'act KiB':>9}" + (f"{'setup KiB meas/pred':>22}" if heap else "") + "  precision")
     lines = [header, "-" * len(header)]
     for label, runs in rows.items():
         ok = ok_of[label]
@@ -127,9 +127,20 @@ def format_table(results: list[dict[str, Any]], baseline: str | None) -> str:
             f"{label:<18}{first['world_size']:>6}{_fmt(_mean([r['losses'][-1] for r in ok]), '.4f'):>11}"
             f"{_fmt(match, '.1e'):>11}{_fmt(tps, ',.0f'):>10}{_fmt(ratio, '.3f'):>10}{state:>22}{comm:>26}"
             f"{_fmt(act / 1024 if act else None, ',.0f'):>9}" + (f"{setup:>22}" if heap else "")
+            + f"  {run_precision(first)}"
         )
     lines.append(_legend(heap))
     return "\n".join(lines)
+
+
+def run_precision(result: dict[str, Any]) -> str:
+    """The run's precision and, under a plan, the strategy's ``param_dtype`` (`runs.precision_label`)."""
+    from strategies.cli.train import _is_plan
+    from strategies.runs import precision_label
+
+    config = result.get("config") or {}
+    half = config.get("param_dtype") if _is_plan(str(result.get("label", ""))) else None
+    return precision_label(config.get("precision"), half) or "-"
 
 
 def _legend(heap: bool) -> str:

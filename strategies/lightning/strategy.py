@@ -262,6 +262,14 @@ class PlanStrategy(ParallelStrategy):
             self._param_dtype = ParamDtype(self.lightning_module, self.options.param_dtype)
             if self._first_batch is not None and self._first_batch.copy is not None:  # its reference, the same way
                 ParamDtype(self._first_batch.copy, self.options.param_dtype)
+        self._gather_in_half()
+
+    def _gather_in_half(self) -> None:
+        """Under a half param_dtype, ZeRO-3 gathers its units in it (FSDP2's way) and the policy computes with them."""
+        for technique in self.techniques if self._param_dtype is not None else ():
+            params = technique.compute_in(self._param_dtype.dtype)
+            if params:
+                self._param_dtype.gathered(params, technique.half_weight)
 
     def _make_steps(self, fitting: bool) -> DirectSteps:
         if self.resolved_plan.pp == 1:
@@ -320,6 +328,7 @@ class PlanStrategy(ParallelStrategy):
                                             self.techniques, fp16_scaler=scaler, deferred=self._deferred):
             self._adopt(sync)
         self._deferred = None  # everything is made
+        self._gather_in_half()  # (under pp the policy came first)
         # Lightning clips by norm in the precision plugin, over the optimizer's params (here shards, slices or
         # one stage's): this instance's clip-by-norm takes the whole model's norm across the mesh instead.
         self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(float(clip_val))

@@ -376,7 +376,8 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     # the stream's dtype
     logits = b * s * shape.vocab * (4 if shape.llama or policy else wide) / _vocab_split(plan)
     split, kept = shape.block()
-    unit = (math.ceil(split / t) + kept) * weight_bytes if plan.data.stage == 3 else 0.0
+    gathered = act_bytes if policy else weight_bytes  # ZeRO-3's block gathered: half under param_dtype (`stage3`)
+    unit = (math.ceil(split / t) + kept) * gathered if plan.data.stage == 3 else 0.0
     # Recompute makes a block's activations again but not its output (the residual add, which it drops).
     # Half logits cast up to float32 (by autocast for the cross-entropy, by Hugging Face's loss): at the loss's forward
     # both beside the log-softmax
@@ -392,7 +393,7 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   backward=boundary + (u if plan.sp else 0.0) + f * u / t, weight=h * shape.mlp() / t * weight_bytes,
                   mlp_grad=f * u / t,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
-                  head_unit=shape.output_layer(_vocab_split(plan)) * weight_bytes if unit else 0.0,
+                  head_unit=shape.output_layer(_vocab_split(plan)) * gathered if unit else 0.0,
                   vocab_grad=shape.output_layer(_vocab_split(plan), bias=False) * weight_bytes,  # (the weights' dtype)
                   stash=saved.stash if plan.schedule.splits_backward else 0.0)
 
@@ -497,48 +498,51 @@ def _plain_grads(plan: ParallelPlan) -> bool:
     return plan.data_ranks == 1 and not plan.offload and plan.data is not DataMode.NAIVE
 
 
-def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0, experts: int = 0) -> dict[str, float]:
+def data_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0, experts: int = 0,
+                        gather_bytes: int = 4) -> dict[str, float]:
     """`dense_parallel_bytes` for the ``psi - experts`` parameters reduced over the data ranks, and the same for the
     ``experts`` over the ranks that hold the same experts (the ``edp`` axis: dp x cp / ep ranks)."""
-    out = dense_parallel_bytes(psi - experts, plan, kept)
+    out = dense_parallel_bytes(psi - experts, plan, kept, gather_bytes)
     if experts and plan.expert_data_ranks > 1:
         ranks = plan.expert_data_ranks
         alone = dataclasses.replace(plan, dp=ranks, cp=1, ep=1)
-        out.update({f"{key.split('/')[0]}/edp": value for key, value in dense_parallel_bytes(experts, alone).items()})
+        out.update({f"{key.split('/')[0]}/edp": value
+                    for key, value in dense_parallel_bytes(experts, alone, gather_bytes=gather_bytes).items()})
     return out
 
 
-def dense_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0) -> dict[str, float]:
+def dense_parallel_bytes(psi: int, plan: ParallelPlan, kept: int = 0, gather_bytes: int = 4) -> dict[str, float]:
     """Bytes rank 0 sends per optimizer step over the data group (dp, or dp x cp: `ParallelPlan.data_axis`) for
     ``psi`` local fp32 parameters. ``kept``: parameters of ZeRO-3's last unit in forward order, which stays gathered
     into backward. Under pp, ZeRO-3 gathers each unit again for every microbatch's forward and backward (why
     DeepSpeed does not allow the two together): counted as 2·m gathers, less the kept unit's m (within a few %
-    measured)."""
+    measured). ``gather_bytes``: of an element ZeRO-3 gathers (2 under a half param_dtype: `stage3.Unit`)."""
     n, axis = plan.data_ranks, plan.data_axis
     if n == 1:
         return {}
 
-    def padded(count: int) -> int:
-        return math.ceil(count / n) * n * 4
+    def padded(count: int, element: int = 4) -> int:
+        return math.ceil(count / n) * n * element
 
     if plan.data is DataMode.DP:
         return {f"all_reduce/{axis}": 2 * (n - 1) / n * psi * 4}
     if plan.data is DataMode.NAIVE:
         return {f"send/{axis}": (n - 1) * psi * 4}  # rank 0 is the parameter server
     m = plan.microbatches if plan.pp > 1 else 1
-    gathered = 2 * m * padded(psi) - m * padded(kept) if plan.data.stage == 3 else padded(psi)
+    g = gather_bytes
+    gathered = 2 * m * padded(psi, g) - m * padded(kept, g) if plan.data.stage == 3 else padded(psi)
     return {f"reduce_scatter/{axis}": (n - 1) / n * padded(psi), f"all_gather/{axis}": (n - 1) / n * gathered}
 
 
-def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0,
-                  act_bytes: int = 4, wide_bytes: int = 4, experts: int = 0,
-                  recomputed: float | None = None) -> dict[str, float]:
+def communication(shape: ModelShape, plan: ParallelPlan, psi: int, blocks: float, kept: int = 0, act_bytes: int = 4,
+                  wide_bytes: int = 4, experts: int = 0, recomputed: float | None = None,
+                  gather_bytes: int = 4) -> dict[str, float]:
     """Bytes rank 0 sends per optimizer step, by ``kind/axis``: fp32 gradients; activations in ``act_bytes`` where
     they are a matmul's output (the ring's K/V, tp's row-parallel outputs and their gradients) and in ``wide_bytes``
     where autocast keeps them float32 (the norms' outputs tp gathers or whose gradients it reduces, pp's messages:
-    `step_pieces`). ``recomputed``: the share of the ``blocks`` whose forward runs again (default the plan's)."""
-    r = _share(plan, recomputed)
-    out = data_parallel_bytes(psi, plan, kept, experts)
+    `step_pieces`). ``recomputed``: the share of the ``blocks`` whose forward runs again (default the plan's);
+    ``gather_bytes``: ZeRO-3's (`dense_parallel_bytes`)."""
+    r, out = _share(plan, recomputed), data_parallel_bytes(psi, plan, kept, experts, gather_bytes)
     if plan.ep > 1:
         out["all_to_all/ep"] = blocks * expert_parallel_bytes(shape, plan, wide_bytes, r)
     t = plan.tp
@@ -631,8 +635,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     for rank, psi in enumerate(per_rank):
         states = model_states(psi, plan, precision, optimizer, experts[rank])
         # Autocast's half copies of the weights, saved by the matmuls for backward (under pp held by the cache for
-        # the step: `mixed_precision`)
-        cast_bytes = act_bytes if mixed else 0
+        # the step: `mixed_precision`); none where ZeRO-3 gathers them in half (the matmuls save views of the unit)
+        cast_bytes = act_bytes if mixed and not (_policy(precision)[1] and plan.data.stage == 3) else 0
         peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, cast_bytes), backend,
                           workspace, crowded)
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then; or
@@ -648,7 +652,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         between.append(states)
     bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
         else 0.0
-    comm = _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes, stream)
+    comm = _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes, stream,
+                       act_bytes if _policy(precision)[1] else 4)
     return Estimate(str(plan), memory, comm, bubble, per_rank,
                     peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
@@ -740,7 +745,7 @@ def recomputed_share(plan: ParallelPlan, ranges: list[range]) -> float:
 
 
 def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int,
-                wide_bytes: int) -> dict:
+                wide_bytes: int, gather_bytes: int = 4) -> dict:
     """`communication` for rank 0, which holds ``psi`` parameters and the blocks of its stages in ``ranges``."""
     first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
     split, whole = shape.block()
@@ -748,7 +753,7 @@ def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[ra
     kept = shape.output_layer(_vocab_split(plan)) if plan.pp == 1 else math.ceil(split / plan.tp) + whole
     experts = first_blocks * expert_share(shape, plan)
     share = recomputed_share(plan, [ranges[s] for s, r in _placement(plan).items() if r == 0])
-    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts, share)
+    return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts, share, gather_bytes)
 
 
 def _placement(plan: ParallelPlan) -> dict[int, int]:

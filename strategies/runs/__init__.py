@@ -13,10 +13,12 @@ Schema version 1 (`SCHEMA`), present in every file and record:
   null), ``label`` (the strategy as given), ``plan`` (canonical, resolved) or null for non-plan strategies,
   ``degrees`` {dp, tp, pp, microbatches, virtual}, ``world_size``, ``devices`` (names), ``versions``
   {torch, lightning, stratpack, python}, ``model`` (config), ``num_params``, ``seed``, ``git``, ``started``
-  (unix time), ``predicted`` (the estimator's figures, or null); from ``stratpack bench`` also ``bench``
-  (the pair, its ratios and both sides' per-rank peaks; ``role`` "ours" or "peer"); from ``stratpack rehearse``
-  ``kind`` "rehearsal" (absent for a real run) and ``rehearsal`` {ranks, target, worst_rank}: one record per
-  rehearsed rank, and a summary of the lowest rehearsed rank (``memory_bytes_per_rank`` null for the others).
+  (unix time), ``predicted`` (the estimator's figures, or null), ``precision`` (Lightning's) and ``param_dtype``
+  (the strategy's, e.g. "torch.bfloat16", or null: `write.precision_label` shows the two); from ``stratpack
+  bench`` also ``bench`` (the pair, its ratios and both sides' per-rank peaks; ``role`` "ours" or "peer");
+  from ``stratpack rehearse`` ``kind`` "rehearsal" (absent for a real run) and ``rehearsal`` {ranks, target,
+  worst_rank}: one record per rehearsed rank, and a summary of the lowest rehearsed rank
+  (``memory_bytes_per_rank`` null for the others).
 - ``rank*.jsonl`` records: ``schema``, ``rank``, ``step``, ``time`` (unix), ``step_time_s``, ``loss``
   (this rank's), ``lr``, ``samples_per_s``, ``tokens_per_s``, ``memory`` (bytes by category:
   params, grads, optimizer, host, activations_peak, logits (the output layer's largest output, 1/tp of the
@@ -46,7 +48,7 @@ shapes and the memory categories are in `schema`; `write` writes a run, `read` r
 
 from strategies.runs.read import RunError, list_runs, read_run
 from strategies.runs.schema import MEMORY_CATEGORIES, MODEL_STATE, RUNS_ENV, SCHEMA
-from strategies.runs.write import RunWriter, new_comparison_id, new_run_id, run_meta, runs_dir
+from strategies.runs.write import RunWriter, new_comparison_id, new_run_id, precision_label, run_meta, runs_dir
 
 __all__ = ["MEMORY_CATEGORIES", "MODEL_STATE", "RUNS_ENV", "SCHEMA", "RunError", "RunWriter", "list_runs",
-           "new_comparison_id", "new_run_id", "read_run", "run_meta", "runs_dir"]
+           "new_comparison_id", "new_run_id", "precision_label", "read_run", "run_meta", "runs_dir"]

@@ -114,6 +114,15 @@ def run_meta(*, run_id: str, label: str, comparison: str | None, world_size: int
     }
 
 
+def precision_label(precision: Any, param_dtype: Any = None) -> str | None:
+    """How a run computed, for a table: Lightning's precision, and the strategy's ``param_dtype`` where it had one
+    (meta.json's ``torch.bfloat16`` and a RunConfig's ``bf16`` alike): ``bf16-mixed, param_dtype bf16``."""
+    if not precision:
+        return None
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(str(param_dtype or "").removeprefix("torch."), param_dtype)
+    return f"{precision}, param_dtype {half}" if half else str(precision)
+
+
 def git_revision() -> str | None:
     """The checkout's short commit, where the run starts inside one."""
     import subprocess

@@ -43,6 +43,7 @@ class FlatParam:
         view = self.full[start : start + self.shard_size]
         # ZeRO-3 frees `full` between uses, so its shard needs storage of its own.
         self.shard = view.clone() if own_shard else view
+        self.half: torch.Tensor | None = None  # ZeRO-3 under a half param_dtype: what its gather fills (`stage3.Unit`)
         self.grad_shard: torch.Tensor | None = None  # the reduce-scatter's output, from launch to `ZeroGradSync.finish`
         self.offload = offload
         host = "meta" if device.type == "meta" else "cpu"  # (a rehearsal's host copies are shapes too)

@@ -17,6 +17,7 @@ are kept gathered: ZeRO-2 for them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,25 +58,48 @@ def _parent(root: nn.Module, name: str) -> nn.Module | None:
 
 class Unit:
     """The flats of one module, gathered and freed together. A pinned unit (the root's own and shared
-    parameters) stays gathered and is refreshed after each optimizer step."""
+    parameters) stays gathered and is refreshed after each optimizer step. Under a half ``param_dtype``
+    (`Zero3GradSync.compute_in`) the gather that computes is of the shards cast to it, into each flat's ``half``
+    (FSDP2's ``param_dtype``: half the bytes moved and held); the float32 ``full`` is gathered only for the whole
+    state (``whole=True``)."""
 
     def __init__(self, name: str, module: nn.Module | None, flats: list[FlatParam], pinned: bool = False) -> None:
         self.name, self.module, self.flats, self.pinned = name, module, flats, pinned
-        self.gathered = True
+        self.gathered = True  # the copy forward and backward use (``half`` under a half dtype, else ``full``)
+        self.whole = False  # under a half dtype: ``full`` gathered too
+        self.half: torch.dtype | None = None
         self.pending: list[comm.Handle] = []
+        self._sent: list[torch.Tensor] = []  # the half shards in flight (kept until their gather is done)
         self.params = {id(p) for flat in flats for p in flat.params}
         self.reduced: set[int] = set()
 
-    def gather(self, async_op: bool = False) -> None:
-        if self.gathered:
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Gather the shards cast to ``dtype`` to compute (their float32 only for the whole state)."""
+        self.wait()
+        for flat in self.flats:
+            flat.half = torch.empty(flat.padded, dtype=dtype, device=flat.full.device)
+            flat.half.untyped_storage().resize_(0)
+        self.half, self.whole = dtype, self.gathered
+        self.gathered = False
+
+    def gather(self, async_op: bool = False, whole: bool = False) -> None:
+        half = self.half is not None and not whole
+        if (self.whole if self.half is not None and whole else self.gathered):
             if not async_op:
                 self.wait()
             return
         for flat in self.flats:
-            storage = flat.full.untyped_storage()
-            storage.resize_(flat.padded * flat.full.element_size())
-            self.pending.append(comm.all_gather(flat.full, flat.shard, flat.axis, async_op=True))
-        self.gathered = True
+            # (the half flat's ``.data``: a tensor of its own version, so that filling it again for backward is not
+            # an in-place change of the views forward computed with and autograd saved, as for the float32 flat)
+            into = flat.half.data if half else flat.full
+            into.untyped_storage().resize_(flat.padded * into.element_size())
+            shard = flat.shard.to(self.half) if half else flat.shard
+            self._sent += [shard] if half else []
+            self.pending.append(comm.all_gather(into, shard, flat.axis, async_op=True))
+        if self.half is not None and whole:
+            self.whole = True
+        else:
+            self.gathered = True
         if not async_op:
             self.wait()
 
@@ -83,16 +107,36 @@ class Unit:
         for handle in self.pending:
             handle.wait()
         self.pending.clear()
+        self._sent.clear()
 
     def release(self) -> None:
         self.wait()
         for flat in self.flats:
             flat.full.untyped_storage().resize_(0)
-        self.gathered = False
+            if flat.half is not None:
+                flat.half.untyped_storage().resize_(0)
+        self.gathered = self.whole = False
 
     @property
     def gathered_bytes(self) -> int:
-        return sum(flat.padded * flat.full.element_size() for flat in self.flats)
+        if self.half is None:
+            return sum(flat.padded * flat.full.element_size() for flat in self.flats) if self.gathered else 0
+        return sum(flat.padded * (flat.full.element_size() * self.whole + flat.half.element_size() * self.gathered)
+                   for flat in self.flats)
+
+
+class _HalfView(torch.autograd.Function):
+    """A parameter's view of its unit's gathered half flat, computed with in its place: the gradient goes back to the
+    float32 parameter cast up (its storage freed meanwhile: only its shape and dtype are read)."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = param.dtype
+        return half.view_as(half)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
 
 
 class Zero3GradSync(ZeroGradSync):
@@ -106,6 +150,7 @@ class Zero3GradSync(ZeroGradSync):
         self._order: list[Unit] = []  # forward order, recorded on the first forward
         self._recorded = False
         self.peak_gathered_bytes = 0
+        self._half_of: dict[int, tuple[Unit, FlatParam, int]] = {}  # under `compute_in`
         self._module_hooks = []
         for unit in units:
             if unit.pinned:
@@ -169,8 +214,29 @@ class Zero3GradSync(ZeroGradSync):
             self._order[index].gather(async_op=True)
 
     def _track_peak(self) -> None:
-        live = sum(u.gathered_bytes for u in self.units if u.gathered)
+        live = sum(u.gathered_bytes for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+
+    # -- a half param_dtype (`mixed_precision.ParamDtype`) ------------------------------------------------
+
+    def compute_in(self, dtype: torch.dtype) -> list[nn.Parameter]:
+        """Forward and backward compute with the units' parameters gathered in ``dtype`` (`half_weight`): the
+        parameters that are, for `ParamDtype.gathered`. The pinned stay float32 (cast where they are used)."""
+        halved = [unit for unit in self.units if not unit.pinned and unit.half is None]
+        for unit in halved:
+            unit.compute_in(dtype)
+            self._half_of.update({id(p): (unit, flat, i) for flat in unit.flats for i, p in enumerate(flat.params)})
+        return [p for unit in halved for flat in unit.flats for p in flat.params]
+
+    def half_weight(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param`` as its unit's gathered half flat holds it (gradient to ``param``), or None where it is not one."""
+        where = self._half_of.get(id(param))
+        if where is None:
+            return None
+        unit, flat, i = where
+        if not unit.gathered:  # (used outside its unit's forward: gathered now, as the unit's own hook would)
+            unit.gather()
+        return _HalfView.apply(param, flat.slot(flat.half, i))
 
     # -- step ------------------------------------------------------------------------------------------
 
@@ -191,13 +257,13 @@ class Zero3GradSync(ZeroGradSync):
         """Every unit (of ``units``) freed but the pinned (after a step, or once the state has been read)."""
         for unit in self.units if units is None else units:
             unit.reduced.clear()
-            if unit.gathered and not unit.pinned:
+            if (unit.gathered or unit.whole) and not unit.pinned:
                 unit.release()
 
     def gather_all(self) -> None:
         """Every unit gathered (state_dict, the end of training): a normal module again."""
         for unit in self.units:
-            unit.gather()
+            unit.gather(whole=True)
 
     def remove(self) -> None:
         super().remove()
@@ -211,7 +277,7 @@ class Zero3GradSync(ZeroGradSync):
         held = {self._unit_of[id(p)] for n, p in self.named_params if n in state and id(p) in self._unit_of}
         wanted = [unit for unit in self.units if unit in held]
         for unit in wanted:
-            unit.gather()
+            unit.gather(whole=True)
         try:
             return {k: v.clone() for k, v in state.items()}
         finally:

@@ -170,7 +170,8 @@ class ZeroGradSync(GradSync):
         flats = self.flats
         offloaded = [t for f in flats if f.offload for t in (f.master, f.master.grad, f.grad_host)]
         return {
-            "params": [f.full for f in flats] + [f.shard for f in flats],
+            "params": [f.full for f in flats] + [f.shard for f in flats]
+                      + [f.half for f in flats if f.half is not None],
             "grads": [f.grad_shard for f in flats] + [f.grad_full for f in flats]
                      + [f.master.grad for f in flats if not f.offload],
             "host": offloaded,
@@ -215,4 +216,4 @@ class ZeroGradSync(GradSync):
         return [self.axis]
 
     def parameter_buffers(self) -> list[Tensor]:
-        return [flat.full for flat in self.flats]
+        return [flat.full for flat in self.flats] + [flat.half for flat in self.flats if flat.half is not None]

@@ -18,7 +18,7 @@ def _memory(total: int, act: int) -> dict:
 
 
 def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *, complete: bool = True,
-               pipeline: dict | None = None, degrees: dict | None = None) -> None:
+               pipeline: dict | None = None, degrees: dict | None = None, param_dtype: str | None = None) -> None:
     predicted = {"memory": [{"params": 100, "grads": 100, "optimizer": 200, "host": 0, "activations": 50}] * world,
                  "comm": {"all_reduce/dp": 10.0}, "bubble": 0.0, "model_states": [400] * world,
                  "step_time": {"compute": 0.6, "recompute": 0.0, "optimizer": 0.1, "loop": 0.05, "dp comm": 0.1,
@@ -28,7 +28,8 @@ def _write_run(root, run_id: str, label: str, world: int, losses: list[float], *
         if rank == 0:
             writer.write_meta({"run_id": run_id, "comparison": CMP, "label": label, "plan": label, "world_size": world,
                                "degrees": degrees or {"dp": world, "tp": 1, "pp": 1}, "devices": ["cpu"],
-                               "num_params": 1000, "predicted": predicted})
+                               "num_params": 1000, "predicted": predicted,
+                               "precision": "bf16-mixed" if param_dtype else "32-true", "param_dtype": param_dtype})
         for step, loss in enumerate(losses, start=1):
             writer.append({"step": step, "time": 100.0 + step, "step_time_s": 1.0, "loss": loss, "lr": 0.1,
                            "tokens_per_s": 1000.0 * world, "memory": _memory(400 + 100 * rank, 60),
@@ -62,7 +63,7 @@ PIPELINE = {
 def store(tmp_path, monkeypatch):
     root = tmp_path / "runs"
     _write_run(root, "r1-single", "single", 1, [2.0, 1.5, 1.2])
-    _write_run(root, "r2-dp", "dp", 2, [2.0, 1.5, 1.2])
+    _write_run(root, "r2-dp", "dp", 2, [2.0, 1.5, 1.2], param_dtype="torch.bfloat16")
     _write_run(root, "r3-pp2", "pp2", 2, [2.0, 1.5, 1.2], pipeline=PIPELINE, degrees={"dp": 1, "tp": 1, "pp": 2})
     _write_run(root, "r4-crashed", "zero3", 2, [2.0, 1.5], complete=False)
     (root / "r5-corrupt").mkdir()

@@ -36,6 +36,8 @@ def test_compare_page_table_export_and_messages(store):
     assert list(table["strategy"]) == ["single", "dp", "pp2", "zero3"]
     assert list(table["status"]) == ["complete", "complete", "complete", "incomplete"]
     assert table["loss match vs single"][1] == 0.0
+    # how each computed: Lightning's precision and the strategy's param_dtype (meta.json's)
+    assert list(table["precision"]) == ["32-true", "bf16-mixed, param_dtype bf16", "32-true", "32-true"]
     warnings = " ".join(w.value for w in at.warning)
     assert "r5-corrupt: meta.json is not JSON" in warnings and "r6-old: schema 0" in warnings
     assert "Incomplete" in warnings and "r4-crashed (step 2)" in warnings  # how far it got

@@ -115,3 +115,24 @@ def test_the_gpu_bench_says_what_to_do_where_no_gpu_is_visible(capsys):
 
     assert main(["bench", "--accelerator", "gpu"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_zero3_under_param_dtype_sends_fsdp2s_bytes_under_its_mixed_precision_policy():
+    """ZeRO-3 under ``param_dtype=bf16`` and FSDP2 under ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``, the same model and loop (the bench pair `zero3-fsdp2-bf16`), counted at the same calls: the
+    same reduce-scatter (float32 gradients) and the all-gather's bf16 bytes, which are FSDP2's plus the second
+    gather of what FSDP2's root group keeps from forward to backward (the embeddings and the final norm: ours frees
+    them after forward and gathers them again; the head, the last unit, kept on both sides). Gathered in float32
+    (without the policy's half gather), ours sends twice that: planted, it fails."""
+    from strategies.cli.bench import BenchConfig, _train
+    from strategies.cli.workload import find_workload
+    from strategies.testing import run_ranks
+
+    cfg = BenchConfig(steps=2, warmup_steps=1, n_layer=2, n_embd=32, seq_len=16, batch_per_rank=4)
+    ours, peer = (run_ranks(_train, 2, impl, cfg, timeout_s=120)[0]["bytes_per_step"]
+                  for impl in ("zero3_bf16", "fsdp2_bf16"))
+    model = find_workload(cfg.workload).bench_model(cfg)
+    again = sum(p.numel() for m in (model.tok_emb, model.pos_emb, model.ln_f) for p in m.parameters())
+    psi = sum(p.numel() for p in model.parameters())
+    assert ours["reduce_scatter"] == peer["reduce_scatter"] == 1 / 2 * psi * 4  # (psi even: no padding at 2)
+    assert ours["all_gather"] == peer["all_gather"] + 1 / 2 * again * 2

@@ -64,3 +64,17 @@ def test_a_rehearsal_whose_given_batch_does_not_split_says_so_in_one_line():
         cli.main(["rehearse", "zero3", "--world-size", "2", "--batch-size", "1", "--target", "cuda"])
     said = str(stop.value.code)
     assert "--batch-size 1 does not split over the 2 data-parallel ranks" in said and "multiple of 2" in said
+
+
+def test_compare_shows_each_runs_precision_and_a_plans_param_dtype():
+    from strategies.cli.compare import format_table
+
+    def run(label: str, **config) -> dict:
+        return {"label": label, "world_size": 2, "losses": [1.0], "tokens_per_s": 1.0, "config": config}
+
+    table = format_table([run("single", precision="bf16-mixed", param_dtype="bf16"),
+                          run("zero3", precision="bf16-mixed", param_dtype="bf16"),
+                          run("dp", precision="32-true")], "single")
+    rows = {line.split()[0]: line for line in table.splitlines()[2:5]}
+    assert rows["zero3"].endswith("  bf16-mixed, param_dtype bf16") and rows["dp"].endswith("  32-true")
+    assert rows["single"].endswith("  bf16-mixed")  # (one device, not a plan: no param_dtype)
