@@ -70,11 +70,13 @@ class MetaAutocast(torch.overrides.TorchFunctionMode):
     """Autocast for meta tensors, which torch's autocast leaves alone (it knows no meta device): while the host's
     autocast is on (Lightning's ``*-mixed`` precision turns it on around each step), a matmul or attention on meta
     floats computes in the autocast dtype and a norm, softmax or loss in float32, as on the device rehearsed, so that
-    what autograd saves has the size it would have there. Above autograd, as autocast is: the casts are saved."""
+    what autograd saves has the size it would have there. Above autograd, as autocast is: the casts are saved.
+    ``device_type``: whose autocast is on here (the host's); ``target``: whose lists the device rehearsed keeps
+    (CUDA's computes norms and softmax in float32, the CPU's keeps them in the half dtype: only the losses float32)."""
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", target: str = "cuda") -> None:
         super().__init__()
-        self.device_type = device_type
+        self.device_type, self.target = device_type, target
 
     def __enter__(self) -> MetaAutocast:
         _AUTOCASTING.append(self)
@@ -86,7 +88,8 @@ class MetaAutocast(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _LOW or func in _HIGH:
+        high = _HIGH if self.target == "cuda" else _HIGH_CPU
+        if func in _LOW or func in high:
             if torch.is_autocast_enabled(self.device_type):
                 dtype = torch.get_autocast_dtype(self.device_type) if func in _LOW else torch.float32
                 args, kwargs = meta_cast((args, kwargs), dtype)
@@ -109,6 +112,7 @@ _LOW = {_F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm
         torch.Tensor.__matmul__, _F.scaled_dot_product_attention}
 _HIGH = {_F.layer_norm, _F.softmax, _F.log_softmax, _F.cross_entropy, _F.nll_loss, torch.softmax, torch.log_softmax,
          torch.layer_norm, _F.group_norm}
+_HIGH_CPU = {_F.cross_entropy, _F.nll_loss}  # (torch's CPU autocast: norms and softmax stay in bf16)
 
 
 _AUTOCASTING: list[MetaAutocast] = []  # entered now
@@ -117,7 +121,8 @@ _AUTOCASTING: list[MetaAutocast] = []  # entered now
 def meta_autocast_again() -> Any:
     """`MetaAutocast` entered again where it is on (a recompute inside backward, which runs without it), else
     nothing."""
-    return MetaAutocast(_AUTOCASTING[-1].device_type) if _AUTOCASTING else contextlib.nullcontext()
+    return MetaAutocast(_AUTOCASTING[-1].device_type, _AUTOCASTING[-1].target) if _AUTOCASTING else \
+        contextlib.nullcontext()
 
 
 # A number read off a meta tensor while a step is traced on shapes: `StandInReads`.

@@ -84,7 +84,7 @@ def _running(heap: Any, target: str, real: bool) -> contextlib.AbstractContextMa
 
     stack = contextlib.ExitStack()
     if not real:
-        for context in (target_kernels(target), heap.tracking(), MetaAutocast()):
+        for context in (target_kernels(target), heap.tracking(), MetaAutocast(target=target)):
             stack.enter_context(context)
     return stack
 
