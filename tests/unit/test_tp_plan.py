@@ -121,3 +121,24 @@ def test_the_split_indexes_a_weight_with_an_index_on_the_weights_own_device(monk
     split_like(torch.empty(24, 8, device="meta"), ParamSplit(0, (8, 8, 8)), _axis(2, 0))
     assert layer.weight.shape == (12, 8) and seen == [("meta", "meta")] * 2
     assert block_rows((8, 8, 8), _axis(2, 1), "meta").device.type == "meta"
+
+
+def test_a_ranks_slice_of_the_sequence_holds_only_its_own_bytes():
+    """Entering sequence parallel keeps this rank's slice of the sequence in storage of its own, also where the slice
+    is contiguous already (one sample): a view would hold the whole input for as long as autograd keeps the slice
+    (every microbatch's whole embedding output at 405B under sp and one sample per microbatch: rehearsed rank 0 held
+    8 GiB more; planted, ``.contiguous()``'s view: the storage is the whole sequence's, fails). The same for the
+    gradient's slices that leaving sp and tp's gather hand back."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from strategies.tensor_parallel.layers import _GatherFromTP, _split_dim, enter_sequence_parallel
+
+    axis = SimpleNamespace(size=2, index=1)  # (a rank's place on the tp axis: all the slicing reads)
+    x = torch.randn(1, 8, 4, requires_grad=True)
+    piece = enter_sequence_parallel(x, axis)
+    assert torch.equal(piece, x[:, 4:]) and piece.untyped_storage().nbytes() == piece.numel() * 4
+    grad = torch.randn(1, 1, 8)
+    assert _split_dim(grad.view(1, 8, 1), axis, 1).untyped_storage().nbytes() == 4 * 4
+    assert _GatherFromTP.backward(SimpleNamespace(axis=axis), grad)[0].untyped_storage().nbytes() == 4 * 4
