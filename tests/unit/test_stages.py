@@ -15,6 +15,9 @@ def test_partition_is_contiguous_non_empty_and_balanced():
     # The embeddings weigh on stage 0 and the head on the last: they get fewer blocks.
     assert partition([10] * 6, 3, first_extra=10, last_extra=10) == [range(0, 1), range(1, 4), range(4, 6)]  # 20 30 30
     assert partition([5, 1, 1, 1, 1, 5], 2) == [range(0, 3), range(3, 6)]
+    # a heavy embedding binds the first stage (7); the rest spread evenly, not one block each and the remainder last
+    # (planted, the min-max cut alone: [1, 1, 1, 7])
+    assert [len(r) for r in partition([1] * 10, 4, first_extra=6)] == [1, 3, 3, 3]
     for weights, stages in [([3, 1, 4, 1, 5, 9, 2, 6], 3), ([1] * 5, 5), ([7, 1], 1)]:
         ranges = partition(weights, stages)
         assert [i for r in ranges for i in r] == list(range(len(weights)))
