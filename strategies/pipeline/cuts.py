@@ -3,6 +3,8 @@ estimator and `stratpack plan` use the engine's own cut without importing it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
     """Contiguous ranges of ``weights`` (one per block), one range per stage, each non-empty, minimising the
@@ -17,19 +19,9 @@ def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra:
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: the lightest heaviest-stage for the first i blocks in k stages; cut[k][i]: where stage k starts.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                w = prefix[i] - prefix[j] + (first_extra if k == 1 else 0) + (last_extra if k == stages else 0)
-                cost = max(best[k - 1][j], w)
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    cut = _even(prefix, stages, best[stages][n], first_extra, last_extra)
+    extras = (first_extra, last_extra)
+    heaviest = _table(prefix, stages, extras, max, float("inf"))[0][stages][n]
+    cut = _table(prefix, stages, extras, lambda before, w: before + w * w, heaviest)[1]
     bounds, i = [], n
     for k in range(stages, 0, -1):
         bounds.append(range(cut[k][i], i))
@@ -37,18 +29,19 @@ def partition(weights: list[int], stages: int, first_extra: int = 0, last_extra:
     return bounds[::-1]
 
 
-def _even(prefix: list[int], stages: int, heaviest: float, first_extra: int, last_extra: int) -> list[list[int]]:
-    """`partition`'s second pass: where each stage starts, stages at most ``heaviest``, the sum of squares least."""
+def _table(prefix: list[int], stages: int, extras: tuple[int, int], combine: Callable[[float, int], float],
+           bound: float) -> tuple[list[list[float]], list[list[int]]]:
+    """best[k][i]: the least ``combine`` (folded over the stages) of the first i blocks in k stages, no stage heavier
+    than ``bound``; cut[k][i]: where stage k starts in it."""
     n = len(prefix) - 1
-    inf = float("inf")
-    least = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    least[0][0] = 0
+    best[0][0] = 0
     for k in range(1, stages + 1):
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
-                w = prefix[i] - prefix[j] + (first_extra if k == 1 else 0) + (last_extra if k == stages else 0)
-                cost = least[k - 1][j] + w * w
-                if w <= heaviest and cost < least[k][i]:
-                    least[k][i], cut[k][i] = cost, j
-    return cut
+                w = prefix[i] - prefix[j] + (extras[0] if k == 1 else 0) + (extras[1] if k == stages else 0)
+                cost = combine(best[k - 1][j], w)
+                if w <= bound and cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    return best, cut
