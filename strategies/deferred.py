@@ -114,6 +114,13 @@ def leave_in_slices(root: nn.Module, plan: str) -> None:
     setattr(root, LEFT, plan)
 
 
+def refill_left_in_slices(root: nn.Module) -> None:
+    """A whole checkpoint loaded strictly into a module a fit left in slices (`leave_in_slices`) refills every weight:
+    Lightning's ``test(ckpt_path="best")`` after ``fit``. The module is then as one built on meta and given that
+    checkpoint: made whole to take it (before set-up, Lightning's order), and split by the plan at set-up."""
+    vars(root).pop(LEFT, None)
+
+
 def refuse_left_in_slices(root: nn.Module) -> None:
     """A clear error for a module whose fit left it in slices (`leave_in_slices`), whatever is asked of it next."""
     plan = getattr(root, LEFT, None)

@@ -195,3 +195,8 @@ class Technique:
     def teardown(self, healthy: bool) -> None:
         """Give the user back the module as written. ``healthy``: no rank failed, so this may talk to the others;
         after a failure only local undoing (hooks), since the other ranks may be gone or stuck elsewhere."""
+
+    def leave_in_slices(self) -> None:
+        """After ``teardown(False)`` of a fit that went well on a model built on meta, whose weights stay in the ranks'
+        slices (`deferred.leave_in_slices`): give back the module's structure as written (the user's layers), no
+        weights, nothing said to the other ranks."""

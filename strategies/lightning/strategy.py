@@ -42,6 +42,7 @@ from strategies.deferred import (
     has_meta_parameters,
     holds_whole_weights,
     leave_in_slices,
+    refill_left_in_slices,
     refuse_left_in_slices,
 )
 from strategies.files import pack_version
@@ -580,6 +581,8 @@ class PlanStrategy(ParallelStrategy):
             self._pending_model = (checkpoint, strict)  # loaded once the first batch cut the stages and made them
             return None
         state = checkpoint["state_dict"]
+        if strict:
+            refill_left_in_slices(self.lightning_module)
         refuse_left_in_slices(self.lightning_module)
         if not self.techniques and has_meta_parameters(self.lightning_module):
             # Lightning restores a checkpoint before set-up: a model built on meta is made whole to take it
@@ -725,6 +728,8 @@ class PlanStrategy(ParallelStrategy):
         whole = not self._sliced
         for technique in reversed(self.techniques):
             technique.teardown(healthy and whole)
+            if healthy and not whole:
+                technique.leave_in_slices()
         comm.set_ordered_sums(False)
         unshare_casts(self.precision_plugin)
         if self._param_dtype is not None:

@@ -12,7 +12,7 @@ from strategies import comm
 from strategies.comm import Axis
 from strategies.tensor_parallel import heads
 from strategies.tensor_parallel.layers import block_rows
-from strategies.tensor_parallel.plans import ParamSplit, Style, param_splits
+from strategies.tensor_parallel.plans import ParamSplit, Style, layer_splits, param_splits
 
 
 def unsplit_state(state: dict[str, torch.Tensor], splits: dict[str, ParamSplit], axis: Axis) -> dict[str, torch.Tensor]:
@@ -81,6 +81,29 @@ def split_optimizer_state(per_param: dict[str, dict[str, Any]], splits: dict[str
                     entry[key] = split_like(value, splits[name], axis)
         out[name] = entry
     return out
+
+
+def restore_sliced_layers(module: nn.Module, found: dict[str, Style]) -> None:
+    """Undo `apply_plan` without a collective, for a fit that leaves its weights in slices (`deferred.leave_in_slices`,
+    a model built on meta): the user's layers back, their parameters on meta in the full shapes, tied ones tied again,
+    the head counts as they were; the module the user wrote, holding nothing, which a checkpoint then refills whole
+    (``test(ckpt_path="best")``)."""
+    for name in found:
+        split_layer = module.get_submodule(name)
+        (layer,) = split_layer.user_layer
+        splits = layer_splits(split_layer)
+        for pname, param in list(split_layer.named_parameters(recurse=False)):
+            shape = list(param.shape)
+            if pname in splits:
+                shape[splits[pname].dim] = sum(splits[pname].blocks)
+            setattr(layer, pname, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                               requires_grad=param.requires_grad))
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
+    for (first, fname), *others in getattr(found, "tied", []):
+        for name, pname in others:
+            setattr(module.get_submodule(name), pname, getattr(module.get_submodule(first), fname))
+    heads.restore(getattr(found, "localised", []))
 
 
 def restore_full_layers(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:

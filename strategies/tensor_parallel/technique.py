@@ -60,3 +60,6 @@ class TensorParallel(Technique):
             self.sequence_parallel.remove()
         if healthy:
             tp_state.restore_full_layers(self.module, self.layers, self.axis)  # the user's layers, whole again
+
+    def leave_in_slices(self) -> None:
+        tp_state.restore_sliced_layers(self.module, self.layers)  # the user's layers, on meta
