@@ -119,10 +119,15 @@ class Unit:
 
     @property
     def gathered_bytes(self) -> int:
-        if self.half is None:
-            return sum(flat.padded * flat.full.element_size() for flat in self.flats) if self.gathered else 0
-        return sum(flat.padded * (flat.full.element_size() * self.whole + flat.half.element_size() * self.gathered)
-                   for flat in self.flats)
+        """The bytes of the unit gathered to compute (in the half dtype under `compute_in`)."""
+        return sum(flat.padded * (flat.full if flat.half is None else flat.half).element_size() for flat in self.flats)
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the unit holds gathered now (the compute copy, and under a half dtype the float32 one too)."""
+        whole = self.whole if self.half is not None else False
+        return self.gathered_bytes * self.gathered + sum(flat.padded * flat.full.element_size() for flat in
+                                                         self.flats) * whole
 
 
 class _HalfView(torch.autograd.Function):
@@ -214,7 +219,7 @@ class Zero3GradSync(ZeroGradSync):
             self._order[index].gather(async_op=True)
 
     def _track_peak(self) -> None:
-        live = sum(u.gathered_bytes for u in self.units)
+        live = sum(u.held_bytes for u in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     # -- a half param_dtype (`mixed_precision.ParamDtype`) ------------------------------------------------

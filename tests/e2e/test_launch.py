@@ -107,8 +107,10 @@ def test_compare_prints_one_row_per_strategy_with_equal_losses(compared):
     # one process twice that (the whole global batch).
     assert rows["ddp"][12] == rows["dp"][12] != "-" and int(rows["single"][12].replace(",", "")) == 2 * int(
         rows["dp"][12].replace(",", ""))
-    # No set-up column beside the estimator's without --heap: resident memory's growth is not what it predicts
-    assert all(len(rows[k]) == 13 for k in rows) and "set-up memory beside the estimator's: with --heap" in proc.stdout
+    # No set-up column beside the estimator's without --heap: resident memory's growth is not what it predicts; last,
+    # each run's precision
+    assert all(len(rows[k]) == 14 and rows[k][13] == "32-true" for k in rows)
+    assert "set-up memory beside the estimator's: with --heap" in proc.stdout
     runs = [runstore.read_run(p) for p in runstore.list_runs(compared.runs)]
     ours = [r for r in runs if r["meta"].get("comparison")]
     assert len(ours) == 5 and len({r["meta"]["comparison"] for r in ours}) == 1
