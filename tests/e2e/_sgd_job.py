@@ -55,6 +55,7 @@ POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero2", "z
                                                       "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
           4: [], 8: [("zero3_tp2_pp2_mb4+bf16+policy", 1)]}
 POLICY[2] += [("zero3+adamw+bf16+policy", 1), ("pp2_1f1b_mb4+adamw+bf16+policy", 1)]  # (against their own reference)
+POLICY[2] += [("zero3+llama+bf16+policy", 1)]  # a Hugging Face Llama: ZeRO-3's bf16 gather swaps its layers' weights
 # The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call
 # (``+unshared``: share_casts=False): the same bits, one copy per microbatch in flight less (`test_trainer`).
 SHARED = [(f"{plan}+bf16{how}", 1) for plan in ("pp2_mb4", "pp2_zbv_mb4") for how in ("", "+unshared")]
