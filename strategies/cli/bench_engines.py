@@ -25,11 +25,19 @@ VIRTUAL = 2  # stages per rank in the interleaved pair
 HALF = "_bf16"  # an implementation under param_dtype=bf16 (ours `ParamDtype`, FSDP2's MixedPrecisionPolicy)
 
 
-def _plain(model: nn.Module, opt: torch.optim.Optimizer, workload: Any) -> Step:
+def _plain(model: nn.Module, opt: torch.optim.Optimizer, workload: Any, sync: Any = None, half: bool = False) -> Step:
+    """One optimizer step per batch: forward (``half``: under bf16 autocast, what Lightning's ``bf16-mixed`` runs a
+    step in), backward outside it, then ``sync``'s (our gradient sync's) finish before the step and after_step after."""
     def step(batch: Any) -> None:
         x, y = batch
-        workload.loss(model(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            loss = workload.loss(model(x), y)
+        loss.backward()
+        if sync is not None:
+            sync.finish()
         opt.step()
+        if sync is not None:
+            sync.after_step()
         opt.zero_grad(set_to_none=True)
     return step
 
@@ -49,31 +57,8 @@ def ours_data_parallel(stage: int) -> Callable[..., Step]:
         axis = _world_axis("dp")
         opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
         sync = BucketedDataParallel(model, axis) if stage == 0 else shard_model(model, opt, axis, stage)
-
-        def step(batch: Any) -> None:
-            x, y = batch
-            workload.loss(model(x), y).backward()
-            sync.finish()
-            opt.step()
-            sync.after_step()
-            opt.zero_grad(set_to_none=True)
-        return step
+        return _plain(model, opt, workload, sync)
     return build
-
-
-def _half_plain(model: nn.Module, opt: torch.optim.Optimizer, workload: Any, finish: Callable[[], None] = lambda: None,
-                after: Callable[[], None] = lambda: None) -> Step:
-    """`_plain` under bf16 autocast (what Lightning's ``bf16-mixed`` runs a step in), backward outside it."""
-    def step(batch: Any) -> None:
-        x, y = batch
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = workload.loss(model(x), y)
-        loss.backward()
-        finish()
-        opt.step()
-        after()
-        opt.zero_grad(set_to_none=True)
-    return step
 
 
 def ours_zero3_bf16(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
@@ -85,7 +70,7 @@ def ours_zero3_bf16(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict)
     opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
     sync = shard_model(model, opt, _world_axis("dp"), 3)
     ParamDtype(model, torch.bfloat16).gathered(sync.compute_in(torch.bfloat16), sync.half_weight)
-    return _half_plain(model, opt, workload, sync.finish, sync.after_step)
+    return _plain(model, opt, workload, sync, half=True)
 
 
 def fsdp2_bf16(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
@@ -99,7 +84,7 @@ def fsdp2_bf16(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> S
     for block in model.get_submodule(find_blocks(model)):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return _half_plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload)
+    return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload, half=True)
 
 
 def ours_tensor_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
@@ -165,15 +150,7 @@ def ours_expert_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: 
 
     experts = ExpertParallel(model, _world_axis("ep")).expert_names()
     sync = BucketedDataParallel(model, _world_axis("dp"), include=lambda name: name not in experts)
-    opt = torch.optim.AdamW(model.parameters(), **opt_kwargs)
-
-    def step(batch: Any) -> None:
-        x, y = batch
-        workload.loss(model(x), y).backward()
-        sync.finish()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload, sync)
 
 
 def deepspeed_moe(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:

@@ -3,6 +3,7 @@ over the tp axis, and a full state cut into this rank's slices, the way `plans.a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,36 +86,32 @@ def split_optimizer_state(per_param: dict[str, dict[str, Any]], splits: dict[str
 
 def restore_sliced_layers(module: nn.Module, found: dict[str, Style]) -> None:
     """Undo `apply_plan` without a collective, for a fit that leaves its weights in slices (`deferred.leave_in_slices`,
-    a model built on meta): the user's layers back, their parameters on meta in the full shapes, tied ones tied again,
-    the head counts as they were; the module the user wrote, holding nothing, which a checkpoint then refills whole
-    (``test(ckpt_path="best")``)."""
-    for name in found:
+    a model built on meta): the user's layers back, their parameters on meta in the full shapes; the module the user
+    wrote, holding nothing, which a checkpoint then refills whole (``test(ckpt_path="best")``)."""
+    def on_meta(name: str, pname: str) -> torch.Tensor:
         split_layer = module.get_submodule(name)
-        (layer,) = split_layer.user_layer
-        splits = layer_splits(split_layer)
-        for pname, param in list(split_layer.named_parameters(recurse=False)):
-            shape = list(param.shape)
-            if pname in splits:
-                shape[splits[pname].dim] = sum(splits[pname].blocks)
-            setattr(layer, pname, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
-                                               requires_grad=param.requires_grad))
-        parent_name, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
-    for (first, fname), *others in getattr(found, "tied", []):
-        for name, pname in others:
-            setattr(module.get_submodule(name), pname, getattr(module.get_submodule(first), fname))
-    heads.restore(getattr(found, "localised", []))
+        local, split = getattr(split_layer, pname), layer_splits(split_layer).get(pname)
+        shape = list(local.shape)
+        if split is not None:
+            shape[split.dim] = sum(split.blocks)
+        return torch.empty(shape, dtype=local.dtype, device="meta")
+    _give_back(module, found, on_meta)
 
 
 def restore_full_layers(module: nn.Module, found: dict[str, Style], axis: Axis) -> None:
     """Undo `apply_plan`: put the user's own layers back, holding the gathered weights, and the attention's head
     counts as they were (every rank must call it). After training, the user gets back the module they wrote."""
     state = full_state_dict(module, found, axis)
+    _give_back(module, found, lambda name, pname: state[f"{name}.{pname}"].clone())
+
+
+def _give_back(module: nn.Module, found: dict[str, Style], weight: Callable[[str, str], torch.Tensor]) -> None:
+    """Each split layer replaced by the user's own, whose parameters get ``weight(layer name, parameter name)``; tied
+    parameters one again, the attention's head counts as they were."""
     for name in found:
         (layer,) = module.get_submodule(name).user_layer
         for pname, param in list(layer.named_parameters(recurse=False)):
-            full = state[f"{name}.{pname}"]
-            setattr(layer, pname, nn.Parameter(full.clone(), requires_grad=param.requires_grad))
+            setattr(layer, pname, nn.Parameter(weight(name, pname), requires_grad=param.requires_grad))
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
     for (first, fname), *others in getattr(found, "tied", []):  # tied before: one parameter again

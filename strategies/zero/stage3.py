@@ -125,9 +125,9 @@ class Unit:
     @property
     def held_bytes(self) -> int:
         """The bytes the unit holds gathered now (the compute copy, and under a half dtype the float32 one too)."""
-        whole = self.whole if self.half is not None else False
+        # (``whole`` is set under a half dtype only)
         return self.gathered_bytes * self.gathered + sum(flat.padded * flat.full.element_size() for flat in
-                                                         self.flats) * whole
+                                                         self.flats) * self.whole
 
 
 class _HalfView(torch.autograd.Function):
