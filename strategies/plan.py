@@ -8,6 +8,7 @@ A plan is a set of ``_``-separated tokens, in any order, each at most once::
     cp<N>                   context parallel: each sequence split over N ranks, attention round a ring
     ep<N>                   expert parallel: each MoE layer's experts split over N of the dp x cp ranks
     gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
+    mbg<N>                  interleaved: microbatches each chunk takes in turn (Megatron's group size; default pp)
     sp                      sequence parallel (with tp): norms see 1/tp of the sequence
     vp                      vocab parallel (with tp): the output layer and the loss split over the vocabulary
     ac                      activation checkpointing
@@ -70,12 +71,12 @@ class PipelineSchedule(enum.Enum):
         return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
 
-_DEGREE = re.compile(r"^(dp|tp|pp|cp|ep|v|mb|ac)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
+_DEGREE = re.compile(r"^(dp|tp|pp|cp|ep|v|mbg|mb|ac)([0-9]+)$")  # ASCII digits only: \d would also take '٣' and '३'
 _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
     "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, "
-    "dualpipev, v<N>, mb<N>, sp, vp, ac, ac<N>, sac, offload"
+    "dualpipev, v<N>, mb<N>, mbg<N>, sp, vp, ac, ac<N>, sac, offload"
 )
 
 
@@ -105,6 +106,10 @@ class ParallelPlan:
     """Virtual stages per rank (model chunks) for the interleaved schedule (zbv and dualpipev hold two: `chunks`)."""
     microbatches: int | None = None
     """Microbatches per batch in the pipeline; None means pp (see `resolve`)."""
+    group: int | None = None
+    """The interleaved schedule's microbatches per chunk in turn (Megatron's microbatch_group_size_per_vp_stage,
+    Meta's N); None means pp. Smaller holds fewer microbatches in warm-up, larger hides more messages; with it the
+    microbatches need not be a multiple of pp (`pipeline.schedules.interleaved`)."""
     sp: bool = False
     """Sequence parallel (needs tp): norms and dropout see 1/tp of the sequence; each tensor-parallel
     all-reduce becomes an all-gather before and a reduce-scatter after the split layers."""
@@ -139,9 +144,13 @@ class ParallelPlan:
             raise ValueError(f"'{self.schedule.value}' with 'v{self.virtual}': the interleaved schedule needs v<N> "
                              "with N >= 2 virtual stages, and v<N> needs interleaved")
         interleaved = self.schedule is PipelineSchedule.INTERLEAVED
-        if interleaved and self.microbatches is not None and self.microbatches % self.pp:
+        if self.group is not None and not interleaved:
+            raise ValueError(f"mbg{self.group}: the group of microbatches per chunk is the interleaved schedule's "
+                             f"(e.g. 'pp4_interleaved_v2_mb10_mbg5')")
+        if interleaved and self.group is None and self.microbatches is not None and self.microbatches % self.pp:
             raise ValueError(
-                f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0"
+                f"interleaved needs the microbatches to be a multiple of pp: mb{self.microbatches} % pp{self.pp} != 0 "
+                f"(or set the microbatches each chunk takes in turn, mbg<N> with N >= pp: mbg{self.pp})"
             )
         for token, what in (("sp", "sequence parallel) splits the sequence"),
                             ("vp", "vocab parallel) splits the output layer")):
@@ -179,7 +188,7 @@ class ParallelPlan:
             )
 
     def _check_degrees(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "virtual", "microbatches", "ac_every"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual", "microbatches", "group", "ac_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -242,6 +251,8 @@ class ParallelPlan:
             parts.append(f"v{self.virtual}")
         if self.microbatches is not None:
             parts.append(f"mb{self.microbatches}")
+        if self.group is not None:
+            parts.append(f"mbg{self.group}")
         if self.ac:
             parts.append("ac" if self.ac_every == 1 else f"ac{self.ac_every}")
         if self.sac:
@@ -339,7 +350,7 @@ def _parse_token(text: str, token: str, put) -> None:
         put(token, True, token)
     elif match := _DEGREE.match(token):
         name = match.group(1)
-        field = {"v": "virtual", "mb": "microbatches", "ac": "ac_every"}.get(name, name)
+        field = {"v": "virtual", "mb": "microbatches", "mbg": "group", "ac": "ac_every"}.get(name, name)
         value = _degree(text, token, field, match.group(2))
         if name == "v" and value < 2:
             raise ValueError(f"{text!r}: {token!r}: v<N> is the number of virtual stages per rank, N >= 2")

@@ -152,7 +152,8 @@ def checked_programs(plan: str) -> int | None:
     resolved = ParallelPlan.parse(plan)
     if resolved.pp == 1:
         return None
-    tables = schedules.build(resolved.schedule.value, resolved.pp, resolved.microbatches, resolved.virtual)
+    tables = schedules.build(resolved.schedule.value, resolved.pp, resolved.microbatches, resolved.virtual,
+                             resolved.group)
     progs, known, _ = messages.as_run(tables, resolved.pp)
     return messages.check(progs) + messages.check(known)
 

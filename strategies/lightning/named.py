@@ -59,15 +59,18 @@ class TensorParallelStrategy(PlanStrategy):
 class PipelineStrategy(PlanStrategy):
     """Pipeline parallel over ``pp`` stages (the plan ``pp<N>``): ``schedule`` ``"auto"`` (the default: the one the
     estimator predicts fastest that fits), ``"1f1b"``, ``"gpipe"``, ``"interleaved"`` (with ``virtual_stages`` per
-    rank, 2 by default), ``"zb1p"``, ``"zbv"`` or ``"dualpipev"``; ``microbatches`` per batch (default pp)."""
+    rank, 2 by default, and ``microbatch_group`` microbatches per chunk in turn, pp by default), ``"zb1p"``, ``"zbv"``
+    or ``"dualpipev"``; ``microbatches`` per batch (default pp)."""
 
     def __init__(self, pp: int, *, schedule: str | PipelineSchedule = PipelineSchedule.AUTO,
-                 microbatches: int | None = None, virtual_stages: int | None = None, **options: Any) -> None:
+                 microbatches: int | None = None, virtual_stages: int | None = None,
+                 microbatch_group: int | None = None, **options: Any) -> None:
         valid = [s.value for s in PipelineSchedule]
         if not isinstance(schedule, PipelineSchedule) and schedule not in valid:
             raise ValueError(f"schedule must be one of {', '.join(valid)}, got {schedule!r}")
         schedule = PipelineSchedule(schedule)
         if virtual_stages is None:  # as the plan string: 'interleaved' alone means two stages per rank
             virtual_stages = 2 if schedule is PipelineSchedule.INTERLEAVED else 1
-        super().__init__(ParallelPlan(pp=pp, schedule=schedule, microbatches=microbatches, virtual=virtual_stages),
+        super().__init__(ParallelPlan(pp=pp, schedule=schedule, microbatches=microbatches, virtual=virtual_stages,
+                                      group=microbatch_group),
                          **options)

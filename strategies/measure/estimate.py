@@ -270,12 +270,28 @@ def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     return [sum(n for s, n in enumerate(per_stage) if where[s] == rank) for rank in range(plan.pp)]
 
 
-def stage_experts(shape: ModelShape, plan: ParallelPlan) -> list[int]:
-    """Of `stage_params`, the experts' (1/ep of each of its blocks' experts), per pipeline rank."""
+def stage_blocks(shape: ModelShape, plan: ParallelPlan) -> list[int]:
+    """Blocks each pipeline rank runs (over its chunks), as the cut and the schedule place them."""
     ranges, _ = _stages(shape, plan)
     where = _placement(plan)
-    return [sum(len(r) for s, r in enumerate(ranges) if where[s] == rank) * expert_share(shape, plan)
-            for rank in range(plan.pp)]
+    return [sum(len(r) for s, r in enumerate(ranges) if where[s] == rank) for rank in range(plan.pp)]
+
+
+def stage_flops(shape: ModelShape, plan: ParallelPlan) -> list[float]:
+    """Training FLOPs per token each pipeline rank runs: its blocks' share of 6 x active parameters and attention's
+    scores (the embedding's lookup counted with the blocks), and the output layer's 6 x h x V where the last stage
+    is (on the last rank, or on the first where a V places it)."""
+    if plan.pp == 1:
+        return [6 * shape.active() + 12 * shape.layers * shape.hidden * shape.seq]
+    head = 6 * shape.vocab * shape.hidden
+    block = (6 * shape.active() - head) / shape.layers + 12 * shape.hidden * shape.seq
+    last = _placement(plan)[plan.pp * plan.chunks - 1]
+    return [n * block + (head if rank == last else 0) for rank, n in enumerate(stage_blocks(shape, plan))]
+
+
+def stage_experts(shape: ModelShape, plan: ParallelPlan) -> list[int]:
+    """Of `stage_params`, the experts' (1/ep of each of its blocks' experts), per pipeline rank."""
+    return [blocks * expert_share(shape, plan) for blocks in stage_blocks(shape, plan)]
 
 
 def expert_share(shape: ModelShape, plan: ParallelPlan) -> int:
@@ -486,7 +502,7 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
     elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
-    held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early) \
+    held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early, plan.group) \
         if plan.pp > 1 else None
     return Rules(release=release, release_at_start=True, flats=flats, flats_early=plan.data.stage < 3,
                  early=held[rank] if held else ())
@@ -650,8 +666,8 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
                            "temporaries": peak.temporaries})
             where.append(peak.at)
         between.append(states)
-    bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value) if plan.pp > 1 \
-        else 0.0
+    bubble = schedules.ideal_bubble(plan.pp, plan.microbatches, plan.virtual, plan.schedule.value, plan.group) \
+        if plan.pp > 1 else 0.0
     comm = _rank0_comm(shape, plan, per_rank[0], ranges, act_bytes, stream,
                        act_bytes if _policy(precision)[1] else 4)
     return Estimate(str(plan), memory, comm, bubble, per_rank,
@@ -707,14 +723,15 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     chunks = {s: dataclasses.replace(_chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend,
                                             held), **{"shared_cast" if plan.pp > 1 else "cast": copies[s]})
               for s in mine}
-    table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)[rank] if plan.pp > 1 \
-        else None
+    table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual,
+                             plan.group)[rank] if plan.pp > 1 else None
     actions = step_actions(table, shape.accumulate, plan.microbatches or 1)
     rounds, early = crowded and backend == GLOO, messages.posts_early(backend == GLOO)
     rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
                    rounds, early)
     # what names the actions and the messages held ahead (`_rules`)
-    key = (plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, shape.accumulate, rank, rounds, early)
+    key = (plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, plan.group, shape.accumulate, rank, rounds,
+           early)
     return walk(_one_in(pieces, plan, [ranges[s] for s in mine]), chunks, actions, workspace, rules, key)
 
 
@@ -760,20 +777,20 @@ def _placement(plan: ParallelPlan) -> dict[int, int]:
     """Stage -> pipeline rank, as the plan's schedule places its stages (looped while none is chosen yet)."""
     if plan.pp == 1 or plan.schedule is PipelineSchedule.AUTO:
         return {s: s % plan.pp for s in range(plan.pp * plan.virtual)}
-    return _owners(plan.schedule.value, plan.pp, plan.microbatches or 1, plan.virtual)
+    return _owners(plan.schedule.value, plan.pp, plan.microbatches or 1, plan.virtual, plan.group)
 
 
 @functools.cache
-def _owners(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int, int]:
-    return schedules.owners(schedules.shared(schedule, pp, microbatches, virtual))
+def _owners(schedule: str, pp: int, microbatches: int, virtual: int, group: int | None) -> dict[int, int]:
+    return schedules.owners(schedules.shared(schedule, pp, microbatches, virtual, group))
 
 
 @functools.cache
 def _held_ahead(schedule: str, pp: int, microbatches: int, virtual: int, rounds: bool = False,
-                early: bool = False) -> tuple[tuple[int, ...], ...] | None:
+                early: bool = False, group: int | None = None) -> tuple[tuple[int, ...], ...] | None:
     """Per rank and action the messages received ahead of use (`messages.held_receives`) by a step shaped as the last
     one, as the runner runs it (`messages.as_run`), for programs grouped in rounds (interleaved, the V schedules; every
     schedule where ``rounds``) or with every receive posted at the first (``early``: `messages.early_receives`); None
     for programs grouped per action, which post each receive just before its use."""
-    held = messages.held_ahead(schedules.shared(schedule, pp, microbatches, virtual), pp, rounds, early)
+    held = messages.held_ahead(schedules.shared(schedule, pp, microbatches, virtual, group), pp, rounds, early)
     return tuple(tuple(counts) for counts in held) if held else None  # `peak.Rules.early`, made once

@@ -475,7 +475,7 @@ class StrategyMonitor(L.Callback):
         mesh = getattr(trainer.strategy, "mesh", None)
         every = comm.all_gather_object(mine_timeline, mesh.world) if mesh is not None else [mine_timeline]
         plan = trainer.strategy.resolved_plan
-        table = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual)
+        table = schedules.build(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, plan.group)
         return {
             "schedule": plan.schedule.value,
             "schedule_choice": getattr(trainer.strategy, "schedule_choice", None),  # why, where the plan named none

@@ -56,7 +56,7 @@ class PipelineParallel(Technique):
                  weights: tuple[list[float], float, float] | None = None, trace: ForwardTrace | None = None):
         self.module, self.axis = module, mesh.pp
         pp, self.microbatches = plan.pp, plan.microbatches
-        tables = schedules.build(plan.schedule.value, pp, self.microbatches, plan.virtual)
+        tables = schedules.build(plan.schedule.value, pp, self.microbatches, plan.virtual, plan.group)
         self.where = schedules.owners(tables)  # stage -> pp rank, as the schedule places them (looped, or a V)
         self.stages = len(self.where)
         self.layout = plan_stages(module, self.stages, blocks, weights, trace)

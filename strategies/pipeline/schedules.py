@@ -75,62 +75,81 @@ def one_f_one_b(pp: int, microbatches: int) -> ScheduleTable:
     return out
 
 
-def interleaved(pp: int, microbatches: int, virtual: int) -> ScheduleTable:
-    """Interleaved 1F1B with ``virtual`` chunks per rank: stage c*pp + r is rank r's chunk c."""
+def interleaved(pp: int, microbatches: int, virtual: int, group: int | None = None) -> ScheduleTable:
+    """Interleaved 1F1B with ``virtual`` chunks per rank: stage c*pp + r is rank r's chunk c. Each chunk takes
+    ``group`` microbatches in turn (Megatron's microbatch_group_size_per_vp_stage, Meta's N; default pp): the
+    microbatches run in groups of that many, every chunk's forwards of a group before the next group's. A smaller
+    group holds fewer microbatches in warm-up, a larger one hides more of the messages; any count of microbatches
+    runs, the last group the rest (`check_interleaved` refuses a table that would wait forever)."""
     check_counts(pp, microbatches, virtual)
-    if microbatches % pp:
-        raise ValueError(f"interleaved needs the microbatches to be a multiple of pp: mb{microbatches} % pp{pp} != 0")
-    total = microbatches * virtual
-
-    def forward_of(r: int, k: int) -> Action:  # the k-th forward on rank r: groups of pp microbatches per chunk
-        chunk = (k // pp) % virtual
-        return Action(Phase.FORWARD, chunk * pp + r, (k // (pp * virtual)) * pp + k % pp)
-
-    def backward_of(r: int, k: int) -> Action:  # backwards take the chunks in reverse
-        chunk = virtual - 1 - (k // pp) % virtual
-        return Action(Phase.BACKWARD, chunk * pp + r, (k // (pp * virtual)) * pp + k % pp)
-
+    if group is None and microbatches % pp:
+        raise ValueError(f"interleaved needs the microbatches to be a multiple of pp: mb{microbatches} % pp{pp} != 0 "
+                         f"(or set the group of microbatches per chunk: mbg<N>)")
+    group = group or pp
+    order = [(chunk, m) for start in range(0, microbatches, group) for chunk in range(virtual)
+             for m in range(start, min(start + group, microbatches))]
+    forwards = [Action(Phase.FORWARD, chunk * pp, m) for chunk, m in order]  # rank 0's; rank r adds r
+    backwards = [Action(Phase.BACKWARD, (virtual - 1 - chunk) * pp, m) for chunk, m in order]  # chunks reversed
+    total = len(order)
     out = []
     for r in range(pp):
-        warmup = min((pp - r - 1) * 2 + (virtual - 1) * pp, total)
-        actions = [forward_of(r, k) for k in range(warmup)]
-        backward = 0
+        def at(action: Action, rank: int = r) -> Action:
+            return Action(action.phase, action.stage + rank, action.microbatch)
+        warmup = min((pp - r - 1) * 2 + (virtual - 1) * group, total)
+        actions = [at(a) for a in forwards[:warmup]]
         for k in range(warmup, total):
-            actions.append(forward_of(r, k))
-            actions.append(backward_of(r, backward))
-            backward += 1
-        actions += [backward_of(r, k) for k in range(backward, total)]
+            actions += [at(forwards[k]), at(backwards[k - warmup])]
+        actions += [at(a) for a in backwards[total - warmup:]]
         out.append(actions)
     return out
+
+
+def check_interleaved(table: ScheduleTable, pp: int, microbatches: int, group: int) -> None:
+    """Refuse an interleaved table that deadlocks (its groups of microbatches cannot feed the ring), saying why."""
+    try:
+        timeline(table)
+    except RuntimeError:
+        raise ValueError(f"interleaved with mb{microbatches} in groups of mbg{group} over pp{pp}: a rank would wait "
+                         f"for a microbatch it must itself send first; use a group of at least pp ({pp}) whose "
+                         f"last group (mb % group) is 0 or at least pp") from None
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
 V_PLACED = ("zbv", "dualpipev")  # two stages per rank, placed as a V (`v_owner`)
 
 
-def build(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> ScheduleTable:
-    """The table for a plan's schedule name (`SCHEDULES`); ``virtual``: chunks per rank for interleaved."""
-    return [list(actions) for actions in _built(schedule, pp, microbatches, virtual)]
+def build(schedule: str, pp: int, microbatches: int, virtual: int = 1, group: int | None = None) -> ScheduleTable:
+    """The table for a plan's schedule name (`SCHEDULES`); ``virtual``: chunks per rank for interleaved, ``group``
+    its microbatches per chunk in turn (None: pp)."""
+    return [list(actions) for actions in _built(schedule, pp, microbatches, virtual, group)]
 
 
-def shared(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
+def shared(schedule: str, pp: int, microbatches: int, virtual: int = 1,
+           group: int | None = None) -> tuple[tuple[Action, ...], ...]:
     """`build`'s table, made once and shared, as tuples: for readers that ask for the same tables many times (the
     estimator, for the planner)."""
-    return _built(schedule, pp, microbatches, virtual)
+    return _built(schedule, pp, microbatches, virtual, group)
 
 
 @functools.lru_cache(maxsize=256)
-def _built(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[tuple[Action, ...], ...]:
-    return tuple(tuple(actions) for actions in _build(schedule, pp, microbatches, virtual))
+def _built(schedule: str, pp: int, microbatches: int, virtual: int,
+           group: int | None) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(actions) for actions in _build(schedule, pp, microbatches, virtual, group))
 
 
-def _build(schedule: str, pp: int, microbatches: int, virtual: int) -> ScheduleTable:
+def _build(schedule: str, pp: int, microbatches: int, virtual: int, group: int | None) -> ScheduleTable:
+    if group is not None and schedule != "interleaved":
+        raise ValueError(f"mbg{group}: a group of microbatches per chunk is the interleaved schedule's, not "
+                         f"{schedule}'s")
     if schedule == "gpipe":
         return gpipe(pp, microbatches)
     if schedule == "1f1b":
         return one_f_one_b(pp, microbatches)
     if schedule == "interleaved":
-        return interleaved(pp, microbatches, virtual)
+        table = interleaved(pp, microbatches, virtual, group)
+        if group is not None:  # the default's groups are Megatron's, proven by the tests; another is checked here
+            check_interleaved(table, pp, microbatches, group)
+        return table
     if schedule in ("zb1p", "zbv", "dualpipev"):
         return getattr(zero_bubble, schedule)(pp, microbatches)
     raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -142,12 +161,13 @@ def chunks_per_rank(schedule: str, virtual: int = 1) -> int:
 
 
 @functools.cache  # the planner asks it for the same few schedules hundreds of times
-def ideal_bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+def ideal_bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b",
+                 group: int | None = None) -> float:
     """The idle fraction of a rank with equal stages (`timeline`'s costs): (pp-1) / (mb + pp-1) for GPipe and 1F1B,
-    divided by v for interleaved; for the zero-bubble schedules, from their tables."""
-    if schedule in ("gpipe", "1f1b", "interleaved"):
+    divided by v for interleaved in groups of pp; for the zero-bubble schedules and other groups, from the tables."""
+    if schedule in ("gpipe", "1f1b") or (schedule == "interleaved" and group in (None, pp)):
         return (pp - 1) / virtual / (microbatches + (pp - 1) / virtual)
-    return table_bubble(build(schedule, pp, microbatches, virtual))
+    return table_bubble(build(schedule, pp, microbatches, virtual, group))
 
 
 def table_bubble(table: ScheduleTable) -> float:

@@ -39,7 +39,10 @@ CONTEXT[4] += [(f"{plan}+llama", accumulate) for plan, accumulate in CONTEXT[4]]
 # Selective recompute (`sac`) under tp with sp (its collectives made again) and under the pipeline (its trace); one
 # block in two (`ac2`) under the pipeline (blocks 0 and 2 recomputed: the first of each stage's two).
 SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1), ("pp2_mb4_ac2", 1)]
-CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2] + SELECTIVE,
+# The interleaved schedule in groups of microbatches per chunk (`mbg<N>`): three microbatches, not a multiple of pp,
+# in one group; six in groups of four (a last group of two)
+GROUPED = [("pp2_interleaved_v2_mb3_mbg3", 1), ("pp2_interleaved_v2_mb6_mbg4", 1)]
+CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2] + SELECTIVE + GROUPED,
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
          + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")] + CONTEXT[4],
          8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1), ("dp_tp2_pp2_zb1p_mb4", 3),

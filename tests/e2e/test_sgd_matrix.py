@@ -7,7 +7,8 @@ and the zero-bubble schedules composed with dp, ZeRO-3 and ZeRO-1 (`dp_tp2_pp2_z
 `zero1_tp2_pp2_dualpipev_mb4`) at 8; context parallel `cp2` (x accumulation) at 2, `cp4`, `dp_cp2` (accumulating),
 `zero3_cp2`, `tp2_cp2` and `cp2_pp2_mb4` at 4 (planted: positions not translated gives 3e-2), on the demo GPT and
 on Hugging Face Llama (rotary positions, labels shifted inside the model; its own reference); selective recompute
-(`tp2_sp_sac`, `pp2_mb4_sac`, `pp2_mb4_ac2`) at 2. Under ``-m matrix``:
+(`tp2_sp_sac`, `pp2_mb4_sac`, `pp2_mb4_ac2`) at 2; the interleaved schedule in groups of microbatches per chunk
+(`pp2_interleaved_v2_mb3_mbg3`, `pp2_interleaved_v2_mb6_mbg4`) at 2. Under ``-m matrix``:
 each data mode x {tp2, pp2 mb1,
 pp2 mb4} x accumulation at 4, and x {tp2_pp2 1F1B, interleaved} x accumulation at 8. The parameters after 2
 steps are compared, not only the losses. One set of processes per world size (`_sgd_job`); one single-process

@@ -22,6 +22,8 @@ EQUAL = [
     (lambda: strategies.PipelineStrategy(pp=2, schedule="interleaved"), "pp2_interleaved"),
     (lambda: strategies.PipelineStrategy(pp=2, schedule="interleaved", virtual_stages=3, microbatches=4),
      "pp2_interleaved_v3_mb4"),
+    (lambda: strategies.PipelineStrategy(pp=2, schedule="interleaved", microbatches=5, microbatch_group=3),
+     "pp2_interleaved_mb5_mbg3"),
 ]
 
 

@@ -437,3 +437,11 @@ def test_ep_is_carved_out_of_the_data_ranks():
         ParallelPlan.parse("ep4_tp2").resolve(4)
     with pytest.raises(ValueError, match="parameter server"):
         ParallelPlan.parse("naive_ep2")
+
+
+def test_the_interleaved_group_of_microbatches_is_a_token_that_frees_the_count():
+    plan = ParallelPlan.parse("pp4_interleaved_mb10_mbg5")
+    assert plan.group == 5 and str(plan) == "pp4_interleaved_v2_mb10_mbg5"
+    assert_round_trips(plan)
+    assert "mbg4" in parse_error("pp4_interleaved_mb6")  # the refusal says how to run 6
+    assert "the interleaved schedule's" in parse_error("pp4_1f1b_mb8_mbg4")
