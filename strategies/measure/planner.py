@@ -12,7 +12,15 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from strategies.measure.estimate import BUCKET, DEFAULT_PRECISION, Estimate, ModelShape, estimate
+from strategies.measure.estimate import (
+    BUCKET,
+    DEFAULT_PRECISION,
+    Estimate,
+    ModelShape,
+    estimate,
+    stage_blocks,
+    stage_flops,
+)
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.runs.schema import MEMORY_CATEGORIES
 
@@ -103,8 +111,9 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         parts = costed_compute(shape, est, plan, hw)
     else:
         tokens = shape.batch * plan.dp * shape.seq  # the global batch's: cp ranks share their samples' tokens
-        per_token = 6 * shape.active() + 12 * shape.layers * shape.hidden * shape.seq  # matmuls + attention scores
-        compute = per_token * tokens / hw.gpus / hw.flops
+        # matmuls + attention scores, at the pace of the busiest pipeline rank: every rank waits for it each microbatch
+        work = stage_flops(shape, plan)
+        compute = max(work) * plan.pp * tokens / hw.gpus / hw.flops
         parts = {"compute": compute, "recompute": compute / 3 * recompute_time_share(plan)}  # ac: one more forward
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
@@ -146,7 +155,7 @@ def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Har
     c = hw.costs
     micro = (plan.microbatches or 1) * shape.accumulate
     tokens = shape.batch / micro * shape.seq / plan.cp
-    blocks = shape.layers / plan.pp
+    blocks = max(stage_blocks(shape, plan))  # the busiest rank's (the cut's and the schedule's placement)
     block = blocks * c.block_seconds(plan.tp, tokens)
     ends = [c.embedding[0] + c.embedding[1] * tokens, c.head[0] + c.head[1] * tokens]
     stage = block + (sum(ends) if plan.pp == 1 else max(ends))  # per microbatch, on the slowest rank

@@ -186,3 +186,23 @@ def test_set_up_peak_is_the_kept_slice_and_one_whole_piece_on_meta_or_the_whole_
     pp = estimate(wide, "tp2_pp2_1f1b", 4, "32-true")
     assert pp.setup[0] >= pp.states[0]["params"] + 4 * wide.embeddings()
     assert pp.setup[1] >= pp.states[1]["params"] + 4 * wide.head()
+
+
+def test_a_pipeline_runs_at_its_busiest_ranks_pace():
+    """Every rank waits for the busiest each microbatch: 80 blocks over 32 V-placed stages leave ranks 3 blocks or
+    2 (rank 0, which holds the embedding and the output layer where the V ends, 2), so the step's compute is a rank
+    of 3 blocks', not the mean's: 1.20 times it (the planner priced a pipeline as if its work split evenly)."""
+    from strategies.measure.estimate import stage_flops
+    from strategies.measure.planner import step_time
+
+    shape = dataclasses.replace(ModelShape.from_params(70e9), batch=4)
+    hw = Hardware(gpus=64, memory=80 * GiB)
+    whole = step_time(shape, estimate(shape, "tp2_pp32_zbv_mb4", 64), _plan("tp2_pp32_zbv_mb4", 64), hw)["compute"]
+    one = stage_flops(shape, _plan("tp2", 64))[0]
+    for text in ("tp2_pp32_zbv_mb4", "tp2_pp8_1f1b_mb8", "tp2_pp4_interleaved_v2_mb4"):
+        work = stage_flops(shape, _plan(text, 64))
+        assert sum(work) == pytest.approx(one)  # the model's work, cut, none lost
+    work = stage_flops(shape, _plan("tp2_pp32_zbv_mb4", 64))
+    assert max(work) / (sum(work) / 32) == pytest.approx(1.196, abs=0.001)
+    flat = step_time(shape, estimate(shape, "tp2", 64), _plan("tp2", 64), hw)["compute"]
+    assert whole == pytest.approx(flat / 32 * max(work) / (sum(work) / 32))  # (tp2 alone: 32 times the samples)
