@@ -171,7 +171,8 @@ def _published() -> int:
     for run in RUNS:
         r = compare(run)
         pick = f"`{r['pick']}` {r['pick_s']:.2f}" if r["pick"] else "none fits"
-        print(f"| {r['run']} | {r['gpus']:,} | `{r['plan']}` | {r['rank']} of {r['candidates']} | {pick} | "
+        rank = f"{r['rank']} of {r['candidates']}" if r["candidates"] else "none fits"
+        print(f"| {r['run']} | {r['gpus']:,} | `{r['plan']}` | {rank} | {pick} | "
               f"{r['predicted_s']:.2f} | {r['published_s']:.2f} | {r['ratio']:.2f} | {implied_efficiency(run):.3f} | "
               f"{r['memory_gib']:.1f}{'' if r['fits'] else ' (does not fit)'} |", flush=True)
     return 0
