@@ -91,7 +91,11 @@ class SavedTensorsMeter:
     """
 
     def __init__(self, module: nn.Module | None = None, param_buffers=None) -> None:
-        self._exclude = {_storage_key(p) for p in module.parameters()} if module is not None else set()
+        # The parameters' storages, read at the first save: a pipeline's first step cuts away the other stages'
+        # blocks (and a model built on meta is made) after the meter starts, and a storage freed then leaves an address
+        # an activation may take next (which, read at the start, was taken for a parameter's: up to 15% of a
+        # pipeline rank's activations uncounted, varying run to run with where malloc put them).
+        self._module, self._exclude = module, None
         # ZeRO-3 gathers parameters into storage that did not exist when the meter started.
         self._param_buffers = param_buffers or (lambda: ())
         # Their bytes when gathered (fixed): a saved storage of another size is none of them, found without asking
@@ -104,6 +108,8 @@ class SavedTensorsMeter:
 
     def _pack(self, t: torch.Tensor):
         key = _storage_key(t)
+        if self._exclude is None:
+            self._exclude = {_storage_key(p) for p in self._module.parameters()} if self._module is not None else set()
         if key in self._exclude:
             return t
         buffers = self._param_buffers() if key not in self._live else ()
