@@ -766,8 +766,12 @@ def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[ra
     """`communication` for rank 0, which holds ``psi`` parameters and the blocks of its stages in ``ranges``."""
     first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
     split, whole = shape.block()
-    # ZeRO-3 keeps rank 0's last unit in forward order gathered: the head, or under pp its last block.
-    kept = shape.output_layer(_vocab_split(plan)) if plan.pp == 1 else math.ceil(split / plan.tp) + whole
+    # ZeRO-3 gathers once per microbatch rank 0's units kept from forward into backward (`Zero3GradSync._keeps`: the
+    # final norm and the head where rank 0 holds the last stage, else its last block) and its embeddings (a lookup's
+    # backward needs no weights; tp's vocab-parallel token embedding is gathered again)
+    last = _placement(plan)[plan.pp * plan.chunks - 1] == 0
+    lookups = shape.embeddings() - (shape.vocab * shape.hidden if plan.vp else 0)
+    kept = (shape.head(_vocab_split(plan)) if last else math.ceil(split / plan.tp) + whole) + lookups
     experts = first_blocks * expert_share(shape, plan)
     share = recomputed_share(plan, [ranges[s] for s, r in _placement(plan).items() if r == 0])
     return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts, share, gather_bytes)

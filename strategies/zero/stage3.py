@@ -63,8 +63,15 @@ class Unit:
     (FSDP2's ``param_dtype``: half the bytes moved and held); the float32 ``full`` is gathered only for the whole
     state (``whole=True``)."""
 
-    def __init__(self, name: str, module: nn.Module | None, flats: list[FlatParam], pinned: bool = False) -> None:
-        self.name, self.module, self.flats, self.pinned = name, module, flats, pinned
+    def __init__(self, name: str, module: nn.Module | None, flats: list[FlatParam], pinned: bool = False,
+                 block: bool = False) -> None:
+        self.name, self.module, self.flats, self.pinned, self.block = name, module, flats, pinned, block
+        # Plain embeddings only: a lookup's backward needs the indices, not the weights (torch's embedding_backward
+        # reads the weight's row count alone), so the unit is not gathered again for backward (FSDP2's
+        # set_unshard_in_backward(False)). A subclass's own forward might use its weight otherwise: gathered.
+        self.lookup = module is not None and all(
+            isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward
+            for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
         self.gathered = True  # the copy forward and backward use (``half`` under a half dtype, else ``full``)
         self.whole = False  # under a half dtype: ``full`` gathered too
         self.half: torch.dtype | None = None
@@ -154,6 +161,7 @@ class Zero3GradSync(ZeroGradSync):
         self._unit_of = {pid: unit for unit in units for pid in unit.params}
         self._order: list[Unit] = []  # forward order, recorded on the first forward
         self._recorded = False
+        self._kept: set[int] | None = None  # the units kept gathered from forward into backward (`_keeps`)
         self.peak_gathered_bytes = 0
         self._half_of: dict[int, tuple[Unit, FlatParam, int]] = {}  # under `compute_in`
         self._module_hooks = []
@@ -178,9 +186,7 @@ class Zero3GradSync(ZeroGradSync):
 
     def _post_forward(self, unit: Unit) -> Callable:
         def hook(module, args, output):
-            if self._order and unit is self._order[-1] and self._recorded:
-                pass  # the last unit's backward comes next: keep it
-            else:
+            if not self._keeps(unit):
                 unit.release()
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -197,7 +203,8 @@ class Zero3GradSync(ZeroGradSync):
             # A new backward through this unit (under pipeline parallel, one per microbatch before the step):
             # its parameters' gradients are counted afresh, so it is freed only once this backward is done.
             unit.reduced.clear()
-            unit.gather()
+            if not unit.lookup:
+                unit.gather()
             self._prefetch(unit, -1)
             self._track_peak()
             return None
@@ -211,11 +218,24 @@ class Zero3GradSync(ZeroGradSync):
         if unit.reduced >= unit.params and not unit.pinned:  # all its gradients are bucketed: its full params are done
             unit.release()
 
+    def _keeps(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered from its forward into its backward, which comes next: the units after the
+        last block in forward order (the final norm and the head: torchtitan's [norm, output] group, not resharded
+        after forward, and FSDP2's root), or the last unit where no unit follows a block. Known once a forward is
+        recorded (the first step frees them all). A model without blocks keeps its last unit only."""
+        if not self._recorded or not self._order:
+            return False
+        if self._kept is None:
+            blocks = [i for i, u in enumerate(self._order) if u.block]
+            after = blocks[-1] + 1 if blocks else len(self._order)
+            self._kept = {id(u) for u in self._order[min(after, len(self._order) - 1):]}
+        return id(unit) in self._kept
+
     def _prefetch(self, unit: Unit, direction: int) -> None:
         if not self.prefetch or unit not in self._order:
             return
         index = self._order.index(unit) + direction
-        if 0 <= index < len(self._order):
+        if 0 <= index < len(self._order) and not (direction < 0 and self._order[index].lookup):
             self._order[index].gather(async_op=True)
 
     def _track_peak(self) -> None:
@@ -323,7 +343,7 @@ def build_units(module: nn.Module, optimizer: torch.optim.Optimizer, axis: Axis,
             materialise(m)
         flats = build_flats(module, optimizer, axis, [group], own_shard=True, offload=offload, axis_of=axis_of)[0]
         if flats:
-            built.append(Unit(name, m, flats))
+            built.append(Unit(name, m, flats, block=isinstance(_parent(module, name), (nn.ModuleList, nn.Sequential))))
             if materialise is not None:
                 built[-1].release()
     if materialise is not None:
