@@ -91,10 +91,10 @@ class SavedTensorsMeter:
     """
 
     def __init__(self, module: nn.Module | None = None, param_buffers=None) -> None:
-        # The parameters' storages, read at the first save: a pipeline's first step cuts away the other stages'
-        # blocks (and a model built on meta is made) after the meter starts, and a storage freed then leaves an address
-        # an activation may take next (which, read at the start, was taken for a parameter's: up to 15% of a
-        # pipeline rank's activations uncounted, varying run to run with where malloc put them).
+        # The parameters' storages, read at the first save: a pipeline's first step makes the rank's blocks (a model
+        # built on meta) and cuts away the others after the meter starts. Read at the start, the parameters made then
+        # counted as activations, and an activation at a freed parameter's address went uncounted: a pipeline rank's
+        # figure moved by up to 10% run to run, with where malloc put them.
         self._module, self._exclude = module, None
         # ZeRO-3 gathers parameters into storage that did not exist when the meter started.
         self._param_buffers = param_buffers or (lambda: ())
