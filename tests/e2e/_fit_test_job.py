@@ -1,10 +1,11 @@
 """A user's script as Lightning's docs write one: ``trainer.fit(model, train, val)`` with a ``ModelCheckpoint``, then
-``trainer.test(model, test, ckpt_path="best")``.
+``trainer.test(model, test, ckpt_path="best")``, ``trainer.predict(model, data, ckpt_path="best")``, and a new
+Trainer's fit from ``ckpt_path=".../last.ckpt"`` for two more steps, tested from its own last checkpoint.
 
     python _fit_test_job.py OUT DEVICES PLAN BUILT
 
 ``BUILT``: ``init`` or ``configure_model`` (the model built on meta there, each rank making what it keeps). Rank 0
-writes the test loss to OUT."""
+writes to OUT the best checkpoint's test loss, the resumed fit's, and its own predictions (a loss per batch)."""
 
 import sys
 
@@ -20,17 +21,28 @@ class Module(GPTModule):
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self.compute_loss(batch), sync_dist=True)
 
+    def predict_step(self, batch, batch_idx):
+        return self.compute_loss(batch)
+
 
 out, devices, plan, built = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 L.seed_everything(0, verbose=False)
 base, data = make_demo(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)
 model = Module(base.config, configure_model=built == "configure_model", optimizer="sgd-plain", lr=0.1)
 held_out = Subset(data, range(8))
-trainer = L.Trainer(strategy=plan, accelerator="cpu", devices=devices, max_steps=4, val_check_interval=2,
-                    limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                    callbacks=[ModelCheckpoint(dirpath=out + ".ckpt", monitor="val_loss")])
+common = dict(strategy=plan, accelerator="cpu", devices=devices, val_check_interval=2, limit_val_batches=1,
+              logger=False, enable_progress_bar=False, enable_model_summary=False)
+trainer = L.Trainer(max_steps=4, **common,
+                    callbacks=[ModelCheckpoint(dirpath=out + ".ckpt", monitor="val_loss", save_last=True)])
 trainer.fit(model, DataLoader(data, batch_size=4, drop_last=True), DataLoader(held_out, batch_size=4))
 trainer.test(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
-if trainer.global_rank == 0:
+best = float(trainer.callback_metrics["test_loss"])
+predictions = trainer.predict(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
+again = L.Trainer(max_steps=6, **common, callbacks=[ModelCheckpoint(dirpath=out + ".again", save_last=True)])
+again.fit(model, DataLoader(data, batch_size=4, drop_last=True), DataLoader(held_out, batch_size=4),
+          ckpt_path=out + ".ckpt/last.ckpt")
+again.test(model, DataLoader(held_out, batch_size=4), ckpt_path="last")
+figures = [best, float(again.callback_metrics["test_loss"]), *map(float, predictions)]
+if again.global_rank == 0:
     with open(out, "w") as f:
-        f.write(f"{float(trainer.callback_metrics['test_loss']):.8f}\n")
+        f.write(" ".join(f"{v:.8f}" for v in figures))
