@@ -90,17 +90,12 @@ def interleaved(pp: int, microbatches: int, virtual: int, group: int | None = No
              for m in range(start, min(start + group, microbatches))]
     forwards = [Action(Phase.FORWARD, chunk * pp, m) for chunk, m in order]  # rank 0's; rank r adds r
     backwards = [Action(Phase.BACKWARD, (virtual - 1 - chunk) * pp, m) for chunk, m in order]  # chunks reversed
-    total = len(order)
-    out = []
-    for r in range(pp):
-        def at(action: Action, rank: int = r) -> Action:
-            return Action(action.phase, action.stage + rank, action.microbatch)
+    total, out = len(order), []
+    for r in range(pp):  # Megatron's warm-up, then one forward and one backward, then the backwards left
         warmup = min((pp - r - 1) * 2 + (virtual - 1) * group, total)
-        actions = [at(a) for a in forwards[:warmup]]
-        for k in range(warmup, total):
-            actions += [at(forwards[k]), at(backwards[k - warmup])]
-        actions += [at(a) for a in backwards[total - warmup:]]
-        out.append(actions)
+        steady = [a for k in range(warmup, total) for a in (forwards[k], backwards[k - warmup])]
+        out.append([Action(a.phase, a.stage + r, a.microbatch)
+                    for a in forwards[:warmup] + steady + backwards[total - warmup:]])
     return out
 
 
@@ -165,7 +160,7 @@ def ideal_bubble(pp: int, microbatches: int, virtual: int = 1, schedule: str = "
                  group: int | None = None) -> float:
     """The idle fraction of a rank with equal stages (`timeline`'s costs): (pp-1) / (mb + pp-1) for GPipe and 1F1B,
     divided by v for interleaved in groups of pp; for the zero-bubble schedules and other groups, from the tables."""
-    if schedule in ("gpipe", "1f1b") or (schedule == "interleaved" and group in (None, pp)):
+    if schedule in ("gpipe", "1f1b") or (schedule == "interleaved" and group in (None, pp) and microbatches % pp == 0):
         return (pp - 1) / virtual / (microbatches + (pp - 1) / virtual)
     return table_bubble(build(schedule, pp, microbatches, virtual, group))
 
