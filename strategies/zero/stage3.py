@@ -8,6 +8,9 @@ that owns parameters). Around a unit:
     backward: a hook on its outputs' gradients gathers it again; once all its parameters' gradients are
               in their buckets, it is freed and the buckets are reduce-scattered into the shards.
 
+The units after the last block (the final norm, the head) are kept from their forward into their backward, which
+follows at once, and embeddings are not gathered for backward, which needs no weights: the bytes FSDP2 moves.
+
 Freeing resizes the flat's storage to zero and gathering resizes it back and fills it: the parameters are
 views of that storage, and so are the tensors autograd saved for backward, which stay valid. Parameters
 owned by the root module itself (used outside any child's forward) and parameters shared between units
