@@ -1,7 +1,8 @@
 """Save by slice (#59, first step: `checkpoint.slices`): ZeRO-3's shards written as they lie, in torch's Distributed
 Checkpoint format, read back whole by plain `torch.distributed.checkpoint.load` in one process. The demo GPT at 3
 ranks, after an AdamW step: its flats split mid-row (no shard a whole number of rows), so every parameter's part
-of a shard is a few boxes; each rank's file holds its shard's bytes, not the model's."""
+of a shard is a few boxes; each rank's file holds its shard's bytes, not the model's. FSDP2 at 2 ranks reads it
+with plain DCP too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import os
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -57,9 +59,16 @@ def _save(rank: int, world: int, path: str) -> tuple[dict, int, int]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, written, pieces
 
 
-def test_zero3_saves_each_ranks_shard_and_plain_dcp_loads_it_whole(tmp_path):
-    path = str(tmp_path / "step-1")
-    ranks = run_ranks(_save, 3, path)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, list]:
+    """The checkpoint ZeRO-3 at 3 ranks saved by slice, and what each rank returned (its whole weights, the bytes it
+    wrote, its boxes)."""
+    path = str(tmp_path_factory.mktemp("slices") / "step-1")
+    return path, run_ranks(_save, 3, path)
+
+
+def test_zero3_saves_each_ranks_shard_and_plain_dcp_loads_it_whole(saved):
+    path, ranks = saved
     whole = ranks[0][0]
     assert all(torch.equal(whole[k], r[0][k]) for r in ranks for k in whole)  # every rank's gather agrees
     loaded = {k: torch.full_like(v, float("nan")) for k, v in whole.items()}
@@ -69,3 +78,24 @@ def test_zero3_saves_each_ranks_shard_and_plain_dcp_loads_it_whole(tmp_path):
     total = sum(v.numel() * v.element_size() for v in whole.values())
     for _, written, pieces in ranks:  # a third of the weights each, and DCP's record of each box (about 1.5 KiB)
         assert total / 3 <= written <= total / 3 + pieces * 2048, (written, total, pieces)
+
+
+def _load_into_fsdp2(rank: int, world: int, path: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = GPT(CONFIG)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = model.state_dict()  # DTensors, each rank's dim-0 shard
+    dcp.load(state, checkpoint_id=path)
+    return {k: v.full_tensor() for k, v in state.items()}
+
+
+def test_fsdp2_at_another_world_size_loads_the_packs_checkpoint(saved):
+    """Saved by slice at 3 ranks, read with plain DCP into FSDP2's DTensors at 2: the same weights (DCP reads each
+    rank's dim-0 shard from the boxes that overlap it)."""
+    path, ranks = saved
+    whole = ranks[0][0]
+    loaded = run_ranks(_load_into_fsdp2, 2, path)[0]
+    assert loaded.keys() == whole.keys() and all(torch.equal(loaded[k], whole[k]) for k in whole)
