@@ -4,7 +4,8 @@ A ZeRO flat's shard is a contiguous range of the flattened parameters it packs. 
 into a few row-major boxes (`boxes`: a partial first row, whole rows, a partial last row, the same again one
 dimension in), each a chunk that DCP records at its offsets in the parameter, so `torch.distributed.checkpoint.load`
 reads the checkpoint into any layout (a whole module in one process, FSDP2's DTensors) and no rank gathers anything
-to write it. Not yet wired into the strategy's checkpoints (which still gather whole): tp's slices, the pipeline's
+to write it; `load_by_slice` reads any saved layout back into the shards, each rank its own boxes. Not yet wired
+into the strategy's checkpoints (which still gather whole): tp's slices, the pipeline's
 stages and the optimizer's state are the next steps (docs/checkpoints.md, "By slice").
 """
 
@@ -74,3 +75,15 @@ def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None
     import torch.distributed.checkpoint as dcp
 
     dcp.save(sharded_weights(flats, group), checkpoint_id=path, process_group=group)
+
+
+def load_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None) -> None:
+    """Fill the shards of ``flats`` from the DCP checkpoint at ``path``, each rank reading only its boxes (from the
+    chunks of any saved layout that overlap them: another world size, FSDP2's). Into the optimizer's copy in place;
+    under offload the device shard is then copied from it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(sharded_weights(flats, group), checkpoint_id=path, process_group=group)
+    for flat in flats:
+        if flat.master.data_ptr() != flat.shard.data_ptr():
+            flat.shard.copy_(flat.master.detach())
