@@ -6,13 +6,14 @@ dimension in), each a chunk that DCP records at its offsets in the parameter, so
 reads the checkpoint into any layout (a whole module in one process, FSDP2's DTensors) and no rank gathers anything
 to write it; `load_by_slice` reads any saved layout back into the shards, each rank its own boxes. Not yet wired
 into the strategy's checkpoints (which still gather whole): tp's slices, the pipeline's
-stages and the optimizer's state are the next steps (docs/checkpoints.md, "By slice").
+stages and the loop's state are the next steps (docs/checkpoints.md, "By slice").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,13 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     return out + (in_row(whole_to, 0, stop % inner) if stop % inner else [])
 
 
-def flat_pieces(flat) -> Iterator[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+def flat_pieces(flat, source: torch.Tensor | None = None) -> Iterator[tuple[str, tuple[int, ...], tuple[int, ...],
+                                                                         torch.Tensor]]:
     """(parameter name, offsets, sizes, data) of each box of ``flat``'s shard on this rank (`zero.flat.FlatParam`):
-    the data is a view of the optimizer's copy of the shard (the host copy under offload), nothing gathered."""
+    the data is a view of the optimizer's copy of the shard (the host copy under offload), or of ``source``, a
+    tensor laid out as the shard (an optimizer's state for it), nothing gathered."""
     start = flat.axis.index * flat.shard_size
-    stop, shard = start + flat.shard_size, flat.master.detach()
+    stop, shard = start + flat.shard_size, (flat.master if source is None else source).detach()
     for name, param, offset, numel in zip(flat.names, flat.params, flat.offsets, flat.numels):
         mine = (max(start, offset) - offset, min(stop, offset + numel) - offset)  # in the parameter's own elements
         for offsets, sizes, at in boxes(tuple(param.shape), *mine):
@@ -54,9 +57,11 @@ def flat_pieces(flat) -> Iterator[tuple[str, tuple[int, ...], tuple[int, ...], t
             yield name, offsets, sizes, shard[begin : begin + math.prod(sizes)].view(sizes)
 
 
-def sharded_weights(flats: list, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def sharded_weights(flats: list, group: dist.ProcessGroup | None = None,
+                    source: Callable[[Any], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The parameters of ``flats`` (every rank's, the same names on each) as DCP's sharded tensors, each rank's
-    pieces its boxes. A collective: every rank of ``group`` calls it with the same flats."""
+    pieces its boxes; with ``source``, the tensor it gives for each flat instead (laid out as the shard). A
+    collective: every rank of ``group`` calls it with the same flats."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
@@ -64,26 +69,58 @@ def sharded_weights(flats: list, group: dist.ProcessGroup | None = None) -> dict
     pieces: dict[str, list] = {name: [] for flat in flats for name in flat.names}
     shapes = {name: tuple(p.shape) for flat in flats for name, p in zip(flat.names, flat.params)}
     for flat in flats:
-        for name, offsets, sizes, data in flat_pieces(flat):
+        for name, offsets, sizes, data in flat_pieces(flat, None if source is None else source(flat)):
             pieces[name].append(Shard(data, ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{data.device}")))
     return {name: init_from_local_shards(pieces[name], *shapes[name], process_group=group) for name in pieces}
 
 
-def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None) -> None:
-    """Write the weights of ``flats`` to the DCP directory ``path``, each rank its own shard's boxes (its file holds
-    1/N of the weights; DCP's ``.metadata``, written last, says where every box lies)."""
+def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer,
+                            group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """The optimizer's state of ``flats`` by parameter name, as torch's `get_optimizer_state_dict` names it
+    (``state.<name>.<key>``): each state laid out as the shard (AdamW's moments, SGD's momentum) in the rank's
+    boxes, each scalar (AdamW's step: one per flat) given to each of the flat's parameters. Hyperparameters are
+    the user's (`configure_optimizers`), not saved here. A collective, as `sharded_weights`."""
+    state: dict[str, dict[str, Any]] = {name: {} for flat in flats for name in flat.names}
+    keys = sorted({k for flat in flats for k, v in optimizer.state[flat.master].items()
+                   if isinstance(v, torch.Tensor) and v.shape == flat.master.shape})
+    for key in keys:  # the same keys in the same order on every rank (each makes its sharded tensors)
+        for name, tensor in sharded_weights(flats, group, lambda f, k=key: optimizer.state[f.master][k]).items():
+            state[name][key] = tensor
+    for flat in flats:
+        for key, value in optimizer.state[flat.master].items():
+            if not (isinstance(value, torch.Tensor) and value.shape == flat.master.shape):
+                for name in flat.names:
+                    state[name][key] = value
+    return {"state": state}
+
+
+def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write the weights of ``flats`` (and ``optimizer``'s state of them, under ``optim``) to the DCP directory
+    ``path``, each rank its own shard's boxes (its file holds 1/N of them; DCP's ``.metadata``, written last, says
+    where every box lies)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(sharded_weights(flats, group), checkpoint_id=path, process_group=group)
+    dcp.save(_state(flats, group, optimizer), checkpoint_id=path, process_group=group)
 
 
-def load_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None) -> None:
-    """Fill the shards of ``flats`` from the DCP checkpoint at ``path``, each rank reading only its boxes (from the
-    chunks of any saved layout that overlap them: another world size, FSDP2's). Into the optimizer's copy in place;
-    under offload the device shard is then copied from it."""
+def _state(flats: list, group: dist.ProcessGroup | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What `save_by_slice` writes and `load_by_slice` fills: ``model`` (and ``optim``), as torchtitan names them."""
+    state: dict[str, Any] = {"model": sharded_weights(flats, group)}
+    if optimizer is not None:
+        state["optim"] = sharded_optimizer_state(flats, optimizer, group)
+    return state
+
+
+def load_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
+                  optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Fill the shards of ``flats`` (and ``optimizer``'s state of them, which must exist: after a step) from the DCP
+    checkpoint at ``path``, each rank reading only its boxes (from the chunks of any saved layout that overlap them:
+    another world size, FSDP2's). Into the optimizer's copies in place; under offload the device shard is then
+    copied from its host copy."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(sharded_weights(flats, group), checkpoint_id=path, process_group=group)
+    dcp.load(_state(flats, group, optimizer), checkpoint_id=path, process_group=group)
     for flat in flats:
         if flat.master.data_ptr() != flat.shard.data_ptr():
             flat.shard.copy_(flat.master.detach())

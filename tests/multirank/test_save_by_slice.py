@@ -2,7 +2,7 @@
 Checkpoint format, read back whole by plain `torch.distributed.checkpoint.load` in one process. The demo GPT at 3
 ranks, after an AdamW step: its flats split mid-row (no shard a whole number of rows), so every parameter's part
 of a shard is a few boxes; each rank's file holds its shard's bytes, not the model's. FSDP2 at 2 ranks reads it
-with plain DCP too, and ZeRO-3 at 2 ranks loads it by slice (`load_by_slice`)."""
+with plain DCP too, and ZeRO-3 at 2 ranks loads it by slice (`load_by_slice`), weights and AdamW's state."""
 
 from __future__ import annotations
 
@@ -40,19 +40,32 @@ def test_a_flat_range_is_boxes_whose_data_is_contiguous_in_it():
             assert len(boxes(shape, start, stop)) <= 2 * len(shape) - 1
 
 
-def _save(rank: int, world: int, path: str) -> tuple[dict, int, int]:
-    torch.manual_seed(0)
+def _batch(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, CONFIG.vocab_size, (6, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    return ids[rows, :-1], ids[rows, 1:]
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, rows: slice, sync=None) -> None:
+    x, y = _batch(rows)
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    if sync is not None:
+        sync.finish()
+    opt.step()
+    if sync is not None:
+        sync.after_step()
+
+
+def _zero3(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
     model = GPT(CONFIG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = shard_model(model, opt, Axis.of_group("dp", dist.group.WORLD, CommStats()), 3)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, CONFIG.vocab_size, (world * 2, CONFIG.seq_len + 1), generator=g)
-    x, y = ids[rank * 2 : rank * 2 + 2, :-1], ids[rank * 2 : rank * 2 + 2, 1:]
-    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    sync.finish()
-    opt.step()
-    sync.after_step()
-    save_by_slice(sync.flats, path)
+    return model, opt, shard_model(model, opt, Axis.of_group("dp", dist.group.WORLD, CommStats()), 3)
+
+
+def _save(rank: int, world: int, path: str) -> tuple[dict, int, int]:
+    model, opt, sync = _zero3(0)
+    _step(model, opt, slice(rank * 2, rank * 2 + 2), sync)  # the six rows over three ranks
+    save_by_slice(sync.flats, path, optimizer=opt)
     written = os.path.getsize(os.path.join(path, f"__{rank}_0.distcp"))
     pieces = sum(1 for flat in sync.flats for _ in flat_pieces(flat))
     sync.gather_all()  # the whole weights, to compare with (after the save: it gathered nothing)
@@ -72,12 +85,13 @@ def test_zero3_saves_each_ranks_shard_and_plain_dcp_loads_it_whole(saved):
     whole = ranks[0][0]
     assert all(torch.equal(whole[k], r[0][k]) for r in ranks for k in whole)  # every rank's gather agrees
     loaded = {k: torch.full_like(v, float("nan")) for k, v in whole.items()}
-    dcp.load(loaded, checkpoint_id=path, no_dist=True)  # one process, a plain state dict: DCP reshards
+    dcp.load({"model": loaded}, checkpoint_id=path, no_dist=True)  # one process, a plain state dict: DCP reshards
     assert all(torch.equal(loaded[k], whole[k]) for k in whole), [k for k in whole if not torch.equal(loaded[k],
                                                                                                      whole[k])]
     total = sum(v.numel() * v.element_size() for v in whole.values())
-    for _, written, pieces in ranks:  # a third of the weights each, and DCP's record of each box (about 1.5 KiB)
-        assert total / 3 <= written <= total / 3 + pieces * 2048, (written, total, pieces)
+    for _, written, pieces in ranks:  # a third of the weights and of AdamW's two moments each (3 x 1/3), DCP's
+        # record of each box (about 1.5 KiB) and of AdamW's steps (one a parameter: rank 0 writes the replicated)
+        assert total <= written <= total + 3 * pieces * 2048 + 32 * 1536, (written, total, pieces)
 
 
 def _load_into_fsdp2(rank: int, world: int, path: str) -> dict:
@@ -88,7 +102,7 @@ def _load_into_fsdp2(rank: int, world: int, path: str) -> dict:
         fully_shard(block)
     fully_shard(model)
     state = model.state_dict()  # DTensors, each rank's dim-0 shard
-    dcp.load(state, checkpoint_id=path)
+    dcp.load({"model": state}, checkpoint_id=path)
     return {k: v.full_tensor() for k, v in state.items()}
 
 
@@ -101,21 +115,40 @@ def test_fsdp2_at_another_world_size_loads_the_packs_checkpoint(saved):
     assert loaded.keys() == whole.keys() and all(torch.equal(loaded[k], whole[k]) for k in whole)
 
 
-def _load_into_zero3(rank: int, world: int, path: str) -> dict:
+def _load_into_zero3(rank: int, world: int, path: str, again: str) -> dict:
     from strategies.checkpoint.slices import load_by_slice
 
-    torch.manual_seed(1)  # other weights than the saved ones
-    model = GPT(CONFIG)
-    sync = shard_model(model, torch.optim.AdamW(model.parameters()), Axis.of_group("dp", dist.group.WORLD,
-                                                                                   CommStats()), 3)
-    load_by_slice(sync.flats, path)
+    model, opt, sync = _zero3(1)  # other weights than the saved ones
+    _step(model, opt, slice(rank, rank + 1), sync)  # (the optimizer's state exists after a step)
+    load_by_slice(sync.flats, path, optimizer=opt)
+    save_by_slice(sync.flats, again, optimizer=opt)  # what it holds now, to read whole in one process
     sync.gather_all()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_zero3_at_another_world_size_loads_by_slice(saved):
-    """Saved at 3 ranks, loaded into ZeRO-3 at 2, each rank reading its own boxes: gathered, the saved weights."""
+def _whole_optimizer_state(path: str, like: dict) -> dict:
+    state = {k: {m: torch.full_like(v, float("nan")) for m in ("exp_avg", "exp_avg_sq")} | {"step": torch.tensor(0.0)}
+             for k, v in like.items()}
+    dcp.load({"optim": {"state": state}}, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def test_zero3_at_another_world_size_loads_weights_and_adamw_by_slice(saved, tmp_path):
+    """Saved at 3 ranks, loaded into ZeRO-3 at 2, each rank reading its own boxes: gathered, the saved weights; its
+    AdamW moments, saved again at 2 and read whole, the saved ones, which are one process's after the same step."""
     path, ranks = saved
     whole = ranks[0][0]
-    loaded = run_ranks(_load_into_zero3, 2, path)[0]
+    again = str(tmp_path / "again")
+    loaded = run_ranks(_load_into_zero3, 2, path, again)[0]
     assert all(torch.equal(loaded[k], whole[k]) for k in whole)
+    first, second = _whole_optimizer_state(path, whole), _whole_optimizer_state(again, whole)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, slice(0, 6))
+    for name, param in model.named_parameters():
+        assert all(torch.equal(first[name][m], second[name][m]) for m in first[name]), name
+        assert first[name]["step"].item() == 1.0
+        for m in ("exp_avg", "exp_avg_sq"):
+            # (the order of the sums: the gradient a mean of the ranks' means; a box misplaced moves it by its size)
+            torch.testing.assert_close(first[name][m], opt.state[param][m], rtol=1e-3, atol=1e-8)
