@@ -80,6 +80,9 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer,
     (``state.<name>.<key>``): each state laid out as the shard (AdamW's moments, SGD's momentum) in the rank's
     boxes, each scalar (AdamW's step: one per flat) given to each of the flat's parameters. Hyperparameters are
     the user's (`configure_optimizers`), not saved here. A collective, as `sharded_weights`."""
+    if any(not optimizer.state.get(flat.master) for flat in flats):  # (alike on every rank: all stepped as many times)
+        raise ValueError("the optimizer holds no state for these shards yet (torch makes it at the first step): save "
+                         "or load its state after a step, or the weights alone (optimizer=None)")
     state: dict[str, dict[str, Any]] = {name: {} for flat in flats for name in flat.names}
     keys = sorted({k for flat in flats for k, v in optimizer.state[flat.master].items()
                    if isinstance(v, torch.Tensor) and v.shape == flat.master.shape})

@@ -152,3 +152,13 @@ def test_zero3_at_another_world_size_loads_weights_and_adamw_by_slice(saved, tmp
         for m in ("exp_avg", "exp_avg_sq"):
             # (the order of the sums: the gradient a mean of the ranks' means; a box misplaced moves it by its size)
             torch.testing.assert_close(first[name][m], opt.state[param][m], rtol=1e-3, atol=1e-8)
+
+
+def test_an_optimizer_before_its_first_step_is_refused_saying_why():
+    from types import SimpleNamespace
+
+    from strategies.checkpoint.slices import sharded_optimizer_state
+
+    flat = SimpleNamespace(master=torch.nn.Parameter(torch.zeros(3)), names=["w"])
+    with pytest.raises(ValueError, match="no state for these shards yet"):
+        sharded_optimizer_state([flat], torch.optim.AdamW([flat.master]))
