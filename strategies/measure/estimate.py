@@ -265,16 +265,23 @@ def _vocab_split(plan: ParallelPlan) -> int:
 def stage_params(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Parameters each rank holds, per pipeline rank (tp-split blocks, embeddings on the first stage, norm
     and head on the last), cut the way `pipeline.PipelineParallel` cuts by parameter count."""
-    _, per_stage = _stages(shape, plan)
-    where = _placement(plan)
-    return [sum(n for s, n in enumerate(per_stage) if where[s] == rank) for rank in range(plan.pp)]
+    return _per_rank(plan, _stages(shape, plan)[1])
 
 
 def stage_blocks(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Blocks each pipeline rank runs (over its chunks), as the cut and the schedule place them."""
-    ranges, _ = _stages(shape, plan)
+    return _per_rank(plan, [len(r) for r in _stages(shape, plan)[0]])
+
+
+def _per_rank(plan: ParallelPlan, per_stage: list[int]) -> list[int]:
+    """A figure per stage summed over the stages each pipeline rank holds (`_placement`)."""
     where = _placement(plan)
-    return [sum(len(r) for s, r in enumerate(ranges) if where[s] == rank) for rank in range(plan.pp)]
+    return [sum(n for s, n in enumerate(per_stage) if where[s] == rank) for rank in range(plan.pp)]
+
+
+def _last_rank(plan: ParallelPlan) -> int:
+    """The pipeline rank that holds the last stage (the head): the last, or the first where a V places it."""
+    return _placement(plan)[plan.pp * plan.chunks - 1]
 
 
 def stage_flops(shape: ModelShape, plan: ParallelPlan) -> list[float]:
@@ -285,8 +292,7 @@ def stage_flops(shape: ModelShape, plan: ParallelPlan) -> list[float]:
         return [6 * shape.active() + 12 * shape.layers * shape.hidden * shape.seq]
     head = 6 * shape.vocab * shape.hidden
     block = (6 * shape.active() - head) / shape.layers + 12 * shape.hidden * shape.seq
-    last = _placement(plan)[plan.pp * plan.chunks - 1]
-    return [n * block + (head if rank == last else 0) for rank, n in enumerate(stage_blocks(shape, plan))]
+    return [n * block + (head if rank == _last_rank(plan) else 0) for rank, n in enumerate(stage_blocks(shape, plan))]
 
 
 def stage_experts(shape: ModelShape, plan: ParallelPlan) -> list[int]:
@@ -764,14 +770,13 @@ def recomputed_share(plan: ParallelPlan, ranges: list[range]) -> float:
 def _rank0_comm(shape: ModelShape, plan: ParallelPlan, psi: int, ranges: list[range], act_bytes: int,
                 wide_bytes: int, gather_bytes: int = 4) -> dict:
     """`communication` for rank 0, which holds ``psi`` parameters and the blocks of its stages in ``ranges``."""
-    first_blocks = sum(len(ranges[s]) for s, r in _placement(plan).items() if r == 0)
+    first_blocks = _per_rank(plan, [len(r) for r in ranges])[0]
     split, whole = shape.block()
     # ZeRO-3 gathers once per microbatch rank 0's units kept from forward into backward (`Zero3GradSync._keeps`: the
     # final norm and the head where rank 0 holds the last stage, else its last block) and its embeddings (a lookup's
     # backward needs no weights; tp's vocab-parallel token embedding is gathered again)
-    last = _placement(plan)[plan.pp * plan.chunks - 1] == 0
     lookups = shape.embeddings() - (shape.vocab * shape.hidden if plan.vp else 0)
-    kept = (shape.head(_vocab_split(plan)) if last else math.ceil(split / plan.tp) + whole) + lookups
+    kept = (shape.head(_vocab_split(plan)) if _last_rank(plan) == 0 else math.ceil(split / plan.tp) + whole) + lookups
     experts = first_blocks * expert_share(shape, plan)
     share = recomputed_share(plan, [ranges[s] for s, r in _placement(plan).items() if r == 0])
     return communication(shape, plan, psi, first_blocks, kept, act_bytes, wide_bytes, experts, share, gather_bytes)
