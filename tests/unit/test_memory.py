@@ -59,3 +59,16 @@ def test_heap_sampler_restart_starts_a_new_peak():
         before, now = heap.restart()
         assert before - heap.start >= 24 * 2**20 and now - heap.start < 8 * 2**20  # the old peak held it; now not
         assert heap.peak == now  # the new peak starts from what is in use
+
+
+def test_saved_tensors_meter_knows_parameters_made_after_it_started():
+    # A pipeline's first step makes the rank's blocks (a model built on meta) after the meter starts: a parameter
+    # made then is still a parameter. (Read at the meter's start, the new weights counted as activations.)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    with SavedTensorsMeter(net) as meter:
+        for layer in (net[0], net[2]):  # new storages, as the deferred set-up makes them
+            layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+        net(x).sum()
+    assert meter.bytes == (5 * 8 + 5 * 16) * 4
