@@ -121,14 +121,11 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
 
 
 def _cpu_workspace(world_size: int):
-    """MKL's workspace per matmul shape, measured on this host with the threads a real run's rank gets (Lightning:
-    the cores over the ranks, at least one), each shape once."""
-    import functools
+    """The kernels' working memory (`calibrate.host_workspace`) with the threads a real run's rank gets (Lightning:
+    the cores over the ranks, at least one)."""
+    from strategies.measure.calibrate import host_workspace
 
-    from strategies.measure.calibrate import kernel_workspace
-
-    threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
-    return functools.cache(lambda rows, inner, cols: kernel_workspace(rows, inner, cols, threads))
+    return host_workspace(max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None)
 
 
 def roles(plan: str, world_size: int) -> list[int]:

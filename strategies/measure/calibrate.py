@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -107,12 +108,23 @@ def measure(world: int, hidden: int = 256, tokens: int = 2048, cache: bool = Tru
     return cal
 
 
-def kernel_workspace(rows: int, inner: int, cols: int, threads: int | None = None) -> float:
-    """Bytes the matrix library holds inside one float32 ``(rows, inner) @ (inner, cols)`` beyond its output, with
-    ``threads`` threads (MKL packs operands into buffers of its own and frees them at the end: the heap's peak is
-    that much above the output), measured on this host in about 20 milliseconds. 0 where the heap
-    cannot be read (`memory.HeapSampler` needs glibc), or where the library keeps its buffers (MKL's fast allocator,
-    on unless ``MKL_DISABLE_FAST_MM=1``: then they sit in the heap for good, not in the step's peak)."""
+# The kernels whose working memory a rehearsal on a CPU counts (`op_workspace`): the matrix library's products and
+# the CPU's fused attention, which hold buffers of their own beyond their outputs while they run.
+_aten = torch.ops.aten
+WORKSPACE_OPS = (_aten.mm.default, _aten.addmm.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 _aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def op_workspace(func: Any, args: tuple, kwargs: dict | None = None, threads: int | None = None) -> float:
+    """Bytes ``func`` holds while it runs beyond its outputs, on tensors like ``args``' (their shapes, strides and
+    dtypes: meta ones stand for real), with ``threads`` threads, measured on this host in about 20 milliseconds. MKL
+    packs a product's operands into buffers of its own, by dtype and layout (float32 at 2 threads about 9 MiB at the
+    demo's shapes; bfloat16 50-720 KiB, a transposed left operand the most); the CPU's fused attention holds blocks
+    of scores (about 4 MiB at 1 thread, either dtype). 0 where the heap cannot be read (`memory.HeapSampler` needs
+    glibc), or where the library keeps its buffers (MKL's fast allocator, on unless ``MKL_DISABLE_FAST_MM=1``: then
+    they sit in the heap for good, not in the step's peak)."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
     from strategies.measure.memory import HeapSampler
 
     if not HeapSampler.available():
@@ -120,21 +132,80 @@ def kernel_workspace(rows: int, inner: int, cols: int, threads: int | None = Non
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        a, b = torch.randn(rows, inner), torch.randn(cols, inner)
-        out = a @ b.t()  # the first call sets the library up; its output stays: the heap above it is the workspace
+        real_args, real_kwargs = tree_map(_real_like, (args, kwargs or {}))
+        out = func(*real_args, **real_kwargs)  # the first call sets the library up (what it keeps is not the step's)
+        made = sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        del out
         held = HeapSampler.in_use()
-        # Products one after another for 20 ms, into the same output: each holds its workspace while it computes, so
-        # the sampler catches one even where it gets a core only every few ms. (One product alone, sampled three
-        # times, was missed beside a busy core: a rehearsal 7% short, one run in four, docs/tests.md.)
+        # Calls one after another for 20 ms: each holds its workspace while it runs, so the sampler catches one even
+        # where it gets a core only every few ms. (One call alone, sampled three times, was missed beside a busy
+        # core: a rehearsal 7% short, one run in four, docs/tests.md.)
         with HeapSampler(interval_s=1e-5) as heap:
             deadline = time.perf_counter() + 0.02
-            torch.mm(a, b.t(), out=out)
-            while time.perf_counter() < deadline:
-                torch.mm(a, b.t(), out=out)
-        best = max(0, heap.peak - held)
+            while True:
+                out = func(*real_args, **real_kwargs)
+                del out
+                if time.perf_counter() >= deadline:
+                    break
+        return float(max(0, heap.peak - held - made))
     finally:
         torch.set_num_threads(before)
-    return float(best)
+
+
+def host_workspace(threads: int | None = None) -> Callable[[Any, tuple, dict | None], float]:
+    """A rehearsal's `meta_heap.MetaHeap` workspace on this host: for an op of `WORKSPACE_OPS`, its `op_workspace`
+    with ``threads``, measured once per op and arguments' shapes, strides and dtypes; 0 for any other op."""
+    from torch.utils._pytree import tree_map
+
+    measured: dict[tuple[Any, str], float] = {}
+
+    def workspace(func: Any, args: tuple, kwargs: dict | None) -> float:
+        if func not in WORKSPACE_OPS:
+            return 0.0
+        key = (func, repr(tree_map(_layout, (args, kwargs))))
+        if key not in measured:
+            measured[key] = op_workspace(func, args, kwargs, threads)
+        return measured[key]
+    return workspace
+
+
+def _layout(value: Any) -> Any:
+    return (tuple(value.shape), value.stride(), value.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def _real_like(value: Any) -> Any:
+    """A CPU tensor with ``value``'s shape, strides and dtype (random values), for a tensor; else ``value``."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+    return real.normal_() if real.is_floating_point() else real.zero_()
+
+
+def linear_workspace(tokens: int, fan_in: int, fan_out: int, threads: int | None = None,
+                     dtype: torch.dtype = torch.float32) -> float:
+    """The largest workspace (`op_workspace`) of a linear layer's three products: its forward (the input by the
+    weight transposed), its input's gradient (the output's gradient by the weight) and its weight's gradient (the
+    output's gradient transposed by the input)."""
+    def mat(rows: int, cols: int, transposed: bool) -> torch.Tensor:
+        t = torch.empty(cols, rows, dtype=dtype, device="meta")
+        return t.t() if transposed else t.t().contiguous()
+
+    products = ((mat(tokens, fan_in, False), mat(fan_in, fan_out, True)),
+                (mat(tokens, fan_out, False), mat(fan_out, fan_in, False)),
+                (mat(fan_out, tokens, True), mat(tokens, fan_in, False)))
+    return max(op_workspace(_aten.mm.default, pair, None, threads) for pair in products)
+
+
+def attention_workspace(batch: int, heads: int, seq: int, head_dim: int, threads: int | None = None,
+                        dtype: torch.dtype = torch.float32) -> float:
+    """The larger workspace (`op_workspace`) of the CPU's fused causal attention's forward and backward."""
+    def qkv() -> torch.Tensor:  # (batch, heads, seq, head_dim), laid out as the projections' views are
+        return torch.empty(batch, seq, heads, head_dim, dtype=dtype, device="meta").transpose(1, 2)
+
+    q, k, v = qkv(), qkv(), qkv()
+    lse = torch.empty(batch, heads, seq, dtype=torch.float32, device="meta")
+    return max(op_workspace(WORKSPACE_OPS[2], (q, k, v, 0.0, True), None, threads),
+               op_workspace(WORKSPACE_OPS[3], (qkv(), q, k, v, qkv(), lse, 0.0, True), None, threads))
 
 
 def sent_bytes(kind: str, payload: float, world: int) -> float:

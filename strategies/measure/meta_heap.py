@@ -29,7 +29,6 @@ from strategies.tensors import making_host_memory, making_unmade_shapes
 _aten = torch.ops.aten
 _READS = {_aten._local_scalar_dense.default}
 _META = torch.device("meta")
-_MATMULS = {_aten.mm.default: 0, _aten.addmm.default: 1}  # where their two matrices are in the arguments
 
 
 class MetaHeap:
@@ -39,7 +38,7 @@ class MetaHeap:
 
     device = "meta"  # the tensors it counts
 
-    def __init__(self, workspace: Callable[[int, int, int], float] | None = None, device_only: bool = False) -> None:
+    def __init__(self, workspace: Callable[..., float] | None = None, device_only: bool = False) -> None:
         self.live = self.peak = self.start = 0
         self.paused = 0  # inside `uncounted`
         self._sizes: dict[int, int] = {}  # storage (its C pointer) -> bytes counted
@@ -48,8 +47,9 @@ class MetaHeap:
         # as a GPU's allocator holds only its own (one pool on a CPU).
         self.device_only, self.host = device_only, 0
         self._host: set[int] = set()  # the host's storages
-        # What the matrix library holds inside a (rows, inner) @ (inner, cols) matmul beyond its output, on the
-        # device rehearsed (`calibrate.kernel_workspace` on a CPU: MKL's packing buffers); None: nothing
+        # What a kernel holds while it runs beyond its outputs on the device rehearsed, given the op and its
+        # (meta) arguments: on a CPU, MKL's packing buffers and the fused attention's (`calibrate.op_workspace`);
+        # None: nothing
         self.workspace = workspace
 
     # -- HeapSampler's interface ---------------------------------------------------------------------------
@@ -180,9 +180,8 @@ class _Counting(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self.heap.count(t.untyped_storage(), host)
-        if meta and func in _MATMULS and self.heap.workspace is not None:
-            a, b = args[_MATMULS[func]], args[_MATMULS[func] + 1]
-            self.heap.transient(self.heap.workspace(a.shape[0], a.shape[1], b.shape[1]))
+        if meta and self.heap.workspace is not None:
+            self.heap.transient(self.heap.workspace(func, args, kwargs))
         return out
 
 

@@ -22,7 +22,8 @@ micro-step (the accumulation window's micro-steps one after the other, the table
   program in rounds receives ahead of use (the runner lets go of a send once it has completed, before its next action:
   no send is counted as held), and two costs of the machine: the communication backend's working memory (gloo copies a
   reduce-scatter's input and gathers through a buffer the size of the output; NCCL does neither) and the matrix
-  library's workspace inside one matmul (`workspace`, measured on CPU by `calibrate.kernel_workspace`).
+  library's workspace inside one matmul or the fused attention (`workspace`, measured on CPU by
+  `calibrate.linear_workspace` and `attention_workspace`).
 
 Split backwards (the zero-bubble schedules): B frees the chunk's activations but keeps, per block, each linear's input
 and output gradient (`Pieces.stash`, 4 + 12/t: as much as a block saves without recompute, so ZB-H1 holds what 1F1B

@@ -20,8 +20,8 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
     """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
     same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble, and for a
     pipeline plan without a schedule the one chosen and why. None when the label has no plan equivalent or the model
-    config is not a transformer's. On ``accelerator="cpu"`` the ranks talk over gloo, and the matrix library's
-    workspace is measured on this host (`calibrate.kernel_workspace`, with the threads Lightning gives each rank).
+    config is not a transformer's. On ``accelerator="cpu"`` the ranks talk over gloo, and the
+    kernels' workspace is measured on this host (`calibrate.op_workspace`, with the threads Lightning gives each rank).
     ``memory``: bytes per device the schedule must fit in (default: `device_memory`); ``optimizer``: whose state the
     ranks hold (`estimate.OPTIMIZERS`); ``deferred``: the model is built in configure_model, on meta (the set-up
     peak, `estimate.setup_peaks`)."""
@@ -31,7 +31,7 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
         shape = dataclasses.replace(ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate),
                                     accumulate=accumulate)
         cpu = accelerator == "cpu"
-        workspace = _cpu_workspace(shape, plan, world_size) if cpu else 0.0
+        workspace = _cpu_workspace(shape, plan, world_size, precision) if cpu else 0.0
         hw = Hardware(gpus=world_size, memory=memory if memory is not None else device_memory(accelerator, world_size))
         choice = choose_schedule(shape, plan, hw, precision, backend=GLOO if cpu else "nccl", workspace=workspace,
                                  crowded=cpu and messages.crowded(world_size),  # a CPU run's ranks: on this host
@@ -80,16 +80,27 @@ def device_memory(accelerator: str, ranks_per_host: int) -> float:
         return 16 * GiB
 
 
-def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int) -> float:
-    """The workspace of the backward's largest matmul (a microbatch's tokens by the MLP's 4h/t columns) with the
-    threads each rank gets (Lightning: the cores over the ranks, at least one)."""
+def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, precision: str) -> float:
+    """The most a block's kernels hold while they run (`calibrate`): the MLP's linear (4h/t columns) and the fused
+    attention (h/t of the heads, the rank's share of the sequence) at a microbatch's tokens, in the dtype
+    ``precision`` computes in, with the threads each rank gets (Lightning: the cores over the ranks, at least one).
+    `peak` places it at a backward's first matmul, where more is saved than when the attention's backward runs: under
+    bf16 on a CPU, whose products hold little beside the attention's 4 MiB, an upper bound (the demo's ranks 13-19%
+    above the rehearsal, which measures each kernel where it runs; float32 within 2%)."""
     import os
 
-    from strategies.measure.calibrate import kernel_workspace
+    import torch
 
-    tokens = max(1, round(shape.batch / shape.accumulate / (plan.microbatches or 1) * shape.seq))
+    from strategies.measure.calibrate import attention_workspace, linear_workspace
+
+    samples = max(1, round(shape.batch / shape.accumulate / (plan.microbatches or 1)))
     threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
-    return kernel_workspace(tokens, shape.hidden, 4 * shape.hidden // plan.tp, threads)
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else \
+        torch.float32
+    seq = max(1, shape.seq // plan.cp)
+    return max(linear_workspace(samples * seq, shape.hidden, 4 * shape.hidden // plan.tp, threads, dtype),
+               attention_workspace(samples, max(1, shape.heads // plan.tp), seq, shape.hidden // shape.heads,
+                                   threads, dtype) if shape.flash_attention else 0.0)
 
 
 def model_shape(module, batch, accumulate: int = 1) -> ModelShape | None:
