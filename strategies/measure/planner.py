@@ -37,9 +37,13 @@ class Hardware:
 
     gpus: int
     memory: float  # bytes per GPU
-    flops: float = 400e12  # dense bf16 FLOP/s a GPU sustains (about 40% of an H100's peak)
-    tp_bandwidth: float = 150e9  # bytes/s per GPU inside a node (NVLink), where tp runs
-    dp_bandwidth: float = 25e9  # bytes/s per GPU between nodes, where dp and pp run
+    # The defaults are `published.CLUSTERS["h100-sxm"]`'s, whose sources docs/published-runs.md gives (a unit test
+    # holds them equal): dense bf16 FLOP/s a GPU sustains, 989e12 at `published.EFFICIENCY` (0.580); nccl-tests' bus
+    # bandwidth inside a node of 8 (NVLink), where tp runs; and per GPU between nodes (a 400 Gb/s NIC each), where
+    # dp and pp run.
+    flops: float = 989e12 * 0.580
+    tp_bandwidth: float = 400e9
+    dp_bandwidth: float = 46e9
     host_bandwidth: float = 20e9  # bytes/s to host memory (offload)
     usable: float = 0.9  # fraction of the memory a plan may fill (allocator, buffers, fragmentation)
     overlap: float = 0.5  # share of dp communication hidden behind backward (DDP / ZeRO buckets)

@@ -51,6 +51,14 @@ def test_activations_are_one_accumulation_step_at_a_time():
     assert accumulated.memory[0]["activations"] == once.memory[0]["activations"] > 0
 
 
+def test_the_planners_default_gpus_are_the_sourced_h100_cluster():
+    from strategies.measure.published import CLUSTERS
+
+    sourced, default = CLUSTERS["h100-sxm"].hardware(8), Hardware(gpus=8, memory=80 * GiB)
+    assert (default.flops, default.tp_bandwidth, default.dp_bandwidth, default.memory) == \
+        (pytest.approx(sourced.flops), sourced.tp_bandwidth, sourced.dp_bandwidth, sourced.memory)
+
+
 def test_planner_default_is_bf16_mixed_so_zero1_on_8_gpus_needs_9_bytes_per_parameter():
     # The case: 7B under ZeRO-1 on 8 GPUs is ~63 GB of model states, not the 38.5 GB of a 2 + 2 + 12 layout.
     shape = ModelShape.from_params(7e9)
