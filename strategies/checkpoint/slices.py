@@ -1,18 +1,21 @@
-"""Save by slice (#59, a first step): what a rank holds, written as it lies, in torch's Distributed Checkpoint format.
+"""Save by slice (#59, in steps): what a rank holds, written as it lies, in torch's Distributed Checkpoint format.
 
 A ZeRO flat's shard is a contiguous range of the flattened parameters it packs. Each parameter's part of it is cut
 into a few row-major boxes (`boxes`: a partial first row, whole rows, a partial last row, the same again one
-dimension in), each a chunk that DCP records at its offsets in the parameter, so `torch.distributed.checkpoint.load`
+dimension in); a tensor-parallel rank's boxes are then moved to where its slice lies in the whole tensor
+(`TensorSlices`, `split_boxes`: a fused qkv's slice is three parts). Each box is a chunk that DCP records at its
+offsets (`Boxed`, torch's `_Checkpointable` protocol: no collective to describe them, DCP gathers every rank's
+plan once per save, and a box several ranks hold alike is written once), so `torch.distributed.checkpoint.load`
 reads the checkpoint into any layout (a whole module in one process, FSDP2's DTensors) and no rank gathers anything
 to write it; `load_by_slice` reads any saved layout back into the shards, each rank its own boxes. Not yet wired
-into the strategy's checkpoints (which still gather whole): tp's slices, the pipeline's
-stages and the loop's state are the next steps (docs/checkpoints.md, "By slice").
+into the strategy's checkpoints (which still gather whole): the pipeline's stages and the loop's state are the next
+steps (docs/checkpoints.md, "By slice").
 """
-
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,25 +60,142 @@ def flat_pieces(flat, source: torch.Tensor | None = None) -> Iterator[tuple[str,
             yield name, offsets, sizes, shard[begin : begin + math.prod(sizes)].view(sizes)
 
 
-def sharded_weights(flats: list, group: dist.ProcessGroup | None = None,
-                    source: Callable[[Any], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The parameters of ``flats`` (every rank's, the same names on each) as DCP's sharded tensors, each rank's
-    pieces its boxes; with ``source``, the tensor it gives for each flat instead (laid out as the shard). A
-    collective: every rank of ``group`` calls it with the same flats."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+class Boxed:
+    """A tensor that DCP saves and loads as the boxes a rank holds of it, through torch's `_Checkpointable` protocol
+    (as DTensor does): ``shape``, the whole tensor's; ``pieces``, (offsets, sizes, data) each, the data a view of
+    what the rank holds (so a load fills it in place). Nothing is sent to make one: DCP gathers every rank's boxes
+    once per save, in its plan, and writes a box several ranks hold alike (a replica's) once (its dedup)."""
 
-    rank = dist.get_rank(group)
+    def __init__(self, shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]):
+        self.shape, self.pieces = tuple(shape), pieces
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                                                      TensorProperties.create_from_tensor(data),
+                                                      torch.Size(self.shape)))
+                for offsets, sizes, data in self.pieces]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes, _ in self.pieces]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        for offsets, _, data in self.pieces:
+            if torch.Size(offsets) == index.offset:
+                return data
+        raise ValueError(f"{index.fqn}: this rank holds no box at {tuple(index.offset)}")
+
+
+def split_boxes(pieces: list, dim: int, blocks: tuple[int, ...], index: int, size: int) -> list:
+    """``pieces`` (offsets, sizes, data) of a tensor-parallel slice, placed in the whole tensor: along ``dim`` each
+    block of ``blocks`` (whole sizes, in order) is cut into ``size`` equal parts, and rank ``index`` holds the
+    index-th part of each, one after the other (`tensor_parallel.plans.ParamSplit`). A box that spans two blocks'
+    parts is cut at the boundary (a fused qkv's: q, k and v each their own box)."""
+    out, local, whole = [], 0, 0
+    for block in blocks:
+        part = block // size
+        for offsets, sizes, data in pieces:
+            lo, hi = max(offsets[dim], local), min(offsets[dim] + sizes[dim], local + part)
+            if lo < hi:  # this box's rows in this block's part, moved to where the part lies in the whole
+                at = [*offsets]
+                at[dim] = whole + index * part + lo - local
+                cut = [*sizes]
+                cut[dim] = hi - lo
+                out.append((tuple(at), tuple(cut), data.narrow(dim, lo - offsets[dim], hi - lo)))
+        local, whole = local + part, whole + block
+    return out
+
+
+def _save_planner() -> Any:
+    """DCP's default save planner, which finds a `Boxed` tensor's box by its offsets (its own lookup takes a
+    torch.Tensor only)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Planner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            found = self.state_dict.get(index.fqn)
+            return found.__get_tensor_shard__(index) if isinstance(found, Boxed) else super().lookup_object(index)
+
+    return Planner()
+
+
+def _load_planner() -> Any:
+    """DCP's default load planner, which fills a `Boxed` tensor's boxes in place (as `_save_planner`). Its set-up
+    replaces every leaf it does not know with None (torch's `_init_state_dict`, which makes meta tensors real): the
+    boxes are put back after it, in the caller's dict and in the planner's flattened one."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict: dict, *args: Any, **kwargs: Any) -> None:
+            boxed = list(_boxed(state_dict, ()))
+            super().set_up_planner(state_dict, *args, **kwargs)
+            for path, box in boxed:
+                parent = state_dict
+                for key in path[:-1]:
+                    parent = parent[key]
+                parent[path[-1]] = box
+                self.state_dict[".".join(map(str, path))] = box
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            found = self.state_dict.get(index.fqn)
+            return found.__get_tensor_shard__(index) if isinstance(found, Boxed) else super().lookup_tensor(index)
+
+    return Planner()
+
+
+def _boxed(state: Any, path: tuple) -> Iterator[tuple[tuple, Boxed]]:
+    """(path, box) of every `Boxed` leaf of a nested state dict."""
+    if isinstance(state, Boxed):
+        yield path, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _boxed(value, (*path, key))
+
+
+@dataclass(frozen=True)
+class TensorSlices:
+    """Where a tensor-parallel rank's slices lie in the whole tensors: ``splits``, each split parameter's cut
+    (`tensor_parallel.plans.ParamSplit`: ``dim``, ``blocks``), and the rank's ``index`` of ``size``."""
+
+    splits: dict[str, Any]
+    index: int
+    size: int
+
+    def place(self, boxed: dict[str, Boxed]) -> dict[str, Boxed]:
+        """``boxed`` (boxes of this rank's slices) in the whole tensors: a split parameter's moved along its cut
+        (`split_boxes`), its shape the whole one; the others as they are (alike on every tp rank: written once)."""
+        out = {}
+        for name, box in boxed.items():
+            split = self.splits.get(name)
+            if split is None:
+                out[name] = box
+                continue
+            shape = list(box.shape)
+            shape[split.dim] = sum(split.blocks)
+            out[name] = Boxed(tuple(shape), split_boxes(box.pieces, split.dim, split.blocks, self.index, self.size))
+        return out
+
+
+def sharded_weights(flats: list, group: dist.ProcessGroup | None = None,
+                    source: Callable[[Any], torch.Tensor] | None = None) -> dict[str, Boxed]:
+    """The parameters of ``flats`` as the boxes of this rank's shards (`Boxed`); with ``source``, the tensor it gives
+    for each flat instead (laid out as the shard). Nothing is sent: each rank gives its own (``group``: unused, kept
+    for the callers of the first step's sharded tensors)."""
     pieces: dict[str, list] = {name: [] for flat in flats for name in flat.names}
     shapes = {name: tuple(p.shape) for flat in flats for name, p in zip(flat.names, flat.params)}
     for flat in flats:
         for name, offsets, sizes, data in flat_pieces(flat, None if source is None else source(flat)):
-            pieces[name].append(Shard(data, ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{data.device}")))
-    return {name: init_from_local_shards(pieces[name], *shapes[name], process_group=group) for name in pieces}
+            pieces[name].append((offsets, sizes, data))
+    return {name: Boxed(shapes[name], pieces[name]) for name in pieces}
 
 
-def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer,
-                            group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None,
+                            tp: TensorSlices | None = None) -> dict[str, Any]:
     """The optimizer's state of ``flats`` by parameter name, as torch's `get_optimizer_state_dict` names it
     (``state.<name>.<key>``): each state laid out as the shard (AdamW's moments, SGD's momentum) in the rank's
     boxes, each scalar (AdamW's step: one per flat) given to each of the flat's parameters. Hyperparameters are
@@ -87,7 +207,8 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer,
     keys = sorted({k for flat in flats for k, v in optimizer.state[flat.master].items()
                    if isinstance(v, torch.Tensor) and v.shape == flat.master.shape})
     for key in keys:  # the same keys in the same order on every rank (each makes its sharded tensors)
-        for name, tensor in sharded_weights(flats, group, lambda f, k=key: optimizer.state[f.master][k]).items():
+        boxed = sharded_weights(flats, group, lambda f, k=key: optimizer.state[f.master][k])
+        for name, tensor in (boxed if tp is None else tp.place(boxed)).items():
             state[name][key] = tensor
     for flat in flats:
         for key, value in optimizer.state[flat.master].items():
@@ -98,32 +219,34 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer,
 
 
 def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
-                  optimizer: torch.optim.Optimizer | None = None) -> None:
+                  optimizer: torch.optim.Optimizer | None = None, tp: TensorSlices | None = None) -> None:
     """Write the weights of ``flats`` (and ``optimizer``'s state of them, under ``optim``) to the DCP directory
     ``path``, each rank its own shard's boxes (its file holds 1/N of them; DCP's ``.metadata``, written last, says
-    where every box lies)."""
+    where every box lies). ``tp``: the flats hold tensor-parallel slices, placed so in the whole tensors."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(flats, group, optimizer), checkpoint_id=path, process_group=group)
+    dcp.save(_state(flats, group, optimizer, tp), checkpoint_id=path, process_group=group, planner=_save_planner())
 
 
-def _state(flats: list, group: dist.ProcessGroup | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state(flats: list, group: dist.ProcessGroup | None, optimizer: torch.optim.Optimizer | None,
+           tp: TensorSlices | None = None) -> dict[str, Any]:
     """What `save_by_slice` writes and `load_by_slice` fills: ``model`` (and ``optim``), as torchtitan names them."""
-    state: dict[str, Any] = {"model": sharded_weights(flats, group)}
+    weights = sharded_weights(flats, group)
+    state: dict[str, Any] = {"model": weights if tp is None else tp.place(weights)}
     if optimizer is not None:
-        state["optim"] = sharded_optimizer_state(flats, optimizer, group)
+        state["optim"] = sharded_optimizer_state(flats, optimizer, group, tp)
     return state
 
 
 def load_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
-                  optimizer: torch.optim.Optimizer | None = None) -> None:
+                  optimizer: torch.optim.Optimizer | None = None, tp: TensorSlices | None = None) -> None:
     """Fill the shards of ``flats`` (and ``optimizer``'s state of them, which must exist: after a step) from the DCP
     checkpoint at ``path``, each rank reading only its boxes (from the chunks of any saved layout that overlap them:
     another world size, FSDP2's). Into the optimizer's copies in place; under offload the device shard is then
     copied from its host copy."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(_state(flats, group, optimizer), checkpoint_id=path, process_group=group)
+    dcp.load(_state(flats, group, optimizer, tp), checkpoint_id=path, process_group=group, planner=_load_planner())
     for flat in flats:
         if flat.master.data_ptr() != flat.shard.data_ptr():
             flat.shard.copy_(flat.master.detach())
