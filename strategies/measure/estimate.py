@@ -46,7 +46,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from strategies.measure.peak import GLOO, Chunk, Peak, Pieces, Rules, step_actions, walk
+from strategies.measure.peak import GLOO, Chunk, Peak, Pieces, Rules, Workspace, step_actions, walk
 from strategies.pipeline import messages, schedules
 from strategies.pipeline.cuts import partition
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
@@ -390,9 +390,9 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
     u = b * s * h * act_bytes
     wide = wide_bytes or act_bytes
-    r = u * wide / act_bytes  # the residual stream's
-    boundary = r / t if plan.sp else r
-    saved = _block_saved(shape, plan, b * s * h, act_bytes, wide, wide_bytes is not None and not policy, policy)
+    boundary = u * wide / act_bytes / (t if plan.sp else 1)  # the residual stream's
+    saved = _block_saved(shape, plan, b * s * h, act_bytes, wide, wide_bytes is not None and not policy,
+                         policy and backend != GLOO)
     whole, f = saved.whole, shape.mlp() / h
     # the log-softmax's output, in float32 for Hugging Face's loss (which casts the logits up) and autocast's, else
     # the stream's dtype
@@ -413,7 +413,7 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   embedding=boundary, head=saved.norm_extra + u + logits, logits=logits, loss=loss,
                   # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
                   backward=boundary + (u if plan.sp else 0.0) + f * u / t, weight=h * shape.mlp() / t * weight_bytes,
-                  mlp_grad=f * u / t,
+                  mlp_grad=f * u / t, mlp_saved=saved.mlp,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
                   head_unit=shape.output_layer(_vocab_split(plan)) * gathered if unit else 0.0,
                   vocab_grad=shape.output_layer(_vocab_split(plan), bias=False) * weight_bytes,  # (the weights' dtype)
@@ -427,17 +427,19 @@ class _Saved:
     unkept: float  # of those, what ``whole`` does not hold (a row-parallel linear's output)
     norm_extra: float  # what a norm saves beyond its input (the final norm's, with the head)
     stash: float  # what a split backward's B keeps for W
+    mlp: float = 0.0  # of ``whole``, what the MLP saves: its norm's input, its input's copy, its inner outputs
 
 
 def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, wide: float, mixed: bool,
-                 policy: bool = False) -> _Saved:
+                 cast_norm: bool = False) -> _Saved:
     """What one block saves with one microbatch's ``bsh`` hidden elements (``act``, ``wide``: bytes of a matmul's
     output and of the residual stream's element), counted tensor by tensor (`stratpack rehearse` finds the same)."""
     t, u, g, f = plan.tp, bsh * act, shape.groups(), shape.mlp() / shape.hidden
     # Each norm keeps its input (the stream); Hugging Face's RMSNorm computes in float32: it keeps the input in float32
     # (a copy on half weights) and its normalised output in the weights' dtype. Whole, or 1/t of the sequence under sp.
-    # Under param_dtype a LayerNorm's half input is cast up by autocast (which computes it in float32): that copy kept.
-    norm = (4 + wide) * bsh if shape.llama else (4 if policy else wide) * bsh
+    # Under param_dtype a LayerNorm's half input is cast up by CUDA's autocast (which computes it in float32): that copy
+    # kept (``cast_norm``); a CPU's autocast (gloo's ranks here) computes it in half and keeps its half input.
+    norm = (4 + wide) * bsh if shape.llama else (4 if cast_norm else wide) * bsh
     # The column-parallel linears' input (the norm's output, gathered whole under sp): under autocast each linear
     # keeps its own half copy (q, k, v; gate, up: Llama's five; the demo's fused qkv and fc: two), else one is shared.
     casts = (5 if shape.llama else 2) if mixed else 2
@@ -455,8 +457,12 @@ def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, 
     # split. Of those, ``whole`` does not hold the row-parallel one's.
     kept, rows = ((1 + g + f), 1) if shape.llama else ((3 + f), 0)
     attention = (u + 4 * bsh * shape.heads / shape.hidden) / t if shape.flash_attention else 0.0
+    # The MLP's share: its norm's input, its column-parallel inputs' copy (the demo's fc; Llama's gate and up under
+    # autocast), and its inner outputs (the demo's fc and GELU; Llama's gate, up, SiLU and their product)
+    mlp = norm / (t if plan.sp else 1) + ((2 if shape.llama else 1) if mixed else 1) * u + \
+        (4 if shape.llama else 2) * f * u / t
     return _Saved(whole, kept * u / t + attention + rows * u, rows * u, norm - wide * bsh,
-                  (casts + 2) * u + (1 + f + outputs) * u / t)
+                  (casts + 2) * u + (1 + f + outputs) * u / t, mlp)
 
 
 def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,
@@ -640,12 +646,12 @@ def _check_plan(shape: ModelShape, plan: ParallelPlan) -> None:
 
 
 def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, precision: str = "fp32",
-             act_bytes: int | None = None, backend: str = "nccl", workspace: float = 0.0,
+             act_bytes: int | None = None, backend: str = "nccl", workspace: Workspace = Workspace(),
              crowded: bool = False, optimizer: str = "adamw") -> Estimate:
     """Predict ``plan`` at ``world_size`` for ``shape`` under Lightning's ``precision``. ``act_bytes``: bytes per
     activation element (default: the precision's); ``backend``: the collectives' (``gloo`` holds copies ``nccl`` does
-    not); ``workspace``: one matmul's working memory (`peak`); ``crowded``: `messages.crowded` (the host's ranks);
-    ``optimizer``: whose state is held (`OPTIMIZERS`)."""
+    not); ``workspace``: the kernels' working memory (`peak.Workspace`); ``crowded``: `messages.crowded` (the host's
+    ranks); ``optimizer``: whose state is held (`OPTIMIZERS`)."""
     plan = (ParallelPlan.parse(plan) if isinstance(plan, str) else plan).resolve(world_size)
     _check_plan(shape, plan)
     weight_bytes, grad_bytes, _, default_act = layout(precision)
@@ -710,7 +716,7 @@ def optimizer_step_bytes(shape: ModelShape, plan: ParallelPlan, rank: int, state
 
 
 def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float], pieces: Pieces,
-               stages: tuple[list[range], list[int]], sizes: tuple[float, float], backend: str, workspace: float,
+               stages: tuple[list[range], list[int]], sizes: tuple[float, float], backend: str, workspace: Workspace,
                crowded: bool) -> Peak:
     """`peak.walk` of pipeline ``rank``'s step: its chunks of ``stages`` (blocks and parameters of each), its actions
     and the rules its data mode and messages follow; ``sizes``: bytes of a gradient and of autocast's copy of a weight

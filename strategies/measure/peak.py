@@ -58,6 +58,7 @@ class Pieces:
     backward: float  # a block backward's working set at its start: the incoming gradient, the MLP's input gradient
     weight: float = 0.0  # ... and one weight's gradient, made beside them before it is accumulated
     mlp_grad: float = 0.0  # of ``backward``, the MLP's input gradient, freed once its first matmul is done
+    mlp_saved: float = 0.0  # of ``block`` (or of ``recompute``), what the MLP saves: freed by its backward
     unit: float = 0.0  # ZeRO-3: one gathered block (0 without ZeRO-3)
     gathers: float = 0.0  # ZeRO-3: what the backend holds while the prefetch gathers (gloo: its output's size)
     stash: float = 0.0  # split backwards: what B keeps per block for W, each linear's input and output gradient
@@ -80,6 +81,16 @@ class Pieces:
     def stashed(self, blocks: int) -> float:
         """What a split backward (B) of a chunk of ``blocks`` blocks keeps for its W."""
         return blocks * self.stash
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """What the kernels hold while they run beyond their outputs (`calibrate`, measured on a CPU; nothing on a GPU
+    here): a backward's matmul's, at its block's first (``matmul``), and the fused attention's, at the first
+    block's attention backward, when that block's MLP has freed what it saved (``attention``)."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -149,10 +160,10 @@ _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 b
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], workspace: float = 0.0,
+def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], workspace: Workspace = Workspace(),
          rules: Rules = Rules(), key: Hashable | None = None) -> Peak:
-    """The peak of ``actions`` run in order on a rank whose chunks (by stage) are ``chunks``. ``workspace``: the
-    matrix library's working memory inside a backward's matmul. ``key``: a name for ``actions`` and ``rules.early``
+    """The peak of ``actions`` run in order on a rank whose chunks (by stage) are ``chunks``. ``workspace``: what
+    the kernels hold while they run (`Workspace`). ``key``: a name for ``actions`` and ``rules.early``
     (the same key, the same both), under which the walk's structure is compiled once."""
     stages = tuple((s, chunks[s].first, chunks[s].last) for s in sorted(chunks))
     compiled = _COMPILED.get((key, stages)) if key is not None else None
@@ -170,12 +181,13 @@ def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], worksp
     return Peak(activations, temporaries, at[best], released)
 
 
-def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: float, rules: Rules) -> np.ndarray:
+def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rules: Rules) -> np.ndarray:
     """The byte counts the compiled rows multiply, in `_GLOBAL` then `_PER_CHUNK` order (chunks by stage)."""
     p, r = pieces, rules
     named = {"boundary": p.boundary, "recompute": p.recompute, "head": p.head, "logits": p.logits,
              "loss": p.logits if p.loss is None else p.loss, "backward": p.backward, "weight": p.weight,
-             "vocab_grad": p.vocab_grad, "workspace": workspace, "zero3": 2 * p.unit + p.gathers,
+             "vocab_grad": p.vocab_grad, "workspace": workspace.matmul, "attention": workspace.attention,
+             "mlp_saved": p.mlp_saved, "zero3": 2 * p.unit + p.gathers,
              "head_zero3": p.head_unit + p.unit + p.gathers, "release": r.release,
              "release_start": r.release if r.release_at_start else 0.0, "flats": r.flats,
              "flats_top": r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)}
@@ -247,6 +259,8 @@ class _Terms:
     weight: int = 0
     vocab_grad: int = 0
     workspace: int = 0
+    attention: int = 0
+    mlp_saved: int = 0
     zero3: int = 0
     head_zero3: int = 0  # ZeRO-3's units at the loss: the output layer's and a block's
     release: int = 0
@@ -351,6 +365,9 @@ class _Walk:
             self.consider(self.saved + self.stash - q.head, self.held + top, action)
         else:
             self.consider(self.saved + self.stash, self.held + top, action)
+        # The first block's attention backward: its MLP's saved tensors freed, the fused kernel's workspace beside
+        self.consider(self.saved + self.stash - (q.head if chunk.last else 0) - q.mlp_saved,
+                      self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention, action)
 
     def _embedding(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """The end of the first chunk's backward: the embedding's fresh gradient, its activations freed."""

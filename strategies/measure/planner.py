@@ -21,6 +21,7 @@ from strategies.measure.estimate import (
     stage_blocks,
     stage_flops,
 )
+from strategies.measure.peak import Workspace
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.runs.schema import MEMORY_CATEGORIES
 
@@ -284,7 +285,7 @@ class Choice:
 
 
 def choose_schedule(shape: ModelShape, plan: ParallelPlan, hw: Hardware, precision: str = DEFAULT_PRECISION,
-                    backend: str = "nccl", workspace: float = 0.0,
+                    backend: str = "nccl", workspace: Workspace = Workspace(),
                     names: tuple[str, ...] = SCHEDULE_CANDIDATES, crowded: bool = False,
                     optimizer: str = "adamw") -> Choice:
     """``plan`` (resolved) with a schedule: its own, or for ``pp<N>`` without one (AUTO), the candidate of ``names``

@@ -7,7 +7,7 @@ import dataclasses
 
 from strategies.equivalents import equivalent_plan
 from strategies.measure.estimate import ModelShape
-from strategies.measure.peak import GLOO
+from strategies.measure.peak import GLOO, Workspace
 from strategies.measure.planner import GiB, Hardware, choose_schedule, step_time
 from strategies.pipeline import messages
 from strategies.plan import ParallelPlan
@@ -31,7 +31,7 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
         shape = dataclasses.replace(ModelShape.from_config(model, batch=global_batch // plan.dp * accumulate),
                                     accumulate=accumulate)
         cpu = accelerator == "cpu"
-        workspace = _cpu_workspace(shape, plan, world_size, precision) if cpu else 0.0
+        workspace = _cpu_workspace(shape, plan, world_size, precision) if cpu else Workspace()
         hw = Hardware(gpus=world_size, memory=memory if memory is not None else device_memory(accelerator, world_size))
         choice = choose_schedule(shape, plan, hw, precision, backend=GLOO if cpu else "nccl", workspace=workspace,
                                  crowded=cpu and messages.crowded(world_size),  # a CPU run's ranks: on this host
@@ -80,13 +80,10 @@ def device_memory(accelerator: str, ranks_per_host: int) -> float:
         return 16 * GiB
 
 
-def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, precision: str) -> float:
-    """The most a block's kernels hold while they run (`calibrate`): the MLP's linear (4h/t columns) and the fused
+def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, precision: str) -> Workspace:
+    """What a block's kernels hold while they run (`calibrate`): the MLP's linear (4h/t columns) and the fused
     attention (h/t of the heads, the rank's share of the sequence) at a microbatch's tokens, in the dtype
-    ``precision`` computes in, with the threads each rank gets (Lightning: the cores over the ranks, at least one).
-    `peak` places it at a backward's first matmul, where more is saved than when the attention's backward runs: under
-    bf16 on a CPU, whose products hold little beside the attention's 4 MiB, an upper bound (the demo's ranks 13-19%
-    above the rehearsal, which measures each kernel where it runs; float32 within 2%)."""
+    ``precision`` computes in, with the threads each rank gets (Lightning: the cores over the ranks, at least one)."""
     import os
 
     import torch
@@ -98,9 +95,9 @@ def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, preci
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else \
         torch.float32
     seq = max(1, shape.seq // plan.cp)
-    return max(linear_workspace(samples * seq, shape.hidden, 4 * shape.hidden // plan.tp, threads, dtype),
-               attention_workspace(samples, max(1, shape.heads // plan.tp), seq, shape.hidden // shape.heads,
-                                   threads, dtype) if shape.flash_attention else 0.0)
+    return Workspace(linear_workspace(samples * seq, shape.hidden, 4 * shape.hidden // plan.tp, threads, dtype),
+                     attention_workspace(samples, max(1, shape.heads // plan.tp), seq, shape.hidden // shape.heads,
+                                         threads, dtype) if shape.flash_attention else 0.0)
 
 
 def model_shape(module, batch, accumulate: int = 1) -> ModelShape | None:

@@ -6,7 +6,7 @@ compared with the same walk in tests/e2e/test_heap.py.
 
 from __future__ import annotations
 
-from strategies.measure.peak import Chunk, Pieces, Rules, step_actions, walk
+from strategies.measure.peak import Chunk, Pieces, Rules, Workspace, step_actions, walk
 from strategies.pipeline.schedules import Action, Phase, gpipe, one_f_one_b
 
 PIECES = Pieces(boundary=1, block=16, recompute=0, embedding=2, head=4, logits=8, backward=32)
@@ -19,7 +19,7 @@ def test_one_process_peaks_at_the_loss_gradient_or_the_last_blocks_backward():
     # At the backward's start: everything saved, and either the loss's gradient (2 logits = 16) or the last block's
     # working set (32) with the head's activations freed (4); the second is larger.
     assert (peak.activations, peak.temporaries, peak.at) == (saved - 4, 32, "B0.0")
-    assert walk(PIECES, chunk, step_actions(None, 1, 1), workspace=64).total == saved - 4 + 32 + 64
+    assert walk(PIECES, chunk, step_actions(None, 1, 1), workspace=Workspace(64)).total == saved - 4 + 32 + 64
 
 
 def test_gpipe_holds_every_microbatch_and_1f1b_at_most_pp():
