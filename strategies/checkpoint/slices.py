@@ -169,16 +169,16 @@ class TensorSlices:
     def place(self, boxed: dict[str, Boxed]) -> dict[str, Boxed]:
         """``boxed`` (boxes of this rank's slices) in the whole tensors: a split parameter's moved along its cut
         (`split_boxes`), its shape the whole one; the others as they are (alike on every tp rank: written once)."""
-        out = {}
-        for name, box in boxed.items():
-            split = self.splits.get(name)
-            if split is None:
-                out[name] = box
-                continue
-            shape = list(box.shape)
-            shape[split.dim] = sum(split.blocks)
-            out[name] = Boxed(tuple(shape), split_boxes(box.pieces, split.dim, split.blocks, self.index, self.size))
-        return out
+        return {name: self.place_one(name, box) for name, box in boxed.items()}
+
+    def place_one(self, name: str, box: Boxed) -> Boxed:
+        """`place` for one tensor laid out as parameter ``name``'s slice (the parameter, or its optimizer state)."""
+        split = self.splits.get(name)
+        if split is None:
+            return box
+        shape = list(box.shape)
+        shape[split.dim] = sum(split.blocks)
+        return Boxed(tuple(shape), split_boxes(box.pieces, split.dim, split.blocks, self.index, self.size))
 
 
 def sharded_weights(flats: list, group: dist.ProcessGroup | None = None,
@@ -216,6 +216,57 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
                 for name in flat.names:
                     state[name][key] = value
     return {"state": state}
+
+
+def rank_state(module: torch.nn.Module, flats: list, tp: TensorSlices | None = None,
+               owns: Callable[[str], bool] | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """What this rank holds of the single-process state, as boxes in the whole tensors (`Boxed`): ``model``, the
+    weights (ZeRO's shards of ``flats``, and every parameter outside them whole: a replica's, a pipeline stage's
+    (``owns``: the names this rank's stages hold), a tp slice's, placed by ``tp``), every name of a tied one; with
+    ``optimizer``, ``optim``, its state alike (`sharded_optimizer_state` for the flats, the rest whole). Nothing is
+    gathered; the buffers a module keeps in its state dict are refused under pp (not yet placed by stage)."""
+    named = dict(module.named_parameters())
+    flat_names = {name for flat in flats for name in flat.names}
+    whole = {name: p for name, p in named.items() if name not in flat_names and (owns is None or owns(name))}
+    buffers = {k: v for k, v in module.state_dict().items() if k not in named and k in dict(module.named_buffers())}
+    if buffers and owns is not None:
+        raise NotImplementedError(f"saving by slice under pp: the module's buffers ({', '.join(sorted(buffers))}) "
+                                  "are not yet placed by stage; save the gathered checkpoint")
+    weights = {**sharded_weights(flats), **_whole({**{n: p.detach() for n, p in whole.items()}, **buffers})}
+    state: dict[str, Any] = {"model": _aliased(module, weights if tp is None else tp.place(weights))}
+    if optimizer is not None:
+        state["optim"] = sharded_optimizer_state(flats, optimizer, tp=tp) if flats else {"state": {}}
+        held = {id(p): name for name, p in whole.items()}
+        for param, entry in optimizer.state.items():
+            if id(param) in held:
+                name = held[id(param)]
+                tensors = _whole({k: v for k, v in entry.items() if isinstance(v, torch.Tensor) and
+                                  v.shape == param.shape})
+                placed = {k: box if tp is None else tp.place_one(name, box) for k, box in tensors.items()}
+                state["optim"]["state"][name] = {**entry, **placed}
+    return state
+
+
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, Boxed]:
+    """Each tensor as one box at its origin."""
+    return {name: Boxed(tuple(t.shape), [((0,) * t.dim(), tuple(t.shape), t)]) for name, t in tensors.items()}
+
+
+def _aliased(module: torch.nn.Module, boxed: dict[str, Boxed]) -> dict[str, Boxed]:
+    """``boxed`` under every name of a tied parameter too, as the module's state dict names it."""
+    primary = {id(p): name for name, p in module.named_parameters()}
+    out = dict(boxed)
+    for alias, p in module.named_parameters(remove_duplicate=False):
+        if alias not in out and primary[id(p)] in boxed:
+            out[alias] = boxed[primary[id(p)]]
+    return out
+
+
+def save_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
+    """Write ``state`` (`rank_state`'s, every rank its own) to the DCP directory ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path, process_group=group, planner=_save_planner())
 
 
 def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
