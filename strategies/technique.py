@@ -128,6 +128,21 @@ class Technique:
     def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
         return state
 
+    # -- state by slice: what this rank holds, placed in the single-process layout (`checkpoint.slices`) ----------
+
+    def sliced_flats(self) -> list:
+        """The flats whose shards this rank holds (`zero.flat.FlatParam`; ZeRO's), each saved as its boxes."""
+        return []
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds parameter ``name`` (a pipeline stage holds its own only)."""
+        return True
+
+    def place_box(self, name: str, box: Any) -> Any:
+        """``box`` (`slices.Boxed`, laid out as parameter ``name`` is on this rank, or its optimizer state) placed
+        where this technique's split put it in the whole tensor (tensor parallel's slices)."""
+        return box
+
     def local_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState | None:
         """This rank's part of ``state``; None once this technique has loaded it into ``optimizer`` itself."""
         return state

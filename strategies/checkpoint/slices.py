@@ -91,6 +91,11 @@ class Boxed:
         raise ValueError(f"{index.fqn}: this rank holds no box at {tuple(index.offset)}")
 
 
+def _as_is(name: str, box: Boxed) -> Boxed:
+    """A box placed where it lies (no technique moved it)."""
+    return box
+
+
 def split_boxes(pieces: list, dim: int, blocks: tuple[int, ...], index: int, size: int) -> list:
     """``pieces`` (offsets, sizes, data) of a tensor-parallel slice, placed in the whole tensor: along ``dim`` each
     block of ``blocks`` (whole sizes, in order) is cut into ``size`` equal parts, and rank ``index`` holds the
@@ -195,7 +200,7 @@ def sharded_weights(flats: list, group: dist.ProcessGroup | None = None,
 
 
 def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None,
-                            tp: TensorSlices | None = None) -> dict[str, Any]:
+                            place: Callable[[str, Boxed], Boxed] = _as_is) -> dict[str, Any]:
     """The optimizer's state of ``flats`` by parameter name, as torch's `get_optimizer_state_dict` names it
     (``state.<name>.<key>``): each state laid out as the shard (AdamW's moments, SGD's momentum) in the rank's
     boxes, each scalar (AdamW's step: one per flat) given to each of the flat's parameters. Hyperparameters are
@@ -207,8 +212,8 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
     keys = sorted({k for flat in flats for k, v in optimizer.state[flat.master].items()
                    if isinstance(v, torch.Tensor) and v.shape == flat.master.shape})
     for key in keys:  # the same keys in the same order on every rank (each makes its sharded tensors)
-        boxed = sharded_weights(flats, group, lambda f, k=key: optimizer.state[f.master][k])
-        for name, tensor in (boxed if tp is None else tp.place(boxed)).items():
+        for name, box in sharded_weights(flats, group, lambda f, k=key: optimizer.state[f.master][k]).items():
+            tensor = place(name, box)
             state[name][key] = tensor
     for flat in flats:
         for key, value in optimizer.state[flat.master].items():
@@ -218,32 +223,33 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
     return {"state": state}
 
 
-def rank_state(module: torch.nn.Module, flats: list, tp: TensorSlices | None = None,
-               owns: Callable[[str], bool] | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed], Boxed] = _as_is,
+               holds: Callable[[str], bool] = lambda name: True,
+               optimizer: torch.optim.Optimizer | None = None) -> dict:
     """What this rank holds of the single-process state, as boxes in the whole tensors (`Boxed`): ``model``, the
     weights (ZeRO's shards of ``flats``, and every parameter outside them whole: a replica's, a pipeline stage's
-    (``owns``: the names this rank's stages hold), a tp slice's, placed by ``tp``), every name of a tied one; with
-    ``optimizer``, ``optim``, its state alike (`sharded_optimizer_state` for the flats, the rest whole). Nothing is
-    gathered; the buffers a module keeps in its state dict are refused under pp (not yet placed by stage)."""
+    own, ``holds``), each placed by ``place`` (tensor parallel's slices: `TensorSlices.place_one`), every name of a
+    tied one; with ``optimizer``, ``optim``, its state alike (for the flats as `sharded_optimizer_state` names it,
+    the rest whole). Nothing is gathered. The buffers a module keeps in its state dict are refused where a rank
+    does not hold every parameter (not yet placed by stage)."""
     named = dict(module.named_parameters())
     flat_names = {name for flat in flats for name in flat.names}
-    whole = {name: p for name, p in named.items() if name not in flat_names and (owns is None or owns(name))}
+    whole = {name: p for name, p in named.items() if name not in flat_names and holds(name)}
     buffers = {k: v for k, v in module.state_dict().items() if k not in named and k in dict(module.named_buffers())}
-    if buffers and owns is not None:
+    if buffers and not all(holds(name) for name in named):
         raise NotImplementedError(f"saving by slice under pp: the module's buffers ({', '.join(sorted(buffers))}) "
                                   "are not yet placed by stage; save the gathered checkpoint")
     weights = {**sharded_weights(flats), **_whole({**{n: p.detach() for n, p in whole.items()}, **buffers})}
-    state: dict[str, Any] = {"model": _aliased(module, weights if tp is None else tp.place(weights))}
+    state: dict[str, Any] = {"model": _aliased(module, {n: place(n, box) for n, box in weights.items()})}
     if optimizer is not None:
-        state["optim"] = sharded_optimizer_state(flats, optimizer, tp=tp) if flats else {"state": {}}
+        state["optim"] = sharded_optimizer_state(flats, optimizer, place=place) if flats else {"state": {}}
         held = {id(p): name for name, p in whole.items()}
         for param, entry in optimizer.state.items():
             if id(param) in held:
                 name = held[id(param)]
                 tensors = _whole({k: v for k, v in entry.items() if isinstance(v, torch.Tensor) and
                                   v.shape == param.shape})
-                placed = {k: box if tp is None else tp.place_one(name, box) for k, box in tensors.items()}
-                state["optim"]["state"][name] = {**entry, **placed}
+                state["optim"]["state"][name] = {**entry, **{k: place(name, box) for k, box in tensors.items()}}
     return state
 
 
@@ -285,8 +291,9 @@ def _state(flats: list, group: dist.ProcessGroup | None, optimizer: torch.optim.
     weights = sharded_weights(flats, group)
     state: dict[str, Any] = {"model": weights if tp is None else tp.place(weights)}
     if optimizer is not None:
-        state["optim"] = sharded_optimizer_state(flats, optimizer, group, tp)
+        state["optim"] = sharded_optimizer_state(flats, optimizer, group, place=tp.place_one if tp else _as_is)
     return state
+
 
 
 def load_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,

@@ -35,7 +35,7 @@ from typing_extensions import override
 from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
-from strategies.checkpoint.slices import TensorSlices, rank_state
+from strategies.checkpoint.slices import rank_state
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import (
@@ -69,7 +69,6 @@ from strategies.pipeline import PipelineParallel
 from strategies.pipeline.stages import split_microbatches
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.technique import HeldGrad, OptimizerState, Technique, optimizer_names, outside_all
-from strategies.tensor_parallel import TensorParallel
 from strategies.tensors import StandInReads
 
 _TRACE_READ = (
@@ -576,18 +575,21 @@ class PlanStrategy(ParallelStrategy):
 
     def state_by_slice(self, optimizer: bool = True) -> dict[str, Any]:
         """This rank's part of the single-process state as it lies, in DCP boxes placed in the whole tensors
-        (`checkpoint.slices.rank_state`: ZeRO's shards, tp's slices, the pipeline stages' parameters), and with
-        ``optimizer`` the optimizer's state alike: `slices.save_state` writes it, each rank its own, nothing
-        gathered (#59: not yet what `save_checkpoint` writes)."""
+        (`checkpoint.slices.rank_state`, each technique saying what it holds: ZeRO's shards, tp's slices, the
+        pipeline stages' parameters), and with ``optimizer`` the optimizer's state alike: `slices.save_state` writes
+        it, each rank its own, nothing gathered (#59: not yet what `save_checkpoint` writes)."""
         if self.resolved_plan.ep > 1:
             raise NotImplementedError("saving by slice under expert parallel: the experts are not yet placed")
-        flats = [flat for technique in self.techniques for flat in getattr(technique, "flats", [])]
-        tp = next((t for t in self.techniques if isinstance(t, TensorParallel)), None)
+        techniques = self.techniques
+
+        def place(name: str, box: Any) -> Any:
+            for technique in techniques:
+                box = technique.place_box(name, box)
+            return box
+
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if optimizer else []
-        return rank_state(self.lightning_module, flats,
-                          TensorSlices(tp.splits, tp.axis.index, tp.axis.size) if tp is not None else None,
-                          self.pipeline.owns if self.pipeline is not None else None,
-                          optimizers[0] if optimizers else None)
+        return rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
+                          lambda name: all(t.holds(name) for t in techniques), optimizers[0] if optimizers else None)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

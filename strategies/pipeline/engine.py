@@ -201,6 +201,9 @@ class PipelineParallel(Technique):
                 if name in full:
                     buffer.copy_(full[name])
 
+    def holds(self, name: str) -> bool:
+        return self.owns(name)
+
     def owns(self, name: str) -> bool:
         """Whether this rank's stages hold parameter ``name``."""
         return name in self.runner_stages.owned

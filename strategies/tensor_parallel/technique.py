@@ -30,6 +30,11 @@ class TensorParallel(Technique):
         self.sequence_parallel = SequenceParallel(module, in_blocks, set(split_params(module, self.layers)), axis) \
             if sequence_parallel else None
 
+    def place_box(self, name: str, box: Any) -> Any:
+        from strategies.checkpoint.slices import TensorSlices
+
+        return TensorSlices(self.splits, self.axis.index, self.axis.size).place_one(name, box)
+
     def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return tp_state.unsplit_state(state, self.splits, self.axis)
 

@@ -43,6 +43,9 @@ class ZeroGradSync(GradSync):
             # torch's FSDP does (kept from the start, it cost 4 Psi / N more than FSDP2 at the backward peak).
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
+    def sliced_flats(self) -> list[FlatParam]:
+        return self.flats
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         f, i = self._where[id(param)]
         flat = self.flats[f]
