@@ -275,6 +275,14 @@ def save_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -
     dcp.save(state, checkpoint_id=path, process_group=group, planner=_save_planner())
 
 
+def load_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
+    """Fill ``state`` (`rank_state`'s: views of what the rank holds) in place from the DCP checkpoint at ``path``,
+    each rank reading only the chunks that overlap its boxes, whatever layout saved them."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=path, process_group=group, planner=_load_planner())
+
+
 def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
                   optimizer: torch.optim.Optimizer | None = None, tp: TensorSlices | None = None) -> None:
     """Write the weights of ``flats`` (and ``optimizer``'s state of them, under ``optim``) to the DCP directory

@@ -35,7 +35,7 @@ from typing_extensions import override
 from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
-from strategies.checkpoint.slices import rank_state
+from strategies.checkpoint.slices import load_state, rank_state
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import (
@@ -590,6 +590,14 @@ class PlanStrategy(ParallelStrategy):
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if optimizer else []
         return rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
                           lambda name: all(t.holds(name) for t in techniques), optimizers[0] if optimizers else None)
+
+    def load_state_by_slice(self, path: str, optimizer: bool = True) -> None:
+        """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
+        any plan and world size, each rank reading only what overlaps its boxes; then each technique remakes what
+        it derives from them (ZeRO's full parameters). The optimizer's state must exist (after a step)."""
+        load_state(self.state_by_slice(optimizer), path)
+        for technique in self.techniques:
+            technique.after_slice_load()
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -46,6 +46,9 @@ class ZeroGradSync(GradSync):
     def sliced_flats(self) -> list[FlatParam]:
         return self.flats
 
+    def after_slice_load(self) -> None:
+        self.after_step()  # the loaded masters to the shards and, gathered, the full parameters (as after a step)
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         f, i = self._where[id(param)]
         flat = self.flats[f]

@@ -39,10 +39,13 @@ def _fit_then_test(factory) -> dict:
 FIT_TEST = [("dp", 2), ("zero2", 2), ("zero3", 2), ("dp", 1), ("tp2", 2), ("pp2", 2), ("zero3_tp2_pp2", 8)]
 
 
-def _slices(factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = factory.mktemp("slices") / "zero3_tp2_pp2"
-    return lane.run([python.core(), str(SCRIPT.with_name("_slices_job.py")), str(out), "8", "zero3_tp2_pp2"],
-                    timeout=600, cwd=Path(__file__).parents[2]), out
+def _slices(factory) -> tuple[list[subprocess.CompletedProcess], Path]:
+    """`_slices_job.py`: saved by slice under zero3_tp2_pp2@8, then loaded by slice into zero2@2."""
+    out, job = factory.mktemp("slices") / "zero3_tp2_pp2", str(SCRIPT.with_name("_slices_job.py"))
+    saved = lane.run([python.core(), job, str(out), "8", "zero3_tp2_pp2"], timeout=600, cwd=Path(__file__).parents[2])
+    loaded = lane.run([python.core(), job, f"{out}-loaded", "2", "zero2", str(out)], timeout=600,
+                      cwd=Path(__file__).parents[2])
+    return [saved, loaded], out
 
 
 WORK = {"test_two_rank_plans_from_a_script_that_ends_after_fit": (_script, 2, tuple(TWO_RANKS)),
@@ -110,12 +113,18 @@ def test_each_rank_saves_its_slice_of_a_fit_and_plain_dcp_reads_it_whole(request
     slices of its stage's blocks, placed in the whole tensors; `slices.save_state`), and plain
     `torch.distributed.checkpoint.load` in one process reads the weights and AdamW's state whole, equal to the
     strategy's own gather (`full_state`, `optimizer_state`). No rank's file holds half the state. Also run by hand,
-    equal: dp@2, zero1@2, zero3@2, tp2@2, pp2@2, tp2_pp2@4, zero2_tp2_sp_vp@4 (30 November)."""
+    equal: dp@2, zero1@2, zero3@2, tp2@2, pp2@2, tp2_pp2@4, zero2_tp2_sp_vp@4 (30 November).
+
+    Then a fit under `zero2` at 2 ranks, from other weights, loads that checkpoint by slice
+    (`PlanStrategy.load_state_by_slice`: each rank reads the chunks that overlap its boxes, ZeRO makes its full
+    parameters from the loaded shards) and gathers exactly the saved weights and AdamW's state, and its module
+    computes with them (also by hand: tp2@2, zero3@4, dp@1, zero1_pp2@2; planted, no load, or ZeRO's full
+    parameters not made again from the loaded shards: fails)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    proc, out = _ran(request)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    procs, out = _ran(request)
+    assert all(proc.returncode == 0 for proc in procs), [proc.stderr[-4000:] for proc in procs]
     gathered = torch.load(f"{out}.pt")
     weights, moments = gathered["weights"], gathered["moments"]
     loaded = {k: torch.full_like(v, float("nan")) for k, v in weights.items()}
@@ -125,6 +134,11 @@ def test_each_rank_saves_its_slice_of_a_fit_and_plain_dcp_reads_it_whole(request
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
     assert moments.keys() == weights.keys() and all(
         torch.equal(state[k][m].float(), torch.as_tensor(v).float()) for k, e in moments.items() for m, v in e.items())
+    loaded = torch.load(f"{out}-loaded.pt")
+    assert all(torch.equal(loaded["weights"][k], v) for k, v in weights.items())
+    assert loaded["module"] and all(torch.equal(v, weights[k]) for k, v in loaded["module"].items())  # (ZeRO-2's)
+    assert all(torch.equal(torch.as_tensor(loaded["moments"][k][m]).float(), torch.as_tensor(v).float())
+               for k, e in moments.items() for m, v in e.items())
     # What each rank's file holds (DCP's record of where every box lies): its boxes' bytes, a few times less than
     # the whole (here 9.2-19.6 KB of 114.6; each box also costs DCP about 2 KB of its own), all of them together the
     # whole once (a replicated box written by one rank), with AdamW's steps.
