@@ -8,9 +8,11 @@ offsets (`Boxed`, torch's `_Checkpointable` protocol: no collective to describe 
 plan once per save, and a box several ranks hold alike is written once), so `torch.distributed.checkpoint.load`
 reads the checkpoint into any layout (a whole module in one process, FSDP2's DTensors) and no rank gathers anything
 to write it; `load_by_slice` reads any saved layout back into the shards, each rank its own boxes. Not yet wired
-into the strategy's checkpoints (which still gather whole): the pipeline's stages and the loop's state are the next
-steps (docs/checkpoints.md, "By slice").
+into Lightning's checkpoints (`save_checkpoint` still gathers whole): `rank_state` gives any plan's state so, each
+technique saying what it holds (`PlanStrategy.state_by_slice`), and `load_state` fills it from any layout
+(docs/checkpoints.md, "By slice").
 """
+
 from __future__ import annotations
 
 import math
@@ -213,8 +215,7 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
                    if isinstance(v, torch.Tensor) and v.shape == flat.master.shape})
     for key in keys:  # the same keys in the same order on every rank (each makes its sharded tensors)
         for name, box in sharded_weights(flats, group, lambda f, k=key: optimizer.state[f.master][k]).items():
-            tensor = place(name, box)
-            state[name][key] = tensor
+            state[name][key] = place(name, box)
     for flat in flats:
         for key, value in optimizer.state[flat.master].items():
             if not (isinstance(value, torch.Tensor) and value.shape == flat.master.shape):
@@ -288,9 +289,7 @@ def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None
     """Write the weights of ``flats`` (and ``optimizer``'s state of them, under ``optim``) to the DCP directory
     ``path``, each rank its own shard's boxes (its file holds 1/N of them; DCP's ``.metadata``, written last, says
     where every box lies). ``tp``: the flats hold tensor-parallel slices, placed so in the whole tensors."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_state(flats, group, optimizer, tp), checkpoint_id=path, process_group=group, planner=_save_planner())
+    save_state(_state(flats, group, optimizer, tp), path, group)
 
 
 def _state(flats: list, group: dist.ProcessGroup | None, optimizer: torch.optim.Optimizer | None,
@@ -303,16 +302,13 @@ def _state(flats: list, group: dist.ProcessGroup | None, optimizer: torch.optim.
     return state
 
 
-
 def load_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,
                   optimizer: torch.optim.Optimizer | None = None, tp: TensorSlices | None = None) -> None:
     """Fill the shards of ``flats`` (and ``optimizer``'s state of them, which must exist: after a step) from the DCP
     checkpoint at ``path``, each rank reading only its boxes (from the chunks of any saved layout that overlap them:
     another world size, FSDP2's). Into the optimizer's copies in place; under offload the device shard is then
     copied from its host copy."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(_state(flats, group, optimizer, tp), checkpoint_id=path, process_group=group, planner=_load_planner())
+    load_state(_state(flats, group, optimizer, tp), path, group)
     for flat in flats:
         if flat.master.data_ptr() != flat.shard.data_ptr():
             flat.shard.copy_(flat.master.detach())
