@@ -178,7 +178,13 @@ def _real_like(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
-    return real.normal_() if real.is_floating_point() else real.zero_()
+    # filled through its storage: a broadcast argument (a stride of 0) refers to an element more than once
+    storage = torch.empty(0, dtype=value.dtype).set_(real.untyped_storage())
+    if real.is_floating_point():
+        storage.normal_()
+    else:
+        storage.zero_()
+    return real
 
 
 def linear_workspace(tokens: int, fan_in: int, fan_out: int, threads: int | None = None,
