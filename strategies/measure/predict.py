@@ -20,8 +20,8 @@ def predict_run(label: str, world_size: int, model: dict, global_batch: int, acc
     """What the estimator predicts for a run of ``label`` (a plan, or a strategy `equivalents` names that does the
     same as a plan): per-rank memory by category (in rank order), rank 0's bytes per step, the bubble, and for a
     pipeline plan without a schedule the one chosen and why. None when the label has no plan equivalent or the model
-    config is not a transformer's. On ``accelerator="cpu"`` the ranks talk over gloo, and the
-    kernels' workspace is measured on this host (`calibrate.op_workspace`, with the threads Lightning gives each rank).
+    config is not a transformer's. On ``accelerator="cpu"`` the ranks talk over gloo, and the kernels' workspace is
+    measured on this host (`calibrate.op_workspace`, with the threads Lightning gives each rank).
     ``memory``: bytes per device the schedule must fit in (default: `device_memory`); ``optimizer``: whose state the
     ranks hold (`estimate.OPTIMIZERS`); ``deferred``: the model is built in configure_model, on meta (the set-up
     peak, `estimate.setup_peaks`)."""
