@@ -144,8 +144,8 @@ class Technique:
         return box
 
     def after_slice_load(self) -> None:
-        """What this rank's boxes were filled from a checkpoint in place (`slices.load_state`): copies made again
-        from them (ZeRO's full parameters from the loaded shards)."""
+        """After this rank's boxes were filled in place from a checkpoint (`slices.load_state`): remake what this
+        technique derives from them (ZeRO's full parameters from the loaded shards)."""
 
     def local_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState | None:
         """This rank's part of ``state``; None once this technique has loaded it into ``optimizer`` itself."""

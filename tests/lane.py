@@ -156,7 +156,8 @@ def start(items, factory) -> None:
         return
     # The session's base temp directory, made here, before a lane thread asks for it: made by two threads at once
     # (a lane job's mktemp and a test's tmp_path), each makes its own, and pytest's check of the path then compares
-    # the one with the other ("... is not a normalized and relative path": 2 of 8 runs of three tests here).
+    # the one with the other ("... is not a normalized and relative path": 2 of the first 3 runs of three tests
+    # here, 0 of 8 after).
     factory.getbasetemp()
     _pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="lane")
     for key, fn in work:

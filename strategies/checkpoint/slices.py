@@ -236,7 +236,8 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
     named = dict(module.named_parameters())
     flat_names = {name for flat in flats for name in flat.names}
     whole = {name: p for name, p in named.items() if name not in flat_names and holds(name)}
-    buffers = {k: v for k, v in module.state_dict().items() if k not in named and k in dict(module.named_buffers())}
+    buffer_names = {name for name, _ in module.named_buffers()}
+    buffers = {k: v for k, v in module.state_dict().items() if k not in named and k in buffer_names}
     if buffers and not all(holds(name) for name in named):
         raise NotImplementedError(f"saving by slice under pp: the module's buffers ({', '.join(sorted(buffers))}) "
                                   "are not yet placed by stage; save the gathered checkpoint")
