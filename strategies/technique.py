@@ -128,6 +128,11 @@ class Technique:
     def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
         return state
 
+    def named_groups(self, groups: list[list[str]]) -> list[list[str]]:
+        """The single-process optimizer's param groups by parameter name, in its order, where this technique rebuilt
+        the optimizer (ZeRO's flats); ``groups``: as the optimizer holds them now."""
+        return groups
+
     # -- state by slice: what this rank holds, placed in the single-process layout (`checkpoint.slices`) ----------
 
     def sliced_flats(self) -> list:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from strategies import comm
+from strategies.checkpoint.dcp_dir import save_dcp, stage
 from strategies.checkpoint.sharded import CheckpointError, prepare, refuse_non_checkpoint, write_prepared
 
 
@@ -51,14 +52,29 @@ class AsyncSaver:
         prepared.skeleton = copy.deepcopy(prepared.skeleton)  # (Lightning's loop state goes on changing)
         self._staging = prepared.mine  # written over by the next save, once this one is written
         axis = self.axis
+        self._start(path, lambda: write_prepared(prepared, path, rank=rank, world_size=world_size,
+                                                 broadcast=lambda obj: comm.broadcast_object(obj, axis, src=0),
+                                                 gather=lambda obj: comm.all_gather_object(obj, axis),
+                                                 barrier=lambda: comm.barrier(axis), info=info))
+
+    def save_by_slice(self, state: dict[str, Any], rest: dict[str, Any], path: str, *, rank: int) -> None:
+        """`save`, for a checkpoint by slice (`dcp_dir.save_dcp`): the stall is this rank's copy of what it holds to
+        host memory (into the previous save's copies where they fit)."""
+        refuse_non_checkpoint(path)
+        self.wait()
+        staged, self._staging = stage(state, self._staging)
+        rest, axis = copy.deepcopy(rest), self.axis
+        self._start(path, lambda: save_dcp(staged, rest, path, rank=rank, group=axis.group,
+                                           broadcast=lambda obj: comm.broadcast_object(obj, axis, src=0),
+                                           barrier=lambda: comm.barrier(axis)))
+
+    def _start(self, path: str, save: Callable[[], None]) -> None:
+        """``save()`` in a thread of its own; its outcome kept for `wait`."""
 
         def write() -> None:
             start, error = time.perf_counter(), None
             try:
-                write_prepared(prepared, path, rank=rank, world_size=world_size,
-                               broadcast=lambda obj: comm.broadcast_object(obj, axis, src=0),
-                               gather=lambda obj: comm.all_gather_object(obj, axis),
-                               barrier=lambda: comm.barrier(axis), info=info)
+                save()
             except BaseException as err:  # noqa: BLE001 - raised in the training thread by `wait`
                 error = err
             self._ended(error, time.perf_counter() - start)

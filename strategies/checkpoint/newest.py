@@ -4,9 +4,9 @@ A run restarted by torchrun (``--max-restarts``) or a SLURM requeue starts from 
 ``resume="auto"`` (`stratpack train --resume auto`, `PlanStrategy(resume="auto")`) it takes the newest checkpoint in
 the folder ModelCheckpoint writes to, by the step in its name (ModelCheckpoint's ``step=N``), then by time. A
 checkpoint is complete when every file its manifest lists is there at its size (`sharded.read_manifest`; the
-manifest is the last thing a save writes), or, for a single file, when it is a whole zip (torch.save's format keeps
-its index at the end, so a file cut short has none). A newer one that is not complete (a save torn by the crash) is
-passed over, and said so.
+manifest is the last thing a save writes), or every chunk DCP's ``.metadata`` lists (`dcp_dir.read_metadata`), or,
+for a single file, when it is a whole zip (torch.save's format keeps its index at the end, so a file cut short has
+none). A newer one that is not complete (a save torn by the crash) is passed over, and said so.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 import re
 import zipfile
 
-from strategies.checkpoint.sharded import CheckpointError, read_manifest
+from strategies.checkpoint.dcp_dir import read_metadata
+from strategies.checkpoint.sharded import CheckpointError, is_dcp, read_manifest
 
 _STEP = re.compile(r"step=(\d+)")
 
@@ -49,9 +50,11 @@ def _order(path: str) -> tuple[int, float]:
 
 def _incomplete(path: str) -> str | None:
     """Why the checkpoint at ``path`` cannot be resumed from, or None."""
+    if ".tmp-" in os.path.basename(path):
+        return "a save that never finished (its folder was not moved in)"
     if os.path.isdir(path):
         try:
-            read_manifest(path)
+            read_metadata(path) if is_dcp(path) else read_manifest(path)
         except CheckpointError as err:
             return str(err)
         return None

@@ -153,17 +153,19 @@ def write_index(path: str | os.PathLike, weight_map: dict[str, str], module: nn.
 
 def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike, config: str | os.PathLike,
                           strip_prefix: str = "") -> list[str]:
-    """Write the model weights of the pack's sharded ``checkpoint`` as a Hugging Face ``save_pretrained`` directory at
-    ``out`` (one safetensors file per block, their index, the config), which ``from_pretrained`` loads. ``config``: a
-    directory with the model's ``config.json`` (the one it was loaded from); ``strip_prefix``: the LightningModule's
-    name for the model (``net.``; found where not given and only one fits). One tensor at a time is read whole; a
-    weight tied to another is written once, as ``save_pretrained`` writes it. Returns the files written."""
+    """Write the model weights of the pack's sharded or DCP ``checkpoint`` as a Hugging Face ``save_pretrained``
+    directory at ``out`` (one safetensors file per block, their index, the config), which ``from_pretrained`` loads.
+    ``config``: a directory with the model's ``config.json`` (the one it was loaded from); ``strip_prefix``: the
+    LightningModule's name for the model (``net.``; found where not given and only one fits). One tensor at a time
+    is read whole; a weight tied to another is written once, as ``save_pretrained`` writes it. Returns the files
+    written."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from strategies.checkpoint.sharded import CheckpointError, ShardedReader
+    from strategies.checkpoint.dcp_dir import DcpReader
+    from strategies.checkpoint.sharded import CheckpointError, ShardedReader, is_dcp
 
-    reader = ShardedReader(checkpoint)
+    reader = DcpReader(checkpoint) if is_dcp(checkpoint) else ShardedReader(checkpoint)
     with torch.device("meta"):  # the names and ties only: no weights made
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
     keep = first_names(model)

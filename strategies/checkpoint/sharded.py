@@ -57,6 +57,11 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def is_dcp(path: str | os.PathLike) -> bool:
+    """A torch Distributed Checkpoint directory (`dcp_dir`: DCP writes its ``.metadata`` last)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
 # -- the layout: which rank writes which range of which tensor ---------------------------------------------
 
 
@@ -157,7 +162,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
 
 def refuse_non_checkpoint(path: str | os.PathLike) -> None:
     path = os.fspath(path)
-    if os.path.lexists(path) and not (is_sharded(path) or os.path.isfile(path)):
+    if os.path.lexists(path) and not (is_sharded(path) or is_dcp(path) or os.path.isfile(path)):
         # Every rank sees the same path: all refuse together, before any collective.
         raise CheckpointError(f"{path} exists and is not a checkpoint: not replacing it")
 
@@ -203,8 +208,13 @@ def _finish(path: str, tmp: str, token: str, skeleton: Any, manifest: dict[str, 
     folder in place of any previous checkpoint."""
     manifest["files"][META] = _write(skeleton, os.path.join(tmp, META))
     atomic_write(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f))  # complete from here on
-    # Two renames: between them the new checkpoint is complete at tmp and the old one at old, and `read_manifest`
-    # names both if a crash happens right there.
+    swap_in(path, tmp, token)
+
+
+def swap_in(path: str, tmp: str, token: str) -> None:
+    """The complete checkpoint at ``tmp`` put in place of any at ``path``. Two renames: between them the new one is
+    complete at tmp and the old one at ``<path>.old-<token>``, and `read_manifest` names both if a crash happens
+    right there."""
     old = f"{path}.old-{token}"
     if os.path.lexists(path):
         os.replace(path, old)
@@ -241,7 +251,8 @@ def _missing(path: str) -> CheckpointError:
     hint = ""
     if old:  # a crash between the two renames of a save: both checkpoints are whole
         hint = f" (a save was interrupted while replacing it: the previous checkpoint is whole at {old[0]}"
-        hint += f", the new one at {tmp[0]}" if tmp and is_sharded(os.path.join(folder, tmp[0])) else ""
+        whole = tmp and (is_sharded(os.path.join(folder, tmp[0])) or is_dcp(os.path.join(folder, tmp[0])))
+        hint += f", the new one at {tmp[0]}" if whole else ""
         hint += "; rename one back)"
     elif tmp:
         hint = f" (an interrupted save left {tmp[0]}, which is incomplete)"
@@ -338,6 +349,11 @@ def load_any(path: str | os.PathLike, map_location: Any = "cpu", weights_only: b
     """A sharded directory, or a single-file checkpoint, read with ``weights_only=True`` unless the caller
     passes ``False`` (Lightning's ``trainer.fit(..., weights_only=False)``) for a file they trust."""
     safe = weights_only is not False
+    if is_dcp(path):
+        from strategies.checkpoint.dcp_dir import load_whole
+
+        checkpoint = load_whole(path, weights_only=safe)
+        return checkpoint if map_location in (None, "cpu") else join_tensors(*_moved(checkpoint, map_location))
     if os.path.isdir(path):
         return load_sharded(path, map_location, weights_only=safe)
     if not os.path.exists(path):
@@ -351,11 +367,16 @@ def load_any(path: str | os.PathLike, map_location: Any = "cpu", weights_only: b
         ) from None
 
 
+def _moved(checkpoint: Any, map_location: Any) -> tuple[Any, list[torch.Tensor]]:
+    skeleton, tensors = split_tensors(checkpoint)
+    return skeleton, [t.to(map_location) for t in tensors]
+
+
 def convert(path: str | os.PathLike, out: str | os.PathLike, *, model_only: bool = False,
             strip_prefix: str = "") -> dict[str, Any]:
-    """Write the sharded checkpoint at ``path`` as one file: the whole Lightning checkpoint, or with
+    """Write the sharded or DCP checkpoint at ``path`` as one file: the whole Lightning checkpoint, or with
     ``model_only`` the model's state_dict (keys without ``strip_prefix``), which ``load_state_dict`` takes."""
-    checkpoint = load_sharded(path)
+    checkpoint = load_any(path) if is_dcp(path) else load_sharded(path)
     obj = checkpoint
     if model_only:
         obj = {k.removeprefix(strip_prefix): v for k, v in checkpoint["state_dict"].items()

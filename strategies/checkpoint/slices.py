@@ -131,10 +131,11 @@ def _save_planner() -> Any:
     return Planner()
 
 
-def _load_planner() -> Any:
+def _load_planner(partial: bool = False) -> Any:
     """DCP's default load planner, which fills a `Boxed` tensor's boxes in place (as `_save_planner`). Its set-up
     replaces every leaf it does not know with None (torch's `_init_state_dict`, which makes meta tensors real): the
-    boxes are put back after it, in the caller's dict and in the planner's flattened one."""
+    boxes are put back after it, in the caller's dict and in the planner's flattened one. ``partial``: entries the
+    checkpoint lacks keep their values (else DCP refuses the load)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class Planner(DefaultLoadPlanner):
@@ -152,7 +153,7 @@ def _load_planner() -> Any:
             found = self.state_dict.get(index.fqn)
             return found.__get_tensor_shard__(index) if isinstance(found, Boxed) else super().lookup_tensor(index)
 
-    return Planner()
+    return Planner(allow_partial_load=partial)
 
 
 def _boxed(state: Any, path: tuple) -> Iterator[tuple[tuple, Boxed]]:
@@ -244,7 +245,9 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
     weights = {**sharded_weights(flats), **_whole({**{n: p.detach() for n, p in whole.items()}, **buffers})}
     state: dict[str, Any] = {"model": _aliased(module, {n: place(n, box) for n, box in weights.items()})}
     if optimizer is not None:
-        state["optim"] = sharded_optimizer_state(flats, optimizer, place=place) if flats else {"state": {}}
+        stepped = not flats or all(optimizer.state.get(flat.master) for flat in flats)  # (none before a first step)
+        state["optim"] = sharded_optimizer_state(flats, optimizer, place=place) if flats and stepped else {"state": {}}
+        state["optim"]["param_groups"] = named_groups(module, flats, optimizer)
         held = {id(p): name for name, p in whole.items()}
         for param, entry in optimizer.state.items():
             if id(param) in held:
@@ -253,6 +256,38 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
                                   v.shape == param.shape})
                 state["optim"]["state"][name] = {**entry, **{k: place(name, box) for k, box in tensors.items()}}
     return state
+
+
+def named_groups(module: torch.nn.Module, flats: list, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's param groups as torch's ``get_optimizer_state_dict`` writes them: the hyperparameters, and under
+    ``params`` the single-process names of what each group holds (a ZeRO flat's: every parameter it packs)."""
+    names = {id(p): [name] for name, p in module.named_parameters()}
+    names.update({id(flat.master): list(flat.names) for flat in flats})
+    return [{**{k: v for k, v in group.items() if k != "params"},
+             "params": [n for p in group["params"] for n in names.get(id(p), [])]} for group in optimizer.param_groups]
+
+
+def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` its state before its first step (torch makes it lazily), for a checkpoint to be read into:
+    one step on zero gradients at a learning rate of 0, which leaves every parameter as it was (as torch's
+    ``set_optimizer_state_dict`` does). A parameter without a gradient is given a zero one for it, and none after."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    given = [p for p in params if p.grad is None]
+    for p in given:
+        p.grad = torch.zeros_like(p)
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in given:
+            p.grad = None
 
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, Boxed]:
@@ -277,12 +312,13 @@ def save_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -
     dcp.save(state, checkpoint_id=path, process_group=group, planner=_save_planner())
 
 
-def load_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
+def load_state(state: dict, path: str, group: dist.ProcessGroup | None = None, partial: bool = False) -> None:
     """Fill ``state`` (`rank_state`'s: views of what the rank holds) in place from the DCP checkpoint at ``path``,
-    each rank reading only the chunks that overlap its boxes, whatever layout saved them."""
+    each rank reading only the chunks that overlap its boxes, whatever layout saved them (``partial``: entries the
+    checkpoint lacks are left as they are)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=path, process_group=group, planner=_load_planner())
+    dcp.load(state, checkpoint_id=path, process_group=group, planner=_load_planner(partial))
 
 
 def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,

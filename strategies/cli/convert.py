@@ -1,5 +1,5 @@
-"""``stratpack convert``: a sharded checkpoint directory as one file (the whole checkpoint, or the model's weights), or
-with ``--hf`` as a Hugging Face ``save_pretrained`` directory."""
+"""``stratpack convert``: a checkpoint directory (DCP, or the pack's gathered format) as one file (the whole
+checkpoint, or the model's weights), or with ``--hf`` as a Hugging Face ``save_pretrained`` directory."""
 
 from __future__ import annotations
 
@@ -25,17 +25,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from strategies.checkpoint import CheckpointError, convert, read_manifest
+    from strategies.checkpoint.dcp_dir import describe
+    from strategies.checkpoint.sharded import is_dcp
 
     if args.hf:
         return _to_pretrained(args)
     try:
-        manifest = read_manifest(args.checkpoint)
+        if is_dcp(args.checkpoint):
+            plan, ranks = describe(args.checkpoint)
+        else:
+            manifest = read_manifest(args.checkpoint)
+            plan, ranks = manifest.get("plan", "?"), manifest["world_size"]
         obj = convert(args.checkpoint, args.out, model_only=args.model_only, strip_prefix=args.strip_prefix)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     what = f"model state_dict ({len(obj)} tensors)" if args.model_only else "Lightning checkpoint"
-    print(f"{args.out}: {what} from a {manifest.get('plan', '?')} checkpoint of {manifest['world_size']} rank(s)")
+    print(f"{args.out}: {what} from a {plan} checkpoint of {ranks} rank(s)")
     return 0
 
 

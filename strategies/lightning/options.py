@@ -113,6 +113,11 @@ class PlanOptions:
     """Save checkpoints without stopping training: each rank copies its part to host memory and a background thread
     writes it, the manifest last (`checkpoint.async_save`); one save in flight, the next waits for it. Training waits
     only for the copy (``checkpoint/stall_s`` in the run store)."""
+    checkpoint_format: Literal["dcp", "gathered"] = "dcp"
+    """``"dcp"``: each rank writes what it holds, as it lies, in torch's Distributed Checkpoint format, and loads only
+    what its slice needs (`checkpoint.dcp_dir`); a plan whose state cannot yet be saved so (expert parallel, several
+    optimizers, a pipeline over a module with buffers) is saved gathered, and says so. ``"gathered"``: every rank
+    gathers the single-process state and writes 1/N of it (`checkpoint.sharded`, the format before #59)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -139,6 +144,7 @@ _RULES = {
     "resume": _rule(lambda v: v is None or v == "auto", "None or 'auto'"),
     "check_first_batch": _BOOL,
     "async_save": _BOOL,
+    "checkpoint_format": _rule(lambda v: v in ("dcp", "gathered"), "'dcp' or 'gathered'"),
     "share_casts": _BOOL,
     "param_dtype": _rule(lambda v: v is None or v in (torch.bfloat16, torch.float16), "None, torch.bfloat16 or "
                          "torch.float16 (with the matching precision, 'bf16-mixed' or '16-mixed')"),

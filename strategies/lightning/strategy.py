@@ -35,7 +35,9 @@ from typing_extensions import override
 from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
-from strategies.checkpoint.slices import load_state, rank_state
+from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, save_dcp, saved_keys
+from strategies.checkpoint.sharded import is_dcp
+from strategies.checkpoint.slices import Boxed, make_optimizer_state, rank_state
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import (
@@ -109,6 +111,9 @@ class PlanStrategy(ParallelStrategy):
         self._open_no_sync: contextlib.ExitStack | None = None  # the no_sync in force, which new techniques join
         self._pending_optimizer: dict[str, Any] | None = None  # a resumed optimizer state, until the pipeline is cut
         self._pending_model: tuple[dict[str, Any], bool] | None = None  # weights for a meta model, until the cut
+        self._slice_load: tuple[SliceLoad, bool] | None = None  # a DCP checkpoint's weights, until the slices exist
+        self._slices_at_cut = False  # fitting a meta model under pp: its slices exist once the first batch cut it
+        self._told_gathered = False  # a plan saved gathered (`_by_slice`) said so once
         self.activation_bytes = self.peak_activation_bytes = 0
         self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
@@ -254,6 +259,8 @@ class PlanStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._slices_at_cut = fitting and self.resolved_plan.pp > 1 and self._deferred is not None
+        self._load_slices()  # a DCP checkpoint given before set-up (Lightning's order), now that the slices exist
 
     @override
     def setup_precision_plugin(self) -> None:
@@ -311,6 +318,8 @@ class PlanStrategy(ParallelStrategy):
                                             self._deferred)
         self._adopt(pipeline)
         self._add_grad_sync()
+        self._slices_at_cut = False
+        self._load_slices()
         if self._pending_model is not None:  # weights given before the cut (`load_pretrained`): each stage its own
             self.load_model_state_dict(*self._pending_model)
             self._pending_model = None
@@ -399,7 +408,7 @@ class PlanStrategy(ParallelStrategy):
             return self._training_step(*args, **kwargs)
         if check.active:  # the whole model's loss on this batch first, as one process, with the plan's weights now
             with self.mesh.stats.uncounted():
-                state = self.lightning_module_state_dict()  # every rank (the ranks agreed at set-up)
+                state = self.full_state()  # every rank (the ranks agreed at set-up)
             with outside_all(self.techniques):
                 plan = self.resolved_plan
                 check.reference(state, args, plan.microbatches if plan.pp > 1 else 1)
@@ -436,6 +445,8 @@ class PlanStrategy(ParallelStrategy):
                            "(num_sanity_val_steps=0 keeps each stage to its own layers)")
             self._deferred.rest()
             self._deferred = None
+            self._slices_at_cut = False
+            self._load_slices()
             if self._pending_model is not None:  # weights given for the cut (`load_pretrained`): taken whole now
                 pending, self._pending_model = self._pending_model, None
                 self.load_model_state_dict(*pending)
@@ -562,7 +573,28 @@ class PlanStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.save_stalls.start()  # (Lightning's dump of a checkpoint starts here: the stall of a save)
+        refuse_left_in_slices(self.lightning_module)
+        if self._by_slice():  # what this rank holds, as it lies (`save_checkpoint` writes it in DCP)
+            return self.state_by_slice(optimizer=False)[MODEL]
         return self.full_state()
+
+    def _by_slice(self) -> bool:
+        """Whether checkpoints are written by slice (`options.checkpoint_format`), or gathered where this plan's
+        state cannot yet be (said once)."""
+        if self.options.checkpoint_format != "dcp":
+            return False
+        why = None
+        if self.resolved_plan.ep > 1:
+            why = "under expert parallel the experts are not yet placed"
+        elif len(self.optimizers) > 1:
+            why = f"{len(self.optimizers)} optimizers (one is saved by slice)"
+        elif self.resolved_plan.pp > 1 and dict(self.lightning_module.named_buffers()).keys() & \
+                self.lightning_module.state_dict().keys():
+            why = "the module's buffers are not yet placed by pipeline stage"
+        if why is not None and not self._told_gathered:
+            self._told_gathered = True
+            rank_zero_info(f"checkpoints under '{self.resolved_plan}' are saved gathered, not by slice: {why}")
+        return why is None
 
     def full_state(self, names: set[str] | None = None) -> dict[str, Any]:
         """The single-process state (every rank must call this), or its entries ``names`` only: each technique
@@ -576,8 +608,8 @@ class PlanStrategy(ParallelStrategy):
     def state_by_slice(self, optimizer: bool = True) -> dict[str, Any]:
         """This rank's part of the single-process state as it lies, in DCP boxes placed in the whole tensors
         (`checkpoint.slices.rank_state`, each technique saying what it holds: ZeRO's shards, tp's slices, the
-        pipeline stages' parameters), and with ``optimizer`` the optimizer's state alike: `slices.save_state` writes
-        it, each rank its own, nothing gathered (#59: not yet what `save_checkpoint` writes)."""
+        pipeline stages' parameters), under Lightning's names (`dcp_dir`: ``state_dict``, and with ``optimizer``
+        ``optimizer_0``, its state alike and its param groups by parameter name). Nothing is gathered."""
         if self.resolved_plan.ep > 1:
             raise NotImplementedError("saving by slice under expert parallel: the experts are not yet placed")
         techniques = self.techniques
@@ -588,22 +620,61 @@ class PlanStrategy(ParallelStrategy):
             return box
 
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if optimizer else []
-        return rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
-                          lambda name: all(t.holds(name) for t in techniques), optimizers[0] if optimizers else None)
+        state = rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
+                           lambda name: all(t.holds(name) for t in techniques), optimizers[0] if optimizers else None)
+        if not optimizers:
+            return {MODEL: state["model"]}
+        names = iter(optimizer_names(self.lightning_module, optimizers[0]))  # (every stage's: pp keeps them all)
+        groups = [[next(names) for _ in group["params"]] for group in optimizers[0].param_groups]
+        for technique in techniques:
+            groups = technique.named_groups(groups)
+        for group, held in zip(state["optim"]["param_groups"], groups):
+            group["params"] = held  # the single-process groups, alike on every rank (DCP writes them once)
+        return {MODEL: state["model"], optimizer_key(0): state["optim"]}
 
-    def load_state_by_slice(self, path: str, optimizer: bool = True) -> None:
+    def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
         """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
-        any plan and world size, each rank reading only what overlaps its boxes; then each technique remakes what
-        it derives from them (ZeRO's full parameters). The optimizer's state must exist (after a step)."""
-        load_state(self.state_by_slice(optimizer), path)
-        for technique in self.techniques:
+        any plan and world size (the pack's, FSDP2's, Lightning's ModelParallelStrategy's), each rank reading only
+        what overlaps its boxes; then each technique remakes what it derives from them (ZeRO's full parameters).
+        With ``optimizer``, its state is made first where no step has made it yet, and its hyperparameters read;
+        ``model=False``: the optimizer's part only (Lightning loads the two apart)."""
+        path, key = os.fspath(path), optimizer_key(0)
+        saved = saved_keys(path)
+        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
+        if raw is not None and any(k.startswith(f"{key}.state.") for k in saved):
+            make_optimizer_state(raw)
+        state = self.state_by_slice(optimizer)
+        if not model:
+            del state[MODEL]
+        if raw is not None:
+            groups = state[key].pop("param_groups")
+            if not any(k.startswith(f"{key}.state.") for k in saved):
+                state[key].pop("state")  # saved before a first step: the optimizer starts as it is
+            state[key]["param_groups"] = _saved_groups(raw, groups, saved, key)
+        load_into(state, path, strict)
+        for technique in self.techniques if model else ():
             technique.after_slice_load()
+        for group, read in zip(raw.param_groups if raw is not None else (), state.get(key, {}).get("param_groups", ())):
+            group.update({k: v for k, v in read.items() if k != "params"})  # (a scheduler's learning rate...)
+
+    def _load_slices(self) -> None:
+        """The DCP checkpoint Lightning gave (`load_model_state_dict`), read into this rank's slices once they exist:
+        at the end of set-up, or under pp with a model built on meta once the first batch cut it."""
+        if self._slice_load is None or self._slices_at_cut:
+            return
+        (given, strict), self._slice_load = self._slice_load, None
+        self.load_state_by_slice(given.path, optimizer=False, strict=strict)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         # Lightning restores weights before setup (a full module, split afterwards); this path is for loads after
         # setup, where tensor-parallel layers hold slices, ZeRO's parameters live in flats, and other stages'
         # parameters are placeholders. A technique that loads its own entries has checked them.
+        if isinstance(checkpoint.get("state_dict"), SliceLoad):  # a DCP directory: read by slice once they exist
+            if strict:
+                refill_left_in_slices(self.lightning_module)
+            self._slice_load = (checkpoint["state_dict"], strict)
+            return self._load_slices() if self.techniques else None
         if self._deferred is not None and self.resolved_plan.pp > 1 and self.pipeline is None:
             self._pending_model = (checkpoint, strict)  # loaded once the first batch cut the stages and made them
             return None
@@ -624,6 +695,8 @@ class PlanStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._by_slice():
+            return self.state_by_slice(optimizer=True)[optimizer_key(0)]
         state = OptimizerState.of(self.lightning_module, optimizer)
         for technique in reversed(self.techniques):
             state = technique.full_optimizer_state(optimizer, state)
@@ -634,6 +707,11 @@ class PlanStrategy(ParallelStrategy):
         if self.resolved_plan is not None and self.resolved_plan.pp > 1 and self.pipeline is None:
             self._pending_optimizer = checkpoint  # resumed before the first batch cuts the pipeline: load then
             return
+        if any(isinstance(saved, SliceLoad) for saved in checkpoint["optimizer_states"]):
+            if len(self.optimizers) != 1 or len(checkpoint["optimizer_states"]) != 1:
+                raise ValueError(f"the DCP checkpoint holds {len(checkpoint['optimizer_states'])} optimizers' state, "
+                                 f"this module has {len(self.optimizers)}: one is read by slice")
+            return self.load_state_by_slice(checkpoint["optimizer_states"][0].path, optimizer=True, model=False)
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -656,6 +734,14 @@ class PlanStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("PlanStrategy's sharded checkpoints take no storage_options")
         world, info = self.mesh.world, {"plan": str(self.resolved_plan), "pack_version": pack_version()}
+        if any(isinstance(v, Boxed) for v in checkpoint.get("state_dict", {}).values()):  # by slice (`_by_slice`)
+            state = {MODEL: checkpoint.pop("state_dict")}
+            state.update({optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            rest = {**checkpoint, "stratpack": info}
+            if self._saver is not None:
+                return self._saver.save_by_slice(state, rest, filepath, rank=self.global_rank)
+            return save_dcp(state, rest, filepath, rank=self.global_rank, barrier=lambda: comm.barrier(world),
+                            broadcast=lambda obj: comm.broadcast_object(obj, world, src=0))
         if self._saver is not None:  # training goes on while a thread writes (`checkpoint.async_save`)
             return self._saver.save(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size, info=info)
         save_sharded(checkpoint, filepath, rank=self.global_rank, world_size=self.world_size,
@@ -675,6 +761,8 @@ class PlanStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self._saver is not None:
             self._saver.wait()  # (the checkpoint may be the one in flight)
+        if is_dcp(checkpoint_path):  # (Lightning's ModelParallelStrategy's too): its tensors read by slice later
+            return load_rest(checkpoint_path, weights_only)
         # A sharded directory from any plan and world size, or a single-file checkpoint (single process, ddp).
         return load_any(checkpoint_path, weights_only=weights_only)
 
@@ -776,3 +864,13 @@ class PlanStrategy(ParallelStrategy):
             if self._saver is not None:
                 comm.leave_groups([self._saver.axis.group])
                 self._saver = None
+
+
+def _saved_groups(optimizer: Any, groups: list[dict[str, Any]], saved: set[str], key: str) -> list[dict[str, Any]]:
+    """``groups`` (the optimizer's, by name) with the hyperparameters the checkpoint holds only, to be read from it,
+    after checking it holds as many groups as ``optimizer``."""
+    count = len({k.split(".")[2] for k in saved if k.startswith(f"{key}.param_groups.")})
+    if count and count != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {count} param groups, this one {len(optimizer.param_groups)}:"
+                         " it was saved from a different configure_optimizers")
+    return [{k: v for k, v in g.items() if f"{key}.param_groups.{i}.{k}" in saved} for i, g in enumerate(groups)]

@@ -194,6 +194,9 @@ class ZeroGradSync(GradSync):
     def optimizer_names(self, names: list[str]) -> list[str]:
         return [name for group in self.original_groups for name in group]
 
+    def named_groups(self, groups: list[list[str]]) -> list[list[str]]:
+        return [list(group) for group in self.original_groups]
+
     def full_optimizer_state(self, optimizer: Any, state: OptimizerState) -> OptimizerState:
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(self.original_groups[g])}
                   for g, group in enumerate(optimizer.param_groups)]

@@ -51,10 +51,10 @@ class First(L.Callback):
         # Before the first step: under pp a meta-built model is cut and made in the first batch
         if hasattr(self, "state"):
             return
-        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.state = {k: v.clone() for k, v in trainer.strategy.full_state().items()}
 
     def on_train_end(self, trainer, pl_module) -> None:  # after fit, a model built on meta is left in slices
-        self.last = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.last = {k: v.clone() for k, v in trainer.strategy.full_state().items()}
 
 
 def data() -> TensorDataset:
@@ -70,7 +70,7 @@ def fit(name: str, plan: str) -> dict[str, dict[str, torch.Tensor]]:
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[first])
     trainer.fit(module, DataLoader(data(), batch_size=BATCH // dp, drop_last=True))
     try:  # after fit: the module holds no weights (all on meta), and asking for them says why
-        trainer.strategy.lightning_module_state_dict()
+        trainer.strategy.full_state()
         after = "no error"
     except RuntimeError as error:
         after = str(error)

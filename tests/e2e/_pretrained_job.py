@@ -57,7 +57,7 @@ class First(L.Callback):
         # Before the first step: under pp a meta-built model is cut and made in the first batch
         if hasattr(self, "state"):
             return
-        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.state = {k: v.clone() for k, v in trainer.strategy.full_state().items()}
         self.kept = trainer.strategy.model_state_bytes()["params"]
 
 

@@ -60,12 +60,12 @@ def _assert_continues(result, params, reference) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_save_is_a_directory_of_parts_with_a_manifest(saved, reference):
+def test_a_save_is_a_dcp_directory_of_each_ranks_slice(saved, reference):
     result, params, path = saved
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference[0]["losses"]), rtol=RTOL,
                                atol=ATOL)  # saving does not disturb the run
     names = sorted(os.listdir(path))
-    assert names == ["manifest.json", "meta.pt"] + [f"shard-{r:05d}-of-00008.pt" for r in range(8)]
+    assert names == [".metadata"] + [f"__{r}_0.distcp" for r in range(8)] + ["meta.pt"]
 
 
 @pytest.mark.slow

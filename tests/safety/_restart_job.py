@@ -7,8 +7,8 @@ single-device view) to PARAMS_OUT. In the first attempt only (``TORCHELASTIC_RES
 rank RANK:
 
 - ``kill``: the rank SIGKILLs itself at the start of step STEP (after STEP optimizer steps);
-- ``torn``: rank 0 SIGKILLs itself as the save after step STEP is about to write its manifest: the save's folder
-  holds every part and no manifest (a save torn by the crash);
+- ``torn``: rank 0 SIGKILLs itself as the save after step STEP is about to be moved in: its folder
+  (``<path>.tmp-<token>``) holds every part, and no checkpoint is at its path (a save torn by the crash);
 - ``async-torn``: as ``torn``, with ``async_save=True``: rank 0 is killed in the background thread writing the save
   while training has gone on;
 - ``none``: nothing (the uninterrupted reference, run under torchrun too).
@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from demos.gpt import GPTModule, make_demo
 from strategies import PlanStrategy
-from strategies.checkpoint import sharded
+from strategies.checkpoint import dcp_dir
 from strategies.lightning.pretrained import full_state_blocks
 from strategies.measure.monitor import StrategyMonitor
 
@@ -49,15 +49,15 @@ class Final(Callback):
 
 
 if first_attempt and fault in ("torn", "async-torn"):
-    write = sharded.atomic_write
+    swap_in = dcp_dir.swap_in
 
-    def atomic_write(path, fn, binary=False):
-        if os.path.basename(path) == sharded.MANIFEST and f"step={fault_step}." in path:
-            print(f"rank 0 killed before the manifest of {path}", file=sys.stderr, flush=True)
+    def moved_in(path, tmp, token):
+        if f"step={fault_step}." in path:
+            print(f"rank 0 killed before the save was moved in: {tmp}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return write(path, fn, binary)
+        return swap_in(path, tmp, token)
 
-    sharded.atomic_write = atomic_write
+    dcp_dir.swap_in = moved_in
 
 L.seed_everything(0, verbose=False)
 base, dataset = make_demo(n_layer=2, n_head=2, n_embd=16, seq_len=16, max_chars=4000)

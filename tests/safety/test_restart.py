@@ -67,7 +67,7 @@ def test_a_job_restarted_by_torchrun_resumes_by_itself_and_ends_as_if_never_stop
                                                                                     fault, rank, step):
     code, log, got = _torchrun(tmp_path, plan, world, fault, rank, step)
     assert code == 0, log[-4000:]
-    assert ("killed at step" if fault == "kill" else "killed before the manifest") in log
+    assert ("killed at step" if fault == "kill" else "killed before the save was moved in") in log
     # the second attempt resumed from the newest complete checkpoint: the last save before the fault
     saved = (step // 2) * 2 if fault == "kill" else step - 2
     assert f"resuming from {tmp_path / 'checkpoints'}" in log and f"step={saved}" in log.split("resuming from")[1]

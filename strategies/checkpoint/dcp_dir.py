@@ -1,0 +1,278 @@
+"""Lightning checkpoints in torch's Distributed Checkpoint (DCP) format, each rank writing what it holds (#59).
+
+A checkpoint is a directory laid out as Lightning's ``ModelParallelStrategy`` writes one:
+
+    .metadata           DCP's index: each tensor's whole shape and where each of its chunks lies (DCP writes it
+                        last, once every rank's file is written)
+    __<rank>_0.distcp   each rank's chunks: its slices of the weights and of the optimizer's state, as they lie
+    meta.pt             the rest of Lightning's checkpoint (loops, callbacks, schedulers, the loader's position and
+                        every rank's random state), written by rank 0
+
+Under ``state_dict`` the module's state by the single-process names; under ``optimizer_0`` the optimizer's as torch's
+``get_optimizer_state_dict`` names it (``state.<parameter>.<key>``, ``param_groups`` with parameter names). So
+``torch.distributed.checkpoint.load`` reads it into any layout (one process, FSDP2, ModelParallelStrategy) and the
+pack resumes from theirs. The save is atomic as the sharded format's (`sharded.swap_in`): everything is written into
+``<path>.tmp-<token>``, which replaces ``<path>`` only once DCP's ``.metadata`` is there.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from strategies.checkpoint.sharded import (
+    CheckpointError,
+    _attempt,
+    _missing,
+    _raise_failures,
+    is_dcp,
+    refuse_non_checkpoint,
+    swap_in,
+)
+from strategies.checkpoint.slices import Boxed, load_state, save_state
+from strategies.files import atomic_write
+
+META = "meta.pt"
+METADATA = ".metadata"
+MODEL = "state_dict"
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+@dataclass(frozen=True)
+class SliceLoad:
+    """What `load_rest` puts where Lightning expects the weights or an optimizer's state: a DCP checkpoint's part that
+    the strategy reads by slice once its layout exists (`PlanStrategy.load_model_state_dict`)."""
+
+    path: str
+    key: str
+
+
+def save_dcp(state: dict[str, Any], rest: dict[str, Any], path: str | os.PathLike, *, rank: int,
+             broadcast: Callable[[Any], Any], barrier: Callable[[], None], group: Any = None) -> None:
+    """Write ``state`` (every rank its own: `slices.Boxed` and tensors) and, from rank 0, ``rest`` as the DCP directory
+    ``path``. Every rank must call this; the collectives run over ``group`` (DCP's) and ``broadcast``/``barrier``."""
+    path = os.fspath(path)
+    refuse_non_checkpoint(path)
+    token = broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    tmp = f"{path}.tmp-{token}"
+
+    def write_rest() -> None:
+        os.makedirs(tmp, exist_ok=True)
+        atomic_write(os.path.join(tmp, META), lambda f: torch.save(rest, f), binary=True)
+
+    _raise_failures([broadcast(_attempt(write_rest) if rank == 0 else None) or (None, None)], "writing meta.pt of")
+    save_state(state, tmp, group)  # (a rank that fails raises on every rank: DCP gathers each rank's outcome)
+    status = _attempt(lambda: swap_in(path, tmp, token)) if rank == 0 else None
+    _raise_failures([broadcast(status)], "moving in")
+    barrier()
+
+
+def stage(state: Any, staging: dict[str, torch.Tensor] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``state`` with every box's data and every tensor copied to host memory (pinned from a GPU, the copies in flight
+    together), for a save written while training goes on; the copies by position, which the next save writes over
+    where they fit (``staging``)."""
+    from strategies.checkpoint.sharded import _host_copy
+
+    staging, copies = staging or {}, {}
+
+    def copy(key: str, t: torch.Tensor) -> torch.Tensor:
+        copies[key] = _host_copy(t.detach(), staging.get(key))
+        return copies[key]
+
+    def walk(value: Any, key: str) -> Any:
+        if isinstance(value, Boxed):
+            return Boxed(value.shape, [(o, s, copy(f"{key}@{o}", d)) for o, s, d in value.pieces])
+        if isinstance(value, torch.Tensor):
+            return copy(key, value)
+        if isinstance(value, dict):
+            return {k: walk(v, f"{key}.{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, f"{key}.{i}") for i, v in enumerate(value)]
+        return value
+
+    staged = walk(state, "")
+    if any(t.is_pinned() for t in copies.values()):
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return staged, copies
+
+
+def read_metadata(path: str | os.PathLike) -> Any:
+    """DCP's metadata of the checkpoint at ``path``, after checking that it is whole: ``meta.pt`` there and every
+    chunk's file at least as long as the metadata says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise _missing(path)
+    if not is_dcp(path):
+        raise CheckpointError(f"{path} is not a complete DCP checkpoint: it has no {METADATA} (a save that did not "
+                              "finish, or another kind of directory)")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - whatever torch raises for a damaged file
+        raise CheckpointError(f"{path}: its {METADATA} is unreadable ({type(err).__name__}: {err})") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
+        if os.path.getsize(file) < end:
+            raise CheckpointError(f"{path} is truncated: {name} has {os.path.getsize(file)} bytes, its chunks end "
+                                  f"at {end}")
+    return metadata
+
+
+def load_rest(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    """Lightning's checkpoint from the DCP directory ``path`` without its tensors: ``meta.pt`` (a ModelParallelStrategy
+    checkpoint's too), with a `SliceLoad` for the weights and for each optimizer saved, read later by slice."""
+    path = os.fspath(path)
+    metadata = read_metadata(path)
+    try:
+        rest = torch.load(os.path.join(path, META), weights_only=weights_only is not False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {META}: a DCP checkpoint, but not one Lightning wrote (the loop's "
+                              "state is missing); load its weights with strategies.load_pretrained") from None
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"{path}/{META} could not be loaded with torch.load(weights_only=True): "
+                              f"{type(err).__name__}: {err}. If it comes from a source you trust, pass "
+                              "weights_only=False (trainer.fit(..., weights_only=False))") from None
+    tops = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    rest[MODEL] = SliceLoad(path, MODEL)
+    optimizers = sorted(int(k.removeprefix("optimizer_")) for k in tops if k.startswith("optimizer_"))
+    if optimizers:
+        rest["optimizer_states"] = [SliceLoad(path, optimizer_key(i)) for i in optimizers]
+    return rest
+
+
+def saved_keys(path: str | os.PathLike) -> set[str]:
+    """The flattened names (``state_dict.<name>``, ``optimizer_0.state.<name>.<key>``...) the checkpoint holds."""
+    return set(read_metadata(path).state_dict_metadata)
+
+
+def leaves(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The leaves of ``state`` (nested dicts and lists) by the flattened names DCP gives them (its
+    ``flatten_state_dict``)."""
+    if isinstance(state, dict):
+        return [kv for key, value in state.items() for kv in leaves(value, f"{prefix}{key}.")]
+    if isinstance(state, list) and any(isinstance(v, (dict, list, torch.Tensor, Boxed)) for v in state):
+        return [kv for i, value in enumerate(state) for kv in leaves(value, f"{prefix}{i}.")]
+    return [(prefix[:-1], state)]
+
+
+def load_whole(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    """The whole Lightning checkpoint from a DCP directory, in one process, as the single-file format holds it (the
+    optimizer's state by index). For converting and for strategies that are not a plan; training loads by slice."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(path)
+    checkpoint = {k: v for k, v in load_rest(path, weights_only).items() if not _is_slice_load(v)}
+    metadata = read_metadata(path)
+    state: dict[str, Any] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        where = (metadata.planner_data or {}).get(fqn, tuple(fqn.split(".", 1)))
+        value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) \
+            else None
+        _set_in(state, where, value)
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    checkpoint[MODEL] = state.pop(MODEL, {})
+    optimizers = sorted((int(k.removeprefix("optimizer_")), v) for k, v in state.items() if k.startswith("optimizer_"))
+    if optimizers:
+        checkpoint["optimizer_states"] = [by_index(v) for _, v in optimizers]
+    return checkpoint
+
+
+def _is_slice_load(value: Any) -> bool:
+    return isinstance(value, SliceLoad) or (isinstance(value, list) and any(isinstance(v, SliceLoad) for v in value))
+
+
+def _set_in(state: dict, where: tuple, value: Any) -> None:
+    """``value`` at the nested path ``where`` (dict keys and list indices, as DCP's planner data records them)."""
+    node: Any = state
+    for key, after in zip(where[:-1], where[1:]):
+        child = isinstance(after, int)
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if child else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if child else {})
+    if isinstance(node, list):
+        while len(node) <= where[-1]:
+            node.append(None)
+    node[where[-1]] = value
+
+
+def by_index(named: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state named by parameter (torch's ``get_optimizer_state_dict`` layout) as ``Optimizer.state_dict``
+    numbers it: parameters in the order of the groups' ``params``."""
+    groups, index = [], {}
+    for group in named.get("param_groups", []):
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: entry for name, entry in named.get("state", {}).items() if name in index},
+            "param_groups": groups}
+
+
+def load_into(state: dict[str, Any], path: str | os.PathLike, strict: bool = True) -> None:
+    """Fill ``state`` (`slices.rank_state`'s boxes, under this format's names) from the DCP directory ``path``, each
+    rank reading only what overlaps its boxes; ``strict``: every entry must be in the checkpoint."""
+    saved = read_metadata(path).state_dict_metadata
+    mine = leaves(state)
+    missing = sorted(fqn for fqn, _ in mine if fqn not in saved)
+    if strict and missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{os.fspath(path)} does not hold {', '.join(missing[:5])}{more}: saved from another "
+                              "model (or pass strict_loading=False on the LightningModule)")
+    # DCP reads whatever overlaps: a tensor of another shape would load in part, without a word
+    wrong = [(fqn.split(".", 1)[-1], torch.Size(saved[fqn].size), torch.Size(leaf.shape)) for fqn, leaf in mine
+             if isinstance(leaf, (Boxed, torch.Tensor)) and fqn in saved and hasattr(saved[fqn], "size")
+             and torch.Size(saved[fqn].size) != torch.Size(leaf.shape)]
+    if wrong:
+        raise CheckpointError("the checkpoint does not fit this model: " + "; ".join(
+            f"size mismatch for {name}: copying a param with shape {theirs} from checkpoint, the shape in current "
+            f"model is {ours}" for name, theirs, ours in wrong[:5]))
+    load_state(state, os.fspath(path), partial=not strict)
+
+
+class DcpReader:
+    """The weights of a DCP checkpoint, one tensor at a time (`pretrained.sharded_to_pretrained`): ``index``, the
+    module's state names; ``tensor(name)`` reads that one whole, from only the chunks that hold it."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._meta = read_metadata(self.path).state_dict_metadata
+        self.index = {fqn.removeprefix(f"{MODEL}."): fqn for fqn in self._meta if fqn.startswith(f"{MODEL}.")}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        meta = self._meta[self.index[key]]
+        out = torch.empty(meta.size, dtype=meta.properties.dtype)
+        dcp.load({MODEL: {key: out}}, checkpoint_id=self.path, no_dist=True)
+        return out
+
+
+def describe(path: str | os.PathLike) -> tuple[str, int]:
+    """The plan and the number of ranks that saved the DCP checkpoint at ``path`` (``?`` for the plan where another
+    tool wrote it)."""
+    path = os.fspath(path)
+    files = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
+    try:
+        rest = torch.load(os.path.join(path, META), weights_only=True)
+        plan = rest.get("stratpack", {}).get("plan", "?")
+    except Exception:  # noqa: BLE001 - a checkpoint another tool wrote
+        plan = "?"
+    return plan, len(files)
