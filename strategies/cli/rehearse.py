@@ -32,11 +32,13 @@ CPU_HOST_RANKS = 8  # the most gloo ranks the pack runs on one CPU host (its tes
 CATEGORIES = ("params", "grads", "optimizer", "host", "activations")  # the estimator's names (`runs.MEMORY_CATEGORIES`)
 
 
-def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", real: bool = False) -> dict[str, Any]:
+def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", real: bool = False,
+                  save: bool = False) -> dict[str, Any]:
     """Rehearse rank ``rank`` of a ``world_size``-rank run of ``config`` (a `train.RunConfig`; the model is built in
     configure_model, on meta): this rank's memory figures as the monitor reads them, its communication per step, and
     the estimator's figures for the same run. ``real``: the rank's compute on real tensors of ``target``'s device
-    (its allocator's peak, its step time), not on meta."""
+    (its allocator's peak, its step time), not on meta. ``save``: a checkpoint saved by slice at the end, and a
+    second fit resumed from one (`RehearsalStrategy.rehearse_save`, ``resume``): their peaks in ``checkpoint``."""
     import warnings
 
     import lightning as L
@@ -53,7 +55,7 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
     predicted = predict_run(config.strategy, world_size, model, config.batch_size, config.accumulate,
                             estimator_precision(config), "cpu" if target == "cpu" else "gpu",
                             optimizer=config.optimizer, deferred=True)
-    trainer, monitor, heap = _trainer(config, rank, world_size, target, real)
+    trainer, monitor, heap = _trainer(config, rank, world_size, target, real, save=save and not real)
     start = time.perf_counter()
     try:
         with warnings.catch_warnings(), _running(heap, target, real):
@@ -62,12 +64,25 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
     finally:
         leave_fake_world()
     summary = monitor.summary
+    checkpoint = dict(trainer.strategy.checkpoint_peaks) if save and not real else None
+    if checkpoint is not None:  # the same rank in a fit resumed from a checkpoint by slice, from its set-up on
+        module, dataset = find_workload(config.workload).lightning(config)
+        again, resumed_monitor, heap = _trainer(config, rank, world_size, target, real, resume=True)
+        try:
+            with warnings.catch_warnings(), _running(heap, target, real):
+                warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
+                again.fit(module, _loader(replace(config, steps=1), dataset))
+        finally:
+            leave_fake_world()
+        checkpoint.update(again.strategy.checkpoint_peaks,
+                          resumed_setup=resumed_monitor.summary["memory_bytes"].get("setup_peak", 0))
     return {"rank": rank, "world_size": world_size, "label": config.strategy,
             "plan": str(trainer.strategy.resolved_plan), "target": target, "real": real, "config": asdict(config),
             "model": model, "predicted": predicted, "seconds": time.perf_counter() - start,
             "num_params": getattr(trainer.strategy, "built_num_params", None),
             "memory_bytes": summary["memory_bytes"], "comm_per_step": summary["comm_per_step"],
             "device_peak": summary["memory_bytes"].get("heap_peak", 0),  # (a GPU's heap holds the device's alone)
+            "checkpoint": checkpoint,
             **({k: summary.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")} if real else {})}
 
 
@@ -89,10 +104,12 @@ def _running(heap: Any, target: str, real: bool) -> contextlib.AbstractContextMa
     return stack
 
 
-def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = False) -> tuple[Any, Any, Any]:
+def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = False, save: bool = False,
+             resume: bool = False) -> tuple[Any, Any, Any]:
     """A Trainer for the rehearsal of ``rank``, its monitor, and the monitor's heap: on meta `meta_heap.MetaHeap`;
     on real tensors the CUDA allocator's counters (`memory.CudaHeap`) or this CPU's heap, sampled (`HeapSampler`),
-    with the first step left out of the step time (it cuts a pipeline)."""
+    with the first step left out of the step time (it cuts a pipeline). ``save``: a checkpoint by slice rehearsed at
+    the end of the fit; ``resume``: the fit resumes from one."""
     import lightning as L
 
     from strategies.lightning.rehearsal import RehearsalStrategy
@@ -111,13 +128,16 @@ def _trainer(config: Any, rank: int, world_size: int, target: str, real: bool = 
 
     strategy = RehearsalStrategy(config.strategy, rank=rank, world_size=world_size, param_dtype=param_dtype(config),
                                  backend="gloo" if target == "cpu" else "nccl",
-                                 device=({"cuda": "cuda:0"}.get(target, target) if real else None))
+                                 device=({"cuda": "cuda:0"}.get(target, target) if real else None), resume=resume,
+                                 save_at_end=save)
+    strategy.heap = heap
     trainer = L.Trainer(accelerator="cuda" if real and target == "cuda" else "cpu", devices=1, strategy=strategy,
                         max_steps=config.steps, accumulate_grad_batches=config.accumulate,
                         precision=config.precision, gradient_clip_val=config.gradient_clip_val, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[monitor], limit_val_batches=0)
     return trainer, monitor, heap
+
 
 
 def _cpu_workspace(world_size: int):
@@ -171,6 +191,12 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     rows = [(key, memory.get(key if key != "activations" else "activations_peak", 0), mine.get(key, 0))
             for key in (*CATEGORIES, "temporaries")]
     rows += [("steady peak", memory.get("heap_peak", 0), peak), ("set-up peak", memory.get("setup_peak", 0), setup)]
+    if r.get("checkpoint"):  # the estimator's: a save holds the states (a GPU's copies are the host's); a resume
+        states = sum(mine.get(k, 0) for k in ("params", "grads", "optimizer", "host") if k != "host" or r["target"]
+                     == "cpu")  # reads in place, after set-up
+        saved = r["checkpoint"]
+        rows += [("save peak", saved.get("save", 0), states), ("resume's reads", saved.get("resume", 0), states),
+                 ("resumed set-up", saved.get("resumed_setup", 0), setup)]
     how = f"{r['target']}, real tensors" if r.get("real") else r["target"]
     lines = [f"rank {r['rank']} of {r['world_size']}, {r['plan']} ({how}): rehearsed in {r['seconds']:.1f} s",
              "  MiB            rehearsed  estimator"]
@@ -322,6 +348,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--real", action="store_true",
                    help="the rank's compute on real tensors of --target's device (cuda: a GPU), not on meta: its "
                         "allocator's peak and step time are real; the rank's share must fit the device")
+    p.add_argument("--save", action="store_true",
+                   help="also a checkpoint saved by slice after the last step, and a fit resumed from one (torch's "
+                        "DCP, as Lightning's ModelCheckpoint writes under the plan): each one's peak")
     p.add_argument("--out", default=None, help="write every rank's figures as JSON here")
     p.add_argument("--matrix", action="store_true",
                    help="rehearse the real-size matrix instead (Llama 3 8B to 405B, 8 to 1,024 ranks; PLAN and "
@@ -417,7 +446,7 @@ def command(args: argparse.Namespace) -> int:
     _check_split(config, args.world_size)
     results = []
     for rank in ranks:
-        result = rehearse_rank(config, rank, args.world_size, args.target, args.real)
+        result = rehearse_rank(config, rank, args.world_size, args.target, args.real, save=args.save)
         result["rounds"] = checked_programs(result["plan"])
         results.append(result)
     print(report(results))

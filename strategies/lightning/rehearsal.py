@@ -21,11 +21,14 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from typing_extensions import override
 
 from strategies import comm
+from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, leaves, optimizer_key
+from strategies.checkpoint.slices import Boxed, make_optimizer_state
 from strategies.lightning.strategy import PlanStrategy
 from strategies.measure.meta_heap import uncounted
 from strategies.tensors import meta_cast
 
 META = torch.device("meta")
+REHEARSED = "<a rehearsed checkpoint>"  # the path a rehearsed resume reads from (`RehearsalStrategy.resume`)
 
 
 class RehearsalEnvironment(LightningEnvironment):
@@ -87,12 +90,17 @@ class RehearsalStrategy(PlanStrategy):
     strategy_name = "rehearsal"
 
     def __init__(self, plan: str, *, rank: int, world_size: int, backend: str = "nccl",
-                 device: torch.device | str | None = None, **options: Any) -> None:
+                 device: torch.device | str | None = None, resume: bool = False, save_at_end: bool = False,
+                 **options: Any) -> None:
         options.setdefault("check_first_batch", False)  # it needs the whole model's values
         self.real = torch.device(device) if device is not None else None
         super().__init__(plan, parallel_devices=[self.real or torch.device("cpu")],
                          cluster_environment=RehearsalEnvironment(rank, world_size), **options)
         self.backend = backend  # whose buffers the collectives hold (`comm.set_rehearsal`): gloo, nccl
+        self.resume = resume  # the fit resumes from a checkpoint by slice (rehearsed: `load_state_by_slice`)
+        self.save_at_end = save_at_end  # a checkpoint by slice saved once the last step is done (`rehearse_save`)
+        self.heap: Any = None  # the rehearsal's `MetaHeap`, for the checkpoint's peaks
+        self.checkpoint_peaks: dict[str, int] = {}  # "save", "resume": the heap's peak while each ran
 
     @property
     @override
@@ -110,7 +118,54 @@ class RehearsalStrategy(PlanStrategy):
         if not any(p.device.type == "meta" for p in self.lightning_module.parameters()):
             raise ValueError("a rehearsal needs the model built on meta: build it in configure_model() (or under "
                              "trainer.init_module(empty_init=True)); this one holds real weights")
+        if self.resume:  # as Lightning's restore of a DCP checkpoint: the weights once the slices exist ...
+            self._slice_load = (SliceLoad(REHEARSED, MODEL), True)
         super().setup(trainer)
+        if self.resume:  # ... and the optimizer's state after set-up (under pp: once the first batch cut it)
+            self.load_optimizer_state_dict({"optimizer_states": [SliceLoad(REHEARSED, optimizer_key(0))]})
+
+    # A checkpoint by slice, rehearsed as torch's DCP file system writer and reader run (`dcp_dir`): what this rank
+    # holds as it lies (`state_by_slice`: views, nothing new), each piece copied to the host one at a time. On a GPU
+    # that holds nothing more on the device; on a CPU a piece that is a view of a larger storage is copied into one of
+    # its own to be written, and a read lands in a tensor of the chunk's size before it is copied in place, the
+    # previous one still held while the next is made (the writer's loop).
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.save_at_end:
+            self.rehearse_save()
+
+    def rehearse_save(self) -> None:
+        """A save by slice at this point of the fit: its peak in ``checkpoint_peaks["save"]``."""
+        with self._window("save"):
+            _copied_one_at_a_time(self.state_by_slice(optimizer=True), self.backend == "gloo", fresh=False)
+
+    @override
+    def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
+        if path != REHEARSED:
+            return super().load_state_by_slice(path, optimizer, strict, model)
+        with self._window("resume"):
+            if optimizer:  # (made by a step on zero gradients, as the real resume does)
+                make_optimizer_state(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))
+            state = self.state_by_slice(optimizer)
+            if not model:
+                del state[MODEL]
+            _copied_one_at_a_time(state, self.backend == "gloo", fresh=True)
+            for technique in self.techniques if model else ():
+                technique.after_slice_load()
+        return None
+
+    @contextlib.contextmanager
+    def _window(self, name: str) -> Iterator[None]:
+        """The heap's peak while the block runs, into ``checkpoint_peaks[name]``, the heap's own peak kept."""
+        heap = self.heap
+        outer, heap.peak = heap.peak, heap.live
+        try:
+            yield
+        finally:
+            self.checkpoint_peaks[name] = max(self.checkpoint_peaks.get(name, 0), heap.peak)
+            heap.peak = max(outer, heap.peak)
 
     # What is meta in a real run too costs nothing there: the model's shapes before its slices are made (the build),
     # and the pipeline's trace on shapes (`measure.meta_heap.uncounted`)
@@ -145,6 +200,20 @@ class RehearsalStrategy(PlanStrategy):
         finally:
             self._lightning_module = module
             comm.set_rehearsal(False)
+
+
+def _copied_one_at_a_time(state: dict[str, Any], on_cpu: bool, fresh: bool) -> None:
+    """Each piece of ``state`` (`slices.Boxed`'s, and plain tensors) copied as DCP's writer (or, ``fresh``, its
+    reader) copies it on a CPU, the previous copy freed once the next is made; on a GPU nothing is made on the device
+    (the copies are the host's)."""
+    held = None
+    for _, leaf in leaves(state):
+        for data in ([d for _, _, d in leaf.pieces] if isinstance(leaf, Boxed) else
+                     [leaf] if isinstance(leaf, torch.Tensor) else []):
+            whole = data.untyped_storage().nbytes() == data.numel() * data.element_size()
+            if on_cpu and (fresh or not whole):
+                held = torch.empty_like(data)  # (made before the last one is let go)
+    del held
 
 
 @contextlib.contextmanager

@@ -157,6 +157,20 @@ def test_a_rehearsal_is_stored_as_a_run_the_dashboard_shows_as_rehearsed(tmp_pat
         (name, "all_reduce", "dp", rehearsed[0]["comm_per_step"]["all_reduce/dp"]["bytes_sent"])]
 
 
+def test_a_rehearsed_save_by_slice_holds_nothing_new_on_the_device_and_a_resume_reads_in_place(tmp_path):
+    """#59, ``stratpack rehearse --save``: each rank of `zero3_tp2` at 4 saves by slice after its last step (DCP
+    copies each piece to the host: on a GPU the device holds the rank's states and nothing more) and resumes in a
+    fresh fit (the optimizer's state made by a step on zero gradients, then read in place): no read above the resumed
+    fit's own set-up peak. At real sizes (docs/checkpoints.md): Llama 3 70B `zero1_tp8_pp8_zbv_mb8`@1024 rank 0 saves
+    at 18.3 GiB, steady 61.1. Planted, the gather back (`full_state` in the rehearsed save): fails."""
+    rehearsed = rehearse(tmp_path, "zero3_tp2", 4, ("--steps", "2", "--save", "--target", "cuda"))
+    for r in rehearsed:
+        memory, saved = r["memory_bytes"], r["checkpoint"]
+        states = memory["params"] + memory["grads"] + memory["optimizer"]
+        assert 0 < states <= saved["save"] <= states + 16, (r["rank"], saved, memory)  # (a scalar's bytes: 4)
+        assert states <= saved["resume"] <= saved["resumed_setup"] <= r["device_peak"], (r["rank"], saved)
+
+
 AUTOCAST = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--n-layer", "2", "--n-embd", "256",
             "--n-head", "4", "--seq-len", "128", "--batch-size", "4")
 
