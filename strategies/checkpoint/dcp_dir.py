@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from strategies.checkpoint.sharded import (
+from strategies.checkpoint.directory import (
     CheckpointError,
-    _attempt,
-    _missing,
-    _raise_failures,
+    attempt,
+    host_copy,
     is_dcp,
+    missing,
+    raise_failures,
     refuse_non_checkpoint,
     swap_in,
 )
@@ -68,10 +69,10 @@ def save_dcp(state: dict[str, Any], rest: dict[str, Any], path: str | os.PathLik
         os.makedirs(tmp, exist_ok=True)
         atomic_write(os.path.join(tmp, META), lambda f: torch.save(rest, f), binary=True)
 
-    _raise_failures([broadcast(_attempt(write_rest) if rank == 0 else None) or (None, None)], "writing meta.pt of")
+    raise_failures([broadcast(attempt(write_rest) if rank == 0 else None) or (None, None)], "writing meta.pt of")
     save_state(state, tmp, group)  # (a rank that fails raises on every rank: DCP gathers each rank's outcome)
-    status = _attempt(lambda: swap_in(path, tmp, token)) if rank == 0 else None
-    _raise_failures([broadcast(status)], "moving in")
+    status = attempt(lambda: swap_in(path, tmp, token)) if rank == 0 else None
+    raise_failures([broadcast(status)], "moving in")
     barrier()
 
 
@@ -79,12 +80,10 @@ def stage(state: Any, staging: dict[str, torch.Tensor] | None = None) -> tuple[A
     """``state`` with every box's data and every tensor copied to host memory (pinned from a GPU, the copies in flight
     together), for a save written while training goes on; the copies by position, which the next save writes over
     where they fit (``staging``)."""
-    from strategies.checkpoint.sharded import _host_copy
-
     staging, copies = staging or {}, {}
 
     def copy(key: str, t: torch.Tensor) -> torch.Tensor:
-        copies[key] = _host_copy(t.detach(), staging.get(key))
+        copies[key] = host_copy(t.detach(), staging.get(key))
         return copies[key]
 
     def walk(value: Any, key: str) -> Any:
@@ -111,7 +110,7 @@ def read_metadata(path: str | os.PathLike) -> Any:
 
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise _missing(path)
+        raise missing(path)
     if not is_dcp(path):
         raise CheckpointError(f"{path} is not a complete DCP checkpoint: it has no {METADATA} (a save that did not "
                               "finish, or another kind of directory)")

@@ -16,7 +16,8 @@ import re
 import zipfile
 
 from strategies.checkpoint.dcp_dir import read_metadata
-from strategies.checkpoint.sharded import CheckpointError, is_dcp, read_manifest
+from strategies.checkpoint.directory import CheckpointError, is_dcp
+from strategies.checkpoint.sharded import read_manifest
 
 _STEP = re.compile(r"step=(\d+)")
 

@@ -163,7 +163,8 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from strategies.checkpoint.dcp_dir import DcpReader
-    from strategies.checkpoint.sharded import CheckpointError, ShardedReader, is_dcp
+    from strategies.checkpoint.directory import CheckpointError, is_dcp
+    from strategies.checkpoint.sharded import ShardedReader
 
     reader = DcpReader(checkpoint) if is_dcp(checkpoint) else ShardedReader(checkpoint)
     with torch.device("meta"):  # the names and ties only: no weights made

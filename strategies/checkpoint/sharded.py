@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,31 +34,28 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from strategies.checkpoint.directory import (
+    MANIFEST,
+    CheckpointError,
+    attempt,
+    host_copy,
+    is_dcp,
+    missing,
+    raise_failures,
+    refuse_non_checkpoint,
+    swap_in,
+)
 from strategies.files import atomic_write, pack_version
 
 FORMAT = "stratpack-sharded"
 VERSION = 1
-MANIFEST = "manifest.json"
 META = "meta.pt"
 SMALL = 4096  # elements: smaller tensors are not worth cutting
 _REF = "__stratpack_tensor__"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, truncated, of another format, or of another model."""
-
-
 def shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.pt"
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
-
-
-def is_dcp(path: str | os.PathLike) -> bool:
-    """A torch Distributed Checkpoint directory (`dcp_dir`: DCP writes its ``.metadata`` last)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
 # -- the layout: which rank writes which range of which tensor ---------------------------------------------
@@ -132,20 +128,11 @@ def prepare(checkpoint: dict[str, Any], rank: int, world_size: int,
     skeleton, tensors = split_tensors(checkpoint)
     entries = layout(tensors, world_size)
     staging = staging or {}
-    mine = {str(i): _host_copy(tensors[i].detach().reshape(-1)[start:stop], staging.get(str(i)))
+    mine = {str(i): host_copy(tensors[i].detach().reshape(-1)[start:stop], staging.get(str(i)))
             for i, entry in enumerate(entries) for r, start, stop in entry["parts"] if r == rank}
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()  # the non-blocking copies have landed
     return Prepared(skeleton, entries, mine)
-
-
-def _host_copy(piece: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    if into is not None and into.shape == piece.shape and into.dtype == piece.dtype:
-        return into.copy_(piece, non_blocking=piece.is_cuda)
-    if piece.is_cuda:
-        out = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)
-        return out.copy_(piece, non_blocking=True)
-    return piece.to("cpu", copy=True)
 
 
 def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: int, world_size: int,
@@ -158,13 +145,6 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, rank: i
     refuse_non_checkpoint(path)
     write_prepared(prepare(checkpoint, rank, world_size), path, rank=rank, world_size=world_size,
                    broadcast=broadcast, gather=gather, barrier=barrier, info=info)
-
-
-def refuse_non_checkpoint(path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    if os.path.lexists(path) and not (is_sharded(path) or is_dcp(path) or os.path.isfile(path)):
-        # Every rank sees the same path: all refuse together, before any collective.
-        raise CheckpointError(f"{path} exists and is not a checkpoint: not replacing it")
 
 
 def write_prepared(prepared: Prepared, path: str | os.PathLike, *, rank: int, world_size: int,
@@ -185,15 +165,15 @@ def write_prepared(prepared: Prepared, path: str | os.PathLike, *, rank: int, wo
                               "or dtypes differ); every rank must save the same single-process state")
     # A rank that fails to write (disk full, permissions) says so to the others instead of leaving them waiting
     # in the next collective: every rank then raises the same error.
-    results = gather(_attempt(lambda: _write_part(prepared.mine, tmp, rank, world_size)))
-    _raise_failures(results, "writing its part of")
+    results = gather(attempt(lambda: _write_part(prepared.mine, tmp, rank, world_size)))
+    raise_failures(results, "writing its part of")
     status = None
     if rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "world_size": world_size, **(info or {}),
                     "files": {shard_name(r, world_size): size for r, (size, _) in enumerate(results)},
                     "tensors": prepared.entries}
-        status = _attempt(lambda: _finish(path, tmp, token, prepared.skeleton, manifest))
-    _raise_failures([broadcast(status)], "finishing (manifest, rename)")
+        status = attempt(lambda: _finish(path, tmp, token, prepared.skeleton, manifest))
+    raise_failures([broadcast(status)], "finishing (manifest, rename)")
     barrier()
 
 
@@ -211,59 +191,14 @@ def _finish(path: str, tmp: str, token: str, skeleton: Any, manifest: dict[str, 
     swap_in(path, tmp, token)
 
 
-def swap_in(path: str, tmp: str, token: str) -> None:
-    """The complete checkpoint at ``tmp`` put in place of any at ``path``. Two renames: between them the new one is
-    complete at tmp and the old one at ``<path>.old-<token>``, and `read_manifest` names both if a crash happens
-    right there."""
-    old = f"{path}.old-{token}"
-    if os.path.lexists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if os.path.lexists(old):
-        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
-
-
-def _attempt(fn) -> tuple[Any, str | None]:
-    """``(fn(), None)``, or ``(None, the error)`` when it raises an OSError or a CheckpointError."""
-    try:
-        return fn(), None
-    except (OSError, CheckpointError) as err:
-        return None, f"{type(err).__name__}: {err}"
-
-
-def _raise_failures(results: list[tuple[Any, str | None]], what: str) -> None:
-    failed = {r: err for r, (_, err) in enumerate(results) if err is not None}
-    if failed:
-        detail = "; ".join(f"rank {r}: {err}" for r, err in failed.items())
-        raise CheckpointError(f"saving the checkpoint failed {what} it ({detail}); the previous checkpoint, if "
-                              "any, is untouched")
-
-
 # -- loading ----------------------------------------------------------------------------------------------
-
-
-def _missing(path: str) -> CheckpointError:
-    """No checkpoint at ``path``: the error, naming what an interrupted save left beside it."""
-    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-    leftovers = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    old = [n for n in leftovers if n.startswith(name + ".old-")]
-    tmp = [n for n in leftovers if n.startswith(name + ".tmp-")]
-    hint = ""
-    if old:  # a crash between the two renames of a save: both checkpoints are whole
-        hint = f" (a save was interrupted while replacing it: the previous checkpoint is whole at {old[0]}"
-        whole = tmp and (is_sharded(os.path.join(folder, tmp[0])) or is_dcp(os.path.join(folder, tmp[0])))
-        hint += f", the new one at {tmp[0]}" if whole else ""
-        hint += "; rename one back)"
-    elif tmp:
-        hint = f" (an interrupted save left {tmp[0]}, which is incomplete)"
-    return CheckpointError(f"no checkpoint at {path}{hint}")
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``, after checking that every file it lists is complete."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise _missing(path)
+        raise missing(path)
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"{path} is not a complete sharded checkpoint: it has no {MANIFEST} (a save that "

@@ -305,6 +305,46 @@ def _aliased(module: torch.nn.Module, boxed: dict[str, Boxed]) -> dict[str, Boxe
     return out
 
 
+def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -> dict:
+    """``state`` (`rank_state`'s) with each box that several ranks hold alike (a replica's: dp's weights, a norm tp
+    keeps whole) kept by one of them only, so that each rank writes and copies (an asynchronous save's stall) its
+    share of what is replicated, not all of it. ``gather(obj)``: every rank's ``obj`` in rank order (a collective;
+    what is gathered is each box's name, offsets, sizes and bytes). Every rank assigns alike: the largest boxes first,
+    each to the holder with the fewest bytes so far."""
+    mine = {(fqn, tuple(o), tuple(s)): d.numel() * d.element_size()
+            for fqn, leaf in _leaves(state, "") if isinstance(leaf, Boxed) for o, s, d in leaf.pieces}
+    holders: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    everyone = gather(list(mine.items()))
+    for r, boxes in enumerate(everyone):
+        for key, nbytes in boxes:
+            holders.setdefault(tuple(key), []).append(r)
+            sizes[tuple(key)] = nbytes
+    load, owner = [0] * len(everyone), {}
+    for key in sorted(holders, key=lambda k: (-sizes[k], k)):
+        owner[key] = min(holders[key], key=lambda r: (load[r], r))
+        load[owner[key]] += sizes[key]
+
+    def keep(value: Any, fqn: str) -> Any:
+        if isinstance(value, Boxed):
+            return Boxed(value.shape, [(o, s, d) for o, s, d in value.pieces
+                                       if owner[(fqn, tuple(o), tuple(s))] == rank])
+        if isinstance(value, dict):
+            return {k: keep(v, f"{fqn}.{k}" if fqn else str(k)) for k, v in value.items()}
+        return value
+
+    return keep(state, "")
+
+
+def _leaves(state: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(DCP's flattened name, leaf) of the dicts in ``state`` (lists are leaves here: no box lies in one)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, state
+
+
 def save_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:
     """Write ``state`` (`rank_state`'s, every rank its own) to the DCP directory ``path``."""
     import torch.distributed.checkpoint as dcp

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def command(args: argparse.Namespace) -> int:
     from strategies.checkpoint import CheckpointError, convert, read_manifest
     from strategies.checkpoint.dcp_dir import describe
-    from strategies.checkpoint.sharded import is_dcp
+    from strategies.checkpoint.directory import is_dcp
 
     if args.hf:
         return _to_pretrained(args)

@@ -39,13 +39,10 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
     the estimator's figures for the same run. ``real``: the rank's compute on real tensors of ``target``'s device
     (its allocator's peak, its step time), not on meta. ``save``: a checkpoint saved by slice at the end, and a
     second fit resumed from one (`RehearsalStrategy.rehearse_save`, ``resume``): their peaks in ``checkpoint``."""
-    import warnings
-
     import lightning as L
 
     from strategies.cli.train import _loader, _model_config, estimator_precision
     from strategies.cli.workload import find_workload
-    from strategies.lightning.rehearsal import leave_fake_world
     from strategies.measure.predict import predict_run
 
     config = replace(config, configure_model=True, devices=world_size, num_nodes=1)
@@ -57,25 +54,11 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
                             optimizer=config.optimizer, deferred=True)
     trainer, monitor, heap = _trainer(config, rank, world_size, target, real, save=save and not real)
     start = time.perf_counter()
-    try:
-        with warnings.catch_warnings(), _running(heap, target, real):
-            warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
-            trainer.fit(module, _loader(config, dataset))
-    finally:
-        leave_fake_world()
+    _fit(trainer, heap, target, real, module, _loader(config, dataset))
     summary = monitor.summary
     checkpoint = dict(trainer.strategy.checkpoint_peaks) if save and not real else None
     if checkpoint is not None:  # the same rank in a fit resumed from a checkpoint by slice, from its set-up on
-        module, dataset = find_workload(config.workload).lightning(config)
-        again, resumed_monitor, heap = _trainer(config, rank, world_size, target, real, resume=True)
-        try:
-            with warnings.catch_warnings(), _running(heap, target, real):
-                warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
-                again.fit(module, _loader(replace(config, steps=1), dataset))
-        finally:
-            leave_fake_world()
-        checkpoint.update(again.strategy.checkpoint_peaks,
-                          resumed_setup=resumed_monitor.summary["memory_bytes"].get("setup_peak", 0))
+        checkpoint.update(_rehearse_resume(config, rank, world_size, target))
     return {"rank": rank, "world_size": world_size, "label": config.strategy,
             "plan": str(trainer.strategy.resolved_plan), "target": target, "real": real, "config": asdict(config),
             "model": model, "predicted": predicted, "seconds": time.perf_counter() - start,
@@ -84,6 +67,33 @@ def rehearse_rank(config: Any, rank: int, world_size: int, target: str = "cpu", 
             "device_peak": summary["memory_bytes"].get("heap_peak", 0),  # (a GPU's heap holds the device's alone)
             "checkpoint": checkpoint,
             **({k: summary.get(k) for k in ("step_time_s", "tokens_per_s", "mfu")} if real else {})}
+
+
+def _rehearse_resume(config: Any, rank: int, world_size: int, target: str) -> dict[str, int]:
+    """Rank ``rank`` in a fit resumed from a checkpoint by slice (`RehearsalStrategy.resume`), to its first step:
+    the peak of the resume's reads (``resume``) and of its set-up (``resumed_setup``)."""
+    from strategies.cli.train import _loader
+    from strategies.cli.workload import find_workload
+
+    module, dataset = find_workload(config.workload).lightning(config)
+    trainer, monitor, heap = _trainer(config, rank, world_size, target, resume=True)
+    _fit(trainer, heap, target, False, module, _loader(replace(config, steps=1), dataset))
+    return {**trainer.strategy.checkpoint_peaks,
+            "resumed_setup": monitor.summary["memory_bytes"].get("setup_peak", 0)}
+
+
+def _fit(trainer: Any, heap: Any, target: str, real: bool, module: Any, loader: Any) -> None:
+    """The rehearsal's fit (on meta, or on real tensors), leaving torch's fake process group after it."""
+    import warnings
+
+    from strategies.lightning.rehearsal import leave_fake_world
+
+    try:
+        with warnings.catch_warnings(), _running(heap, target, real):
+            warnings.filterwarnings("ignore", ".*does not have many workers.*|.*val_dataloader.*|.*LeafSpec.*")
+            trainer.fit(module, loader)
+    finally:
+        leave_fake_world()
 
 
 def _predicted_peak(mine: dict[str, float], target: str) -> float:

@@ -36,8 +36,8 @@ from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
 from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, save_dcp, saved_keys
-from strategies.checkpoint.sharded import is_dcp
-from strategies.checkpoint.slices import Boxed, make_optimizer_state, rank_state
+from strategies.checkpoint.directory import is_dcp
+from strategies.checkpoint.slices import Boxed, make_optimizer_state, rank_state, share_replicas
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import (
@@ -242,11 +242,8 @@ class PlanStrategy(ParallelStrategy):
         self._sliced = fitting and self._deferred is not None and not holds_whole_weights(self.resolved_plan)
         self.built_num_params = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before any split
         self.model_to_device()
-        check = fitting and self.options.check_first_batch and self.first_batch is None
-        if check:  # the whole model's structure, before any technique splits it (its weights: at the first batch)
-            with self.mesh.stats.uncounted():
-                self._first_batch = FirstBatchCheck.prepare(self.lightning_module, str(trainer.precision),
-                                                            self.precision_plugin.train_step_context, self.mesh.world)
+        if fitting and self.options.check_first_batch and self.first_batch is None:
+            self._prepare_first_batch_check(str(trainer.precision))
         self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options,
                                                     self._deferred)
         if self._deferred is not None and not fitting:
@@ -261,6 +258,12 @@ class PlanStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._slices_at_cut = fitting and self.resolved_plan.pp > 1 and self._deferred is not None
         self._load_slices()  # a DCP checkpoint given before set-up (Lightning's order), now that the slices exist
+
+    def _prepare_first_batch_check(self, precision: str) -> None:
+        """The whole model's structure kept, before any technique splits it (its weights: at the first batch)."""
+        with self.mesh.stats.uncounted():
+            self._first_batch = FirstBatchCheck.prepare(self.lightning_module, precision,
+                                                        self.precision_plugin.train_step_context, self.mesh.world)
 
     @override
     def setup_precision_plugin(self) -> None:
@@ -737,6 +740,8 @@ class PlanStrategy(ParallelStrategy):
         if any(isinstance(v, Boxed) for v in checkpoint.get("state_dict", {}).values()):  # by slice (`_by_slice`)
             state = {MODEL: checkpoint.pop("state_dict")}
             state.update({optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            # each box several ranks hold alike written (and, asynchronously, copied) by one of them
+            state = share_replicas(state, self.global_rank, lambda obj: comm.all_gather_object(obj, world))
             rest = {**checkpoint, "stratpack": info}
             if self._saver is not None:
                 return self._saver.save_by_slice(state, rest, filepath, rank=self.global_rank)

@@ -40,7 +40,7 @@ ALWAYS = {"--repeat": "1"}
 SIZED = ("train", "compare", "bench", "bench-saves", "large")  # (a rehearsal on meta takes as long at any size)
 SYNOPSIS = {"PLAN": "zero3", "DIR": "ckpt", "OUT": "hf-out"}
 # What takes minutes at any size: run under -m matrix
-SLOW = [r"^rehearse --(matrix|anchors)", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
+SLOW = [r"^rehearse --(matrix|anchors)", r"^rehearse .*--world-size 1024", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
         r"^bench-saves", r"^compare", r"^large", r"--compile inductor"]
 # A line whose command and options another CI test already runs, each with what runs it: under -m matrix
 SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `train dp` at 2 ranks",
@@ -52,6 +52,8 @@ SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `
         "test_restart's `--resume auto` under `zero3_pp2`",
         r"^train ep2 --experts 8 --top-k 2$": "test_expert_bytes' `train ep2 --experts 2 --top-k 2`",
         r"^plan --params 7e9 --gpus 8$": "docs/commands.md's `plan --params 7e9 --gpus 8 --gpu-mem 80`",
+        r"^rehearse zero3_tp2 --world-size 4 --save$": "test_rehearse's `rehearse zero3_tp2 --world-size 4 --save "
+        "--target cuda`, every rank",
         r"^rehearse PLAN --world-size 64$": "README.md's `rehearse PLAN --world-size 64 --all-roles` (rank 0 among "
         "them)",
         # docs/checkpoints.md's chain: test_reshard's `saved` (the same train line), its resume under zero1_pp2 at 4
