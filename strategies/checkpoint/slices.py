@@ -309,10 +309,12 @@ def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -
     """``state`` (`rank_state`'s) with each box that several ranks hold alike (a replica's: dp's weights, a norm tp
     keeps whole) kept by one of them only, so that each rank writes and copies (an asynchronous save's stall) its
     share of what is replicated, not all of it. ``gather(obj)``: every rank's ``obj`` in rank order (a collective;
-    what is gathered is each box's name, offsets, sizes and bytes). Every rank assigns alike: the largest boxes first,
-    each to the holder with the fewest bytes so far."""
+    what is gathered is the name, offsets, sizes and bytes of each box that covers its whole tensor: only those can be
+    replicas, as a ZeRO shard or a tp slice is no other rank's). Every rank assigns alike: the largest boxes first,
+    each to the holder with the fewest bytes so far; a box no other rank holds stays."""
     mine = {(fqn, tuple(o), tuple(s)): d.numel() * d.element_size()
-            for fqn, leaf in _leaves(state, "") if isinstance(leaf, Boxed) for o, s, d in leaf.pieces}
+            for fqn, leaf in _leaves(state, "") if isinstance(leaf, Boxed) for o, s, d in leaf.pieces
+            if tuple(s) == tuple(leaf.shape)}
     holders: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     everyone = gather(list(mine.items()))
@@ -328,7 +330,7 @@ def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -
     def keep(value: Any, fqn: str) -> Any:
         if isinstance(value, Boxed):
             return Boxed(value.shape, [(o, s, d) for o, s, d in value.pieces
-                                       if owner[(fqn, tuple(o), tuple(s))] == rank])
+                                       if owner.get((fqn, tuple(o), tuple(s)), rank) == rank])
         if isinstance(value, dict):
             return {k: keep(v, f"{fqn}.{k}" if fqn else str(k)) for k, v in value.items()}
         return value

@@ -40,7 +40,8 @@ ALWAYS = {"--repeat": "1"}
 SIZED = ("train", "compare", "bench", "bench-saves", "large")  # (a rehearsal on meta takes as long at any size)
 SYNOPSIS = {"PLAN": "zero3", "DIR": "ckpt", "OUT": "hf-out"}
 # What takes minutes at any size: run under -m matrix
-SLOW = [r"^rehearse --(matrix|anchors)", r"^rehearse .*--world-size 1024", r"^plan .*--rehearse", r"^plan --published", r"^bench(?!.*--accelerator gpu)",
+SLOW = [r"^rehearse --(matrix|anchors)", r"^rehearse .*--world-size 1024", r"^plan .*--rehearse", r"^plan --published",
+        r"^bench(?!.*--accelerator gpu)",
         r"^bench-saves", r"^compare", r"^large", r"--compile inductor"]
 # A line whose command and options another CI test already runs, each with what runs it: under -m matrix
 SAME = {r"^train dp --devices 2$": "the compare fixture's and test_run_store's `train dp` at 2 ranks",

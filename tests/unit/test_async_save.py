@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from strategies.checkpoint import async_save, sharded
+from strategies.checkpoint import async_save, is_sharded, sharded
 from strategies.checkpoint.async_save import AsyncSaver
 from strategies.checkpoint.sharded import CheckpointError, load_sharded
 from strategies.comm.stats import Axis
@@ -56,7 +56,7 @@ def test_the_next_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     go.set()
     second.join(10)
     saver.wait()
-    assert sharded.is_sharded(tmp_path / "a") and sharded.is_sharded(tmp_path / "b")
+    assert is_sharded(tmp_path / "a") and is_sharded(tmp_path / "b")
 
 
 def test_a_failed_write_is_raised_at_the_next_wait_and_removes_nothing(tmp_path, monkeypatch):
