@@ -57,6 +57,15 @@ class AsyncSaver:
                                                  gather=lambda obj: comm.all_gather_object(obj, axis),
                                                  barrier=lambda: comm.barrier(axis), info=info))
 
+    @property
+    def staged(self) -> bool:
+        """Whether the host copies of a save by slice are made (`stage_ahead`, or a first save)."""
+        return self._staging is not None
+
+    def stage_ahead(self, state: dict[str, Any]) -> None:
+        """Make the host copies a save of ``state`` (by slice) fills, now, outside any save's stall."""
+        self._staging = stage(state, self._staging)[1]
+
     def save_by_slice(self, state: dict[str, Any], rest: dict[str, Any], path: str, *, rank: int) -> None:
         """`save`, for a checkpoint by slice (`dcp_dir.save_dcp`): the stall is this rank's copy of what it holds to
         host memory (into the previous save's copies where they fit)."""

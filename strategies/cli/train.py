@@ -56,6 +56,7 @@ class RunConfig:
     checkpoint_dir: str | None = None  # save a checkpoint there at the end of every epoch
     checkpoint_every: int | None = None  # ... or every this many optimizer steps (mid-epoch too)
     async_save: bool = False  # a plan's checkpoints written by a background thread (`checkpoint.async_save`)
+    checkpoint_format: str = "dcp"  # a plan's: by slice in DCP, or "gathered" (`PlanOptions.checkpoint_format`)
     resume: str | None = None  # a checkpoint to resume from (sharded directory or single file)
     runs_dir: str | None = None  # the run store (default $STRATPACK_RUNS or ./runs)
     comparison: str | None = None  # the id shared by the runs of one `stratpack compare`
@@ -177,7 +178,7 @@ def _strategy(config: RunConfig) -> Any:
     # --heap measures memory: the check's copy of the model would sit in its set-up figure.
     options: dict[str, Any] = {"check_first_batch": config.check_first_batch and not config.heap,
                                "resume": "auto" if config.resume == "auto" else None,
-                               "async_save": config.async_save,
+                               "async_save": config.async_save, "checkpoint_format": config.checkpoint_format,
                                "param_dtype": param_dtype(config)}
     if config.compile:
         options["compile"] = {"backend": config.compile}

@@ -569,6 +569,10 @@ class PlanStrategy(ParallelStrategy):
         self._steps.optimizer_stepped()
         for technique in self.techniques:
             technique.after_step()  # ZeRO: all-gather the updated shards, refresh offloaded ones
+        if self._saver is not None and not self._saver.staged and self._by_slice():
+            # the host copies an asynchronous save fills, made once the optimizer's state exists: the first save's
+            # stall is then a copy, not the pages' first touch (1.8 s of 2.2 for 0.8 GB here)
+            self._saver.stage_ahead(self._saved_by_slice(self.state_by_slice(optimizer=True)))
         return output
 
     # -- state: every technique undoes its own split, so any plan's state loads under any other ------------
@@ -739,9 +743,8 @@ class PlanStrategy(ParallelStrategy):
         world, info = self.mesh.world, {"plan": str(self.resolved_plan), "pack_version": pack_version()}
         if any(isinstance(v, Boxed) for v in checkpoint.get("state_dict", {}).values()):  # by slice (`_by_slice`)
             state = {MODEL: checkpoint.pop("state_dict")}
-            state.update({optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            # each box several ranks hold alike written (and, asynchronously, copied) by one of them
-            state = share_replicas(state, self.global_rank, lambda obj: comm.all_gather_object(obj, world))
+            state = self._saved_by_slice({**state, **{optimizer_key(i): s for i, s in
+                                                      enumerate(checkpoint.pop("optimizer_states", []))}})
             rest = {**checkpoint, "stratpack": info}
             if self._saver is not None:
                 return self._saver.save_by_slice(state, rest, filepath, rank=self.global_rank)
@@ -753,6 +756,11 @@ class PlanStrategy(ParallelStrategy):
                      broadcast=lambda obj: comm.broadcast_object(obj, world, src=0),
                      gather=lambda obj: comm.all_gather_object(obj, world), barrier=lambda: comm.barrier(world),
                      info=info)
+
+    def _saved_by_slice(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What this rank writes of ``state`` (`state_by_slice`'s): each box several ranks hold alike written (and,
+        asynchronously, copied) by one of them (`slices.share_replicas`, a collective)."""
+        return share_replicas(state, self.global_rank, lambda obj: comm.all_gather_object(obj, self.mesh.world))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

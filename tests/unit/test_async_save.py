@@ -93,10 +93,12 @@ def test_bench_saves_reports_the_stall_ratio_and_steps_per_second_against_no_sav
     results = {"off": {"step_time_s": 2.0},
                "sync": {"step_time_s": 4.0, "checkpoint": {"saves": 2, "stall_s": 5.0, "stall_s_later": 5.0}},
                "async": {"step_time_s": 2.5, "checkpoint": {"saves": 2, "stall_s": 0.5, "stall_s_first": 0.8,
-                                                            "stall_s_later": 0.2, "write_s": 6.0}}}
+                                                            "stall_s_later": 0.2, "write_s": 6.0}},
+               "gathered": {"step_time_s": 5.0, "checkpoint": {"saves": 2, "stall_s": 8.0}}}
     rows = [bench_saves.row(mode, results[mode], results["off"]) for mode in bench_saves.MODES]
-    assert [r["vs off"] for r in rows] == [1.0, 0.5, 0.8]
+    assert [r["vs off"] for r in rows] == [1.0, 0.5, 0.8, 0.4]
     args = argparse.Namespace(plan="dp", devices=4, n_layer=16, n_embd=1024, steps=25, every=10)
     text = bench_saves.report(rows, args, 201_000_000)
     assert "201M parameters" in text and "asynchronous / synchronous: **0.100** over every save, **0.040**" in text
     assert "| async | 0.400 | 0.80x | 2 | 0.50 | 0.80 | 0.20 | 6.00 |" in text
+    assert "by slice / gathered (the format before #59): **0.625**" in text
