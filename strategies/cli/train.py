@@ -441,6 +441,9 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-save", action="store_true",
                    help="with --checkpoint-dir under a plan: write checkpoints in the background, training waiting "
                         "only for each rank's copy to host memory (checkpoint/stall_s in the run store)")
+    p.add_argument("--checkpoint-format", choices=("dcp", "gathered"), default="dcp",
+                   help="under a plan: each rank writes its slice in torch's DCP format (default), or the gathered "
+                        "format (every rank gathering the whole state: the pack's before #59)")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (sharded directory or file); auto: "
                    "the newest complete one in --checkpoint-dir, if any (a job restarted by torchrun, SLURM)")
 
