@@ -78,8 +78,8 @@ def save_dcp(state: dict[str, Any], rest: dict[str, Any], path: str | os.PathLik
 
 def stage(state: Any, staging: dict[str, torch.Tensor] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
     """``state`` with every box's data and every tensor copied to host memory (pinned from a GPU, the copies in flight
-    together), for a save written while training goes on; the copies by position, which the next save writes over
-    where they fit (``staging``)."""
+    together), for a save written while training goes on; the copies by flattened name and offsets, which the next
+    save writes over where they fit (``staging``)."""
     staging, copies = staging or {}, {}
 
     def copy(key: str, t: torch.Tensor) -> torch.Tensor:
@@ -227,51 +227,24 @@ def by_index(named: dict[str, Any]) -> dict[str, Any]:
 
 def load_into(state: dict[str, Any], path: str | os.PathLike, strict: bool = True) -> None:
     """Fill ``state`` (`slices.rank_state`'s boxes, under this format's names) from the DCP directory ``path``, each
-    rank reading only what overlaps its boxes; ``strict``: every entry must be in the checkpoint."""
+    rank reading only what overlaps its boxes; ``strict``: every entry must be in the checkpoint. Each rank checks its
+    own entries inside DCP's planning, which raises any rank's error on every rank (under pp the stages differ)."""
     saved = read_metadata(path).state_dict_metadata
     mine = leaves(state)
-    missing = sorted(fqn for fqn, _ in mine if fqn not in saved)
-    if strict and missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{os.fspath(path)} does not hold {', '.join(missing[:5])}{more}: saved from another "
-                              "model (or pass strict_loading=False on the LightningModule)")
-    # DCP reads whatever overlaps: a tensor of another shape would load in part, without a word
-    wrong = [(fqn.split(".", 1)[-1], torch.Size(saved[fqn].size), torch.Size(leaf.shape)) for fqn, leaf in mine
-             if isinstance(leaf, (Boxed, torch.Tensor)) and fqn in saved and hasattr(saved[fqn], "size")
-             and torch.Size(saved[fqn].size) != torch.Size(leaf.shape)]
-    if wrong:
-        raise CheckpointError("the checkpoint does not fit this model: " + "; ".join(
-            f"size mismatch for {name}: copying a param with shape {theirs} from checkpoint, the shape in current "
-            f"model is {ours}" for name, theirs, ours in wrong[:5]))
-    load_state(state, os.fspath(path), partial=not strict)
 
+    def check() -> None:
+        absent = sorted(fqn for fqn, _ in mine if fqn not in saved)
+        if strict and absent:
+            more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+            raise CheckpointError(f"{os.fspath(path)} does not hold {', '.join(absent[:5])}{more}: saved from "
+                                  "another model (or pass strict_loading=False on the LightningModule)")
+        # DCP reads whatever overlaps: a tensor of another shape would load in part, without a word
+        wrong = [(fqn.split(".", 1)[-1], torch.Size(saved[fqn].size), torch.Size(leaf.shape)) for fqn, leaf in mine
+                 if isinstance(leaf, (Boxed, torch.Tensor)) and fqn in saved and hasattr(saved[fqn], "size")
+                 and torch.Size(saved[fqn].size) != torch.Size(leaf.shape)]
+        if wrong:
+            raise CheckpointError("the checkpoint does not fit this model: " + "; ".join(
+                f"size mismatch for {name}: copying a param with shape {theirs} from checkpoint, the shape in current "
+                f"model is {ours}" for name, theirs, ours in wrong[:5]))
 
-class DcpReader:
-    """The weights of a DCP checkpoint, one tensor at a time (`pretrained.sharded_to_pretrained`): ``index``, the
-    module's state names; ``tensor(name)`` reads that one whole, from only the chunks that hold it."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
-        self._meta = read_metadata(self.path).state_dict_metadata
-        self.index = {fqn.removeprefix(f"{MODEL}."): fqn for fqn in self._meta if fqn.startswith(f"{MODEL}.")}
-
-    def tensor(self, key: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-
-        meta = self._meta[self.index[key]]
-        out = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load({MODEL: {key: out}}, checkpoint_id=self.path, no_dist=True)
-        return out
-
-
-def describe(path: str | os.PathLike) -> tuple[str, int]:
-    """The plan and the number of ranks that saved the DCP checkpoint at ``path`` (``?`` for the plan where another
-    tool wrote it)."""
-    path = os.fspath(path)
-    files = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
-    try:
-        rest = torch.load(os.path.join(path, META), weights_only=True)
-        plan = rest.get("stratpack", {}).get("plan", "?")
-    except Exception:  # noqa: BLE001 - a checkpoint another tool wrote
-        plan = "?"
-    return plan, len(files)
+    load_state(state, os.fspath(path), partial=not strict, check=check)

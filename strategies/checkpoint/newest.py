@@ -56,6 +56,8 @@ def _incomplete(path: str) -> str | None:
     if os.path.isdir(path):
         try:
             read_metadata(path) if is_dcp(path) else read_manifest(path)
+            if is_dcp(path) and not os.path.isfile(os.path.join(path, "meta.pt")):
+                return "a DCP directory without meta.pt (not a Lightning checkpoint)"
         except CheckpointError as err:
             return str(err)
         return None

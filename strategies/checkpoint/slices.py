@@ -7,10 +7,9 @@ dimension in); a tensor-parallel rank's boxes are then moved to where its slice 
 offsets (`Boxed`, torch's `_Checkpointable` protocol: no collective to describe them, DCP gathers every rank's
 plan once per save, and a box several ranks hold alike is written once), so `torch.distributed.checkpoint.load`
 reads the checkpoint into any layout (a whole module in one process, FSDP2's DTensors) and no rank gathers anything
-to write it; `load_by_slice` reads any saved layout back into the shards, each rank its own boxes. Not yet wired
-into Lightning's checkpoints (`save_checkpoint` still gathers whole): `rank_state` gives any plan's state so, each
-technique saying what it holds (`PlanStrategy.state_by_slice`), and `load_state` fills it from any layout
-(docs/checkpoints.md, "By slice").
+to write it; `load_by_slice` reads any saved layout back into the shards, each rank its own boxes. `rank_state`
+gives any plan's state so, each technique saying what it holds (`PlanStrategy.state_by_slice`: Lightning's
+checkpoints, `dcp_dir`), and `load_state` fills it from any layout (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -131,11 +130,12 @@ def _save_planner() -> Any:
     return Planner()
 
 
-def _load_planner(partial: bool = False) -> Any:
+def _load_planner(partial: bool = False, check: Callable[[], None] | None = None) -> Any:
     """DCP's default load planner, which fills a `Boxed` tensor's boxes in place (as `_save_planner`). Its set-up
     replaces every leaf it does not know with None (torch's `_init_state_dict`, which makes meta tensors real): the
     boxes are put back after it, in the caller's dict and in the planner's flattened one. ``partial``: entries the
-    checkpoint lacks keep their values (else DCP refuses the load)."""
+    checkpoint lacks keep their values (else DCP refuses the load). ``check``: run in DCP's local planning step, whose
+    error DCP raises on every rank (a rank that raised before the load would leave the others waiting in it)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class Planner(DefaultLoadPlanner):
@@ -152,6 +152,11 @@ def _load_planner(partial: bool = False) -> Any:
         def lookup_tensor(self, index: Any) -> torch.Tensor:
             found = self.state_dict.get(index.fqn)
             return found.__get_tensor_shard__(index) if isinstance(found, Boxed) else super().lookup_tensor(index)
+
+        def create_local_plan(self) -> Any:
+            if check is not None:
+                check()
+            return super().create_local_plan()
 
     return Planner(allow_partial_load=partial)
 
@@ -207,7 +212,7 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
     """The optimizer's state of ``flats`` by parameter name, as torch's `get_optimizer_state_dict` names it
     (``state.<name>.<key>``): each state laid out as the shard (AdamW's moments, SGD's momentum) in the rank's
     boxes, each scalar (AdamW's step: one per flat) given to each of the flat's parameters. Hyperparameters are
-    the user's (`configure_optimizers`), not saved here. A collective, as `sharded_weights`."""
+    the user's (`configure_optimizers`), not saved here. Nothing is sent."""
     if any(not optimizer.state.get(flat.master) for flat in flats):  # (alike on every rank: all stepped as many times)
         raise ValueError("the optimizer holds no state for these shards yet (torch makes it at the first step): save "
                          "or load its state after a step, or the weights alone (optimizer=None)")
@@ -240,8 +245,9 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
     buffer_names = {name for name, _ in module.named_buffers()}
     buffers = {k: v for k, v in module.state_dict().items() if k not in named and k in buffer_names}
     if buffers and not all(holds(name) for name in named):
-        raise NotImplementedError(f"saving by slice under pp: the module's buffers ({', '.join(sorted(buffers))}) "
-                                  "are not yet placed by stage; save the gathered checkpoint")
+        raise NotImplementedError(f"saving or loading by slice under pp: the module's buffers "
+                                  f"({', '.join(sorted(buffers))}) are not yet placed by stage; such a plan saves the "
+                                  "gathered format, and resumes from it (not yet from a DCP checkpoint)")
     weights = {**sharded_weights(flats), **_whole({**{n: p.detach() for n, p in whole.items()}, **buffers})}
     state: dict[str, Any] = {"model": _aliased(module, {n: place(n, box) for n, box in weights.items()})}
     if optimizer is not None:
@@ -309,12 +315,11 @@ def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -
     """``state`` (`rank_state`'s) with each box that several ranks hold alike (a replica's: dp's weights, a norm tp
     keeps whole) kept by one of them only, so that each rank writes and copies (an asynchronous save's stall) its
     share of what is replicated, not all of it. ``gather(obj)``: every rank's ``obj`` in rank order (a collective;
-    what is gathered is the name, offsets, sizes and bytes of each box that covers its whole tensor: only those can be
-    replicas, as a ZeRO shard or a tp slice is no other rank's). Every rank assigns alike: the largest boxes first,
-    each to the holder with the fewest bytes so far; a box no other rank holds stays."""
+    what is gathered is each box's name, offsets, sizes and bytes: a dp replica of a tp slice is one too, so every
+    box is listed, O(boxes x ranks) small objects on each rank, as DCP's own plan on its coordinator). Every rank
+    assigns alike: the largest boxes first, each to the holder with the fewest bytes so far."""
     mine = {(fqn, tuple(o), tuple(s)): d.numel() * d.element_size()
-            for fqn, leaf in _leaves(state, "") if isinstance(leaf, Boxed) for o, s, d in leaf.pieces
-            if tuple(s) == tuple(leaf.shape)}
+            for fqn, leaf in _leaves(state, "") if isinstance(leaf, Boxed) for o, s, d in leaf.pieces}
     holders: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     everyone = gather(list(mine.items()))
@@ -354,13 +359,14 @@ def save_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -
     dcp.save(state, checkpoint_id=path, process_group=group, planner=_save_planner())
 
 
-def load_state(state: dict, path: str, group: dist.ProcessGroup | None = None, partial: bool = False) -> None:
+def load_state(state: dict, path: str, group: dist.ProcessGroup | None = None, partial: bool = False,
+               check: Callable[[], None] | None = None) -> None:
     """Fill ``state`` (`rank_state`'s: views of what the rank holds) in place from the DCP checkpoint at ``path``,
     each rank reading only the chunks that overlap its boxes, whatever layout saved them (``partial``: entries the
-    checkpoint lacks are left as they are)."""
+    checkpoint lacks are left as they are; ``check``: see `_load_planner`)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=path, process_group=group, planner=_load_planner(partial))
+    dcp.load(state, checkpoint_id=path, process_group=group, planner=_load_planner(partial, check))
 
 
 def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,

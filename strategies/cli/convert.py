@@ -41,7 +41,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     what = f"model state_dict ({len(obj)} tensors)" if args.model_only else "Lightning checkpoint"
-    print(f"{args.out}: {what} from a {plan} checkpoint of {ranks} rank(s)")
+    print(f"{args.out}: {what} from a {plan} checkpoint written as {ranks} part(s)")
     return 0
 
 

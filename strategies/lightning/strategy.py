@@ -37,7 +37,7 @@ from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
 from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, save_dcp, saved_keys
 from strategies.checkpoint.directory import is_dcp
-from strategies.checkpoint.slices import Boxed, make_optimizer_state, rank_state, share_replicas
+from strategies.checkpoint.slices import make_optimizer_state, rank_state, share_replicas
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import (
@@ -650,6 +650,7 @@ class PlanStrategy(ParallelStrategy):
         raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
         if raw is not None and any(k.startswith(f"{key}.state.") for k in saved):
             make_optimizer_state(raw)
+            self._drop_unsaved_state(raw, saved, key)
         state = self.state_by_slice(optimizer)
         if not model:
             del state[MODEL]
@@ -658,11 +659,27 @@ class PlanStrategy(ParallelStrategy):
             if not any(k.startswith(f"{key}.state.") for k in saved):
                 state[key].pop("state")  # saved before a first step: the optimizer starts as it is
             state[key]["param_groups"] = _saved_groups(raw, groups, saved, key)
+            ours = [list(group["params"]) for group in groups]
         load_into(state, path, strict)
         for technique in self.techniques if model else ():
             technique.after_slice_load()
-        for group, read in zip(raw.param_groups if raw is not None else (), state.get(key, {}).get("param_groups", ())):
+        for i, (group, read) in enumerate(zip(raw.param_groups if raw is not None else (),
+                                               state.get(key, {}).get("param_groups", ()))):
+            if "params" in read and sorted(read["params"]) != sorted(ours[i]):  # (alike on every rank)
+                raise ValueError(f"the checkpoint's optimizer param group {i} holds other parameters than this one's "
+                                 "(a different configure_optimizers)")
             group.update({k: v for k, v in read.items() if k != "params"})  # (a scheduler's learning rate...)
+
+    def _drop_unsaved_state(self, optimizer: Any, saved: set[str], key: str) -> None:
+        """The state `make_optimizer_state` made for a parameter the checkpoint holds none for (one no step ever
+        reached, unused) taken back: AdamW would count a step it never took."""
+        prefix = f"{key}.state."
+        have = {k[len(prefix):k.rindex(".")] for k in saved if k.startswith(prefix)}
+        names = {id(p): [n] for n, p in self.lightning_module.named_parameters()}
+        names.update({id(flat.master): list(flat.names) for t in self.techniques for flat in t.sliced_flats()})
+        for p in [p for group in optimizer.param_groups for p in group["params"]]:
+            if not any(n in have for n in names.get(id(p), [])):
+                optimizer.state.pop(p, None)
 
     def _load_slices(self) -> None:
         """The DCP checkpoint Lightning gave (`load_model_state_dict`), read into this rank's slices once they exist:
@@ -741,7 +758,7 @@ class PlanStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("PlanStrategy's sharded checkpoints take no storage_options")
         world, info = self.mesh.world, {"plan": str(self.resolved_plan), "pack_version": pack_version()}
-        if any(isinstance(v, Boxed) for v in checkpoint.get("state_dict", {}).values()):  # by slice (`_by_slice`)
+        if self._by_slice():  # (alike on every rank, as what the dump above holds)
             state = {MODEL: checkpoint.pop("state_dict")}
             state = self._saved_by_slice({**state, **{optimizer_key(i): s for i, s in
                                                       enumerate(checkpoint.pop("optimizer_states", []))}})

@@ -72,6 +72,15 @@ def _interop(factory) -> tuple[list[subprocess.CompletedProcess], Path]:
     return runs, folder
 
 
+def _unused(factory) -> tuple[list[subprocess.CompletedProcess], Path]:
+    """`_unused_job.py`: saved under tp2@2 after 2 steps, resumed for a third."""
+    folder, job = factory.mktemp("unused"), str(SCRIPT.with_name("_unused_job.py"))
+    first = lane.run([python.core(), job, str(folder / "a.ckpt"), "tp2", "2"], timeout=600,
+                     cwd=Path(__file__).parents[2])
+    return [first, lane.run([python.core(), job, str(folder / "b.ckpt"), "tp2", "3", str(folder / "a.ckpt")],
+                            timeout=600, cwd=Path(__file__).parents[2])], folder
+
+
 INTEROP = [("mps", 2, "mps", 2, None), ("pack", 8, "zero3_tp2_pp2", 3, "mps"), ("mps_again", 2, "mps", 4, "pack")]
 
 SAVE_HEAP = [("zero3", 4, 3, None), ("tp2_pp2", 4, 6, "zero3"), ("zero3_tp2_pp2", 8, 9, "tp2_pp2")]
@@ -80,6 +89,7 @@ WORK = {"test_two_rank_plans_from_a_script_that_ends_after_fit": (_script, 2, tu
         "test_each_rank_saves_its_slice_of_a_fit_and_plain_dcp_reads_it_whole": (_slices,),
         "test_a_save_and_a_resume_hold_a_ranks_slice_and_a_tensor_more_than_its_steps": (_save_heap,),
         "test_lightnings_model_parallel_strategy_and_the_pack_resume_each_others_checkpoints": (_interop,),
+        "test_a_parameter_no_step_reached_resumes_without_optimizer_state": (_unused,),
         "test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_script_prints": (
             partial(_script, BATCH="6", BUILDS="configure_model"), 2, ("pp2_1f1b_mb4",)),
         "test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model": (_fit_then_test,)}
@@ -217,6 +227,15 @@ def test_lightnings_model_parallel_strategy_and_the_pack_resume_each_others_chec
                    for k, entry in before["moments"].items() for m, v in entry.items()), (saved, resumed)
     assert not torch.equal(torch.load(folder / "mps.pt")["weights"]["model.tok_emb.weight"],
                            torch.load(folder / "pack.pt")["weights"]["model.tok_emb.weight"])  # (the pack trained on)
+
+
+def test_a_parameter_no_step_reached_resumes_without_optimizer_state(request):
+    """#59: AdamW makes no state for a parameter without a gradient, so a checkpoint by slice holds none for it; the
+    resume's step on zero gradients (which makes the state to read into) must not give it one (a strict load then
+    refused the checkpoint; under pp only the stage holding it would have). Planted, the made state kept: fails."""
+    runs, _ = _ran(request)
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-3000:] for run in runs]
+    assert [run.stdout.split("OK", 1)[1].split() for run in runs] == [["2", "30"], ["3", "30"]]
 
 
 def _payload_per_file(path: str) -> dict[str, int]:
