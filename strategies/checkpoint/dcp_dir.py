@@ -25,16 +25,8 @@ from typing import Any
 
 import torch
 
-from strategies.checkpoint.directory import (
-    CheckpointError,
-    attempt,
-    host_copy,
-    is_dcp,
-    missing,
-    raise_failures,
-    refuse_non_checkpoint,
-    swap_in,
-)
+from strategies.checkpoint import directory
+from strategies.checkpoint.directory import CheckpointError, swap_in
 from strategies.checkpoint.slices import Boxed, load_state, save_state
 from strategies.files import atomic_write
 
@@ -61,7 +53,7 @@ def save_dcp(state: dict[str, Any], rest: dict[str, Any], path: str | os.PathLik
     """Write ``state`` (every rank its own: `slices.Boxed` and tensors) and, from rank 0, ``rest`` as the DCP directory
     ``path``. Every rank must call this; the collectives run over ``group`` (DCP's) and ``broadcast``/``barrier``."""
     path = os.fspath(path)
-    refuse_non_checkpoint(path)
+    directory.refuse_non_checkpoint(path)
     token = broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     tmp = f"{path}.tmp-{token}"
 
@@ -69,10 +61,11 @@ def save_dcp(state: dict[str, Any], rest: dict[str, Any], path: str | os.PathLik
         os.makedirs(tmp, exist_ok=True)
         atomic_write(os.path.join(tmp, META), lambda f: torch.save(rest, f), binary=True)
 
-    raise_failures([broadcast(attempt(write_rest) if rank == 0 else None) or (None, None)], "writing meta.pt of")
+    written = directory.attempt(write_rest) if rank == 0 else None
+    directory.raise_failures([broadcast(written) or (None, None)], "writing meta.pt of")
     save_state(state, tmp, group)  # (a rank that fails raises on every rank: DCP gathers each rank's outcome)
-    status = attempt(lambda: swap_in(path, tmp, token)) if rank == 0 else None
-    raise_failures([broadcast(status)], "moving in")
+    status = directory.attempt(lambda: swap_in(path, tmp, token)) if rank == 0 else None
+    directory.raise_failures([broadcast(status)], "moving in")
     barrier()
 
 
@@ -83,7 +76,7 @@ def stage(state: Any, staging: dict[str, torch.Tensor] | None = None) -> tuple[A
     staging, copies = staging or {}, {}
 
     def copy(key: str, t: torch.Tensor) -> torch.Tensor:
-        copies[key] = host_copy(t.detach(), staging.get(key))
+        copies[key] = directory.host_copy(t.detach(), staging.get(key))
         return copies[key]
 
     def walk(value: Any, key: str) -> Any:
@@ -110,8 +103,8 @@ def read_metadata(path: str | os.PathLike) -> Any:
 
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise missing(path)
-    if not is_dcp(path):
+        raise directory.missing(path)
+    if not directory.is_dcp(path):
         raise CheckpointError(f"{path} is not a complete DCP checkpoint: it has no {METADATA} (a save that did not "
                               "finish, or another kind of directory)")
     try:
@@ -248,3 +241,34 @@ def load_into(state: dict[str, Any], path: str | os.PathLike, strict: bool = Tru
                 f"model is {ours}" for name, theirs, ours in wrong[:5]))
 
     load_state(state, os.fspath(path), partial=not strict, check=check)
+
+
+class DcpReader:
+    """The weights of a DCP checkpoint, one tensor at a time (`pretrained.sharded_to_pretrained`): ``index``, the
+    module's state names; ``tensor(name)`` reads that one whole, from only the chunks that hold it."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._meta = read_metadata(self.path).state_dict_metadata
+        self.index = {fqn.removeprefix(f"{MODEL}."): fqn for fqn in self._meta if fqn.startswith(f"{MODEL}.")}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        meta = self._meta[self.index[key]]
+        out = torch.empty(meta.size, dtype=meta.properties.dtype)
+        dcp.load({MODEL: {key: out}}, checkpoint_id=self.path, no_dist=True)
+        return out
+
+
+def describe(path: str | os.PathLike) -> tuple[str, int]:
+    """The plan and the number of files of the DCP checkpoint at ``path`` (a rank that held nothing of its own to
+    write has none; ``?`` for the plan where another tool wrote it)."""
+    path = os.fspath(path)
+    files = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
+    try:
+        rest = torch.load(os.path.join(path, META), weights_only=True)
+        plan = rest.get("stratpack", {}).get("plan", "?")
+    except Exception:  # noqa: BLE001 - a checkpoint another tool wrote
+        plan = "?"
+    return plan, len(files)

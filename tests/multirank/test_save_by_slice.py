@@ -243,8 +243,8 @@ def test_zero3_tp2_saves_its_shards_of_tp_slices_and_plain_dcp_loads_them_whole(
 
 def test_each_box_several_ranks_hold_alike_is_written_by_one_of_them_and_the_rest_by_their_own():
     """`share_replicas`: three ranks hold a replicated weight and bias whole (dp's) and each its own shard of another
-    (ZeRO's): each whole box kept by exactly one of its holders, the largest first to the least loaded (the weight to
-    rank 0, the bias to rank 1), every shard by its own rank; all ranks assign alike from the same gathered lists."""
+    (ZeRO's): each replicated box kept by exactly one of its holders, the largest first to the least loaded (the
+    weight to rank 0, the bias to rank 1), every shard by its own rank; all ranks assign alike from the same lists."""
     from strategies.checkpoint.slices import Boxed, share_replicas
 
     def state(rank: int) -> dict:
@@ -252,10 +252,10 @@ def test_each_box_several_ranks_hold_alike_is_written_by_one_of_them_and_the_res
         return {"state_dict": {"w": Boxed((4, 4), [((0, 0), (4, 4), weight)]), "b": Boxed((4,), [((0,), (4,), bias)]),
                                "z": Boxed((9,), [((3 * rank,), (3,), flat)])}}
 
-    listed = []  # what each rank gives the gather: its whole boxes only
-    share_replicas(state(0), 0, lambda obj: listed.append(obj) or [obj])
-    assert sorted(key[0] for key, _ in listed[0]) == ["state_dict.b", "state_dict.w"]
-    everyone = [listed[0]] * 3  # (alike on every rank of a replica group)
+    everyone = []  # what each rank gives the gather: every box's name, offsets, sizes and bytes
+    for r in range(3):
+        share_replicas(state(r), r, lambda obj: everyone.append(obj) or [obj])
+    assert sorted(key[0] for key, _ in everyone[0]) == ["state_dict.b", "state_dict.w", "state_dict.z"]
     kept = [share_replicas(state(r), r, lambda obj: everyone)["state_dict"] for r in range(3)]
     assert [len(k["w"].pieces) for k in kept] == [1, 0, 0] and [len(k["b"].pieces) for k in kept] == [0, 1, 0]
     assert [k["z"].pieces[0][0] for k in kept] == [(0,), (3,), (6,)]
