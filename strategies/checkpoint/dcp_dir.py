@@ -27,7 +27,7 @@ import torch
 
 from strategies.checkpoint import directory
 from strategies.checkpoint.directory import CheckpointError, swap_in
-from strategies.checkpoint.slices import Boxed, load_state, save_state
+from strategies.checkpoint.slices import Boxed, leaves, load_state, save_state
 from strategies.files import atomic_write
 
 META = "meta.pt"
@@ -146,21 +146,6 @@ def load_rest(path: str | os.PathLike, weights_only: bool | None = None) -> dict
     return rest
 
 
-def saved_keys(path: str | os.PathLike) -> set[str]:
-    """The flattened names (``state_dict.<name>``, ``optimizer_0.state.<name>.<key>``...) the checkpoint holds."""
-    return set(read_metadata(path).state_dict_metadata)
-
-
-def leaves(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """The leaves of ``state`` (nested dicts and lists) by the flattened names DCP gives them (its
-    ``flatten_state_dict``)."""
-    if isinstance(state, dict):
-        return [kv for key, value in state.items() for kv in leaves(value, f"{prefix}{key}.")]
-    if isinstance(state, list) and any(isinstance(v, (dict, list, torch.Tensor, Boxed)) for v in state):
-        return [kv for i, value in enumerate(state) for kv in leaves(value, f"{prefix}{i}.")]
-    return [(prefix[:-1], state)]
-
-
 def load_whole(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """The whole Lightning checkpoint from a DCP directory, in one process, as the single-file format holds it (the
     optimizer's state by index). For converting and for strategies that are not a plan; training loads by slice."""
@@ -218,11 +203,12 @@ def by_index(named: dict[str, Any]) -> dict[str, Any]:
             "param_groups": groups}
 
 
-def load_into(state: dict[str, Any], path: str | os.PathLike, strict: bool = True) -> None:
+def load_into(state: dict[str, Any], path: str | os.PathLike, strict: bool = True, metadata: Any = None) -> None:
     """Fill ``state`` (`slices.rank_state`'s boxes, under this format's names) from the DCP directory ``path``, each
     rank reading only what overlaps its boxes; ``strict``: every entry must be in the checkpoint. Each rank checks its
-    own entries inside DCP's planning, which raises any rank's error on every rank (under pp the stages differ)."""
-    saved = read_metadata(path).state_dict_metadata
+    own entries inside DCP's planning, which raises any rank's error on every rank (under pp the stages differ).
+    ``metadata``: `read_metadata`'s, where the caller has read it already."""
+    saved = (metadata or read_metadata(path)).state_dict_metadata
     mine = leaves(state)
 
     def check() -> None:

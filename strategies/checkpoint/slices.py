@@ -232,13 +232,15 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
 
 def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed], Boxed] = _as_is,
                holds: Callable[[str], bool] = lambda name: True,
-               optimizer: torch.optim.Optimizer | None = None) -> dict:
+               optimizer: torch.optim.Optimizer | None = None, groups: list[list[str]] | None = None) -> dict:
     """What this rank holds of the single-process state, as boxes in the whole tensors (`Boxed`): ``model``, the
     weights (ZeRO's shards of ``flats``, and every parameter outside them whole: a replica's, a pipeline stage's
     own, ``holds``), each placed by ``place`` (tensor parallel's slices: `TensorSlices.place_one`), every name of a
     tied one; with ``optimizer``, ``optim``, its state alike (for the flats as `sharded_optimizer_state` names it,
-    the rest whole). Nothing is gathered. The buffers a module keeps in its state dict are refused where a rank
-    does not hold every parameter (not yet placed by stage)."""
+    the rest whole) and its param groups as torch's ``get_optimizer_state_dict`` writes them (the hyperparameters,
+    and ``groups``, the single-process names of each group's parameters, under ``params``). Nothing is gathered. The
+    buffers a module keeps in its state dict are refused where a rank does not hold every parameter (not yet placed
+    by stage)."""
     named = dict(module.named_parameters())
     flat_names = {name for flat in flats for name in flat.names}
     whole = {name: p for name, p in named.items() if name not in flat_names and holds(name)}
@@ -253,7 +255,8 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
     if optimizer is not None:
         stepped = not flats or all(optimizer.state.get(flat.master) for flat in flats)  # (none before a first step)
         state["optim"] = sharded_optimizer_state(flats, optimizer, place=place) if flats and stepped else {"state": {}}
-        state["optim"]["param_groups"] = named_groups(module, flats, optimizer)
+        state["optim"]["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+                                          for group, names in zip(optimizer.param_groups, groups or [])]
         held = {id(p): name for name, p in whole.items()}
         for param, entry in optimizer.state.items():
             if id(param) in held:
@@ -262,15 +265,6 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
                                   v.shape == param.shape})
                 state["optim"]["state"][name] = {**entry, **{k: place(name, box) for k, box in tensors.items()}}
     return state
-
-
-def named_groups(module: torch.nn.Module, flats: list, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The optimizer's param groups as torch's ``get_optimizer_state_dict`` writes them: the hyperparameters, and under
-    ``params`` the single-process names of what each group holds (a ZeRO flat's: every parameter it packs)."""
-    names = {id(p): [name] for name, p in module.named_parameters()}
-    names.update({id(flat.master): list(flat.names) for flat in flats})
-    return [{**{k: v for k, v in group.items() if k != "params"},
-             "params": [n for p in group["params"] for n in names.get(id(p), [])]} for group in optimizer.param_groups]
 
 
 def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -319,7 +313,7 @@ def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -
     box is listed, O(boxes x ranks) small objects on each rank, as DCP's own plan on its coordinator). Every rank
     assigns alike: the largest boxes first, each to the holder with the fewest bytes so far."""
     mine = {(fqn, tuple(o), tuple(s)): d.numel() * d.element_size()
-            for fqn, leaf in _leaves(state, "") if isinstance(leaf, Boxed) for o, s, d in leaf.pieces}
+            for fqn, leaf in leaves(state) if isinstance(leaf, Boxed) for o, s, d in leaf.pieces}
     holders: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     everyone = gather(list(mine.items()))
@@ -343,13 +337,14 @@ def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -
     return keep(state, "")
 
 
-def _leaves(state: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """(DCP's flattened name, leaf) of the dicts in ``state`` (lists are leaves here: no box lies in one)."""
+def leaves(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The leaves of ``state`` (nested dicts and lists) by the flattened names DCP gives them (its
+    ``flatten_state_dict``)."""
     if isinstance(state, dict):
-        for key, value in state.items():
-            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    else:
-        yield prefix, state
+        return [kv for key, value in state.items() for kv in leaves(value, f"{prefix}{key}.")]
+    if isinstance(state, list) and any(isinstance(v, (dict, list, torch.Tensor, Boxed)) for v in state):
+        return [kv for i, value in enumerate(state) for kv in leaves(value, f"{prefix}{i}.")]
+    return [(prefix[:-1], state)]
 
 
 def save_state(state: dict, path: str, group: dist.ProcessGroup | None = None) -> None:

@@ -21,8 +21,8 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from typing_extensions import override
 
 from strategies import comm
-from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, leaves, optimizer_key
-from strategies.checkpoint.slices import Boxed, make_optimizer_state
+from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, optimizer_key
+from strategies.checkpoint.slices import Boxed, leaves, make_optimizer_state
 from strategies.lightning.strategy import PlanStrategy
 from strategies.measure.meta_heap import uncounted
 from strategies.tensors import meta_cast

@@ -35,7 +35,7 @@ from typing_extensions import override
 from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
-from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, save_dcp, saved_keys
+from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, read_metadata, save_dcp
 from strategies.checkpoint.directory import is_dcp
 from strategies.checkpoint.slices import make_optimizer_state, rank_state, share_replicas
 from strategies.clipping import clip_pieces
@@ -626,18 +626,16 @@ class PlanStrategy(ParallelStrategy):
                 box = technique.place_box(name, box)
             return box
 
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if optimizer else []
+        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
+        groups = None
+        if raw is not None:  # the single-process groups by name, alike on every rank (every stage's: pp keeps them)
+            names = iter(optimizer_names(self.lightning_module, raw))
+            groups = [[next(names) for _ in group["params"]] for group in raw.param_groups]
+            for technique in techniques:
+                groups = technique.named_groups(groups)
         state = rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
-                           lambda name: all(t.holds(name) for t in techniques), optimizers[0] if optimizers else None)
-        if not optimizers:
-            return {MODEL: state["model"]}
-        names = iter(optimizer_names(self.lightning_module, optimizers[0]))  # (every stage's: pp keeps them all)
-        groups = [[next(names) for _ in group["params"]] for group in optimizers[0].param_groups]
-        for technique in techniques:
-            groups = technique.named_groups(groups)
-        for group, held in zip(state["optim"]["param_groups"], groups):
-            group["params"] = held  # the single-process groups, alike on every rank (DCP writes them once)
-        return {MODEL: state["model"], optimizer_key(0): state["optim"]}
+                           lambda name: all(t.holds(name) for t in techniques), raw, groups)
+        return {MODEL: state["model"], **({optimizer_key(0): state["optim"]} if raw is not None else {})}
 
     def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
         """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
@@ -646,7 +644,8 @@ class PlanStrategy(ParallelStrategy):
         With ``optimizer``, its state is made first where no step has made it yet, and its hyperparameters read;
         ``model=False``: the optimizer's part only (Lightning loads the two apart)."""
         path, key = os.fspath(path), optimizer_key(0)
-        saved = saved_keys(path)
+        metadata = read_metadata(path)
+        saved = set(metadata.state_dict_metadata)
         raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
         if raw is not None and any(k.startswith(f"{key}.state.") for k in saved):
             make_optimizer_state(raw)
@@ -660,7 +659,7 @@ class PlanStrategy(ParallelStrategy):
                 state[key].pop("state")  # saved before a first step: the optimizer starts as it is
             state[key]["param_groups"] = _saved_groups(raw, groups, saved, key)
             ours = [list(group["params"]) for group in groups]
-        load_into(state, path, strict)
+        load_into(state, path, strict, metadata)
         for technique in self.techniques if model else ():
             technique.after_slice_load()
         for i, (group, read) in enumerate(zip(raw.param_groups if raw is not None else (),
