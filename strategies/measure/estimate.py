@@ -472,7 +472,8 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
     plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
     grads, n = psi * grad_bytes, plan.data_ranks
-    reduce = in_flight = 0.0
+    reduce = in_flight = deep = 0.0
+    behind = 0
     if n > 1 and plan.data.is_zero:
         flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
         # ZeRO-3's flats are a block each: as backward ends, the IN_FLIGHT last launched are still reducing, each
@@ -483,6 +484,10 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
         # ... and from its second block on, the block before still reducing: its shard, and on gloo one copy of its
         # flat (seen by tracking every storage through a step: `_behind`)
         in_flight = flat / n + (flat if backend == GLOO else 0.0) if behind else 0.0
+        # Where the gradients are made in this backward (not ``held``), at the attention backward of its block
+        # ``behind``, the blocks before it still reduce: their full gradients, gloo's copies, their shards made.
+        # With reductions larger than a block's activations that is the peak (bf16 activations, fp32 gradients).
+        deep = 0.0 if held else behind * (flat + copy + flat / n)
     elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
         reduce = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
@@ -491,7 +496,8 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     plain = _plain_grads(plan)
     keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2 or plain
     return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if (held or plain) and keeps else 0.0,
-                 reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0, in_flight=in_flight)
+                 reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0, in_flight=in_flight,
+                 deep=deep, deep_blocks=0 if held else behind)
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
@@ -508,15 +514,18 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
     release = states["grads"] if naive or _plain_grads(plan) or plan.data.stage >= 2 else 0.0
     # ZeRO-2/3 make a flat's full gradient when its first parameter's gradient arrives in the reducing backward,
     # beside the .grad not yet moved into it: ZeRO-2's flats follow DDP's buckets over all of the rank's chunks (the
-    # first one at most FIRST_BUCKET_BYTES), ZeRO-3's are one per block.
+    # first one at most FIRST_BUCKET_BYTES), ZeRO-3's are one per block. Each is made whole at its first gradient:
+    # in ZeRO-2's first block the first bucket, and the next if that block's gradients overflow it (its full size).
     flats = 0.0
     if n > 1 and plan.data.stage == 2:
-        flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES)
+        overflow = sum(chunk_grads) / max(blocks, 1) > FIRST_BUCKET_BYTES
+        flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES + (BUCKET if overflow else 0))
     elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
     held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early, plan.group) \
         if plan.pp > 1 else None
-    return Rules(release=release, release_at_start=True, flats=flats, flats_early=plan.data.stage < 3,
+    return Rules(release=release, release_at_start=True, flats=flats,
+                 flats_early=min(flats, FIRST_BUCKET_BYTES) if plan.data.stage < 3 else 0.0,
                  early=held[rank] if held else ())
 
 

@@ -109,6 +109,8 @@ class Chunk:
     #                    for backward (not under recompute), until its backward: one per microbatch in flight ...
     shared_cast: float = 0.0  # ... or, made once per step and shared by its microbatches (`mixed_precision`: under
     #                           pp), held from the chunk's first forward to the step's end
+    deep: float = 0.0  # ZeRO-3, gradients made in the reducing backward itself: what the blocks before still hold
+    deep_blocks: int = 0  # while they reduce, at the attention backward of block ``deep_blocks`` (`estimate._chunk`)
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,9 @@ class Rules:
     #                                     its first backward (Lightning's own zero_grad, after training_step)
     flats: float = 0.0  # ZeRO-2/3: the full-gradient flat made at the start of the rank's first reducing backward,
     #                     beside the gradients not yet moved into it (freed once the last one has reduced) ...
-    flats_early: bool = True  # ... before the block's first matmul (ZeRO-2's buckets start at the chunk's last
-    #                           parameters), or after it (ZeRO-3's flat is its block's)
+    flats_early: float = 0.0  # ... of which made before the block's first matmul (ZeRO-2's first bucket, which
+    #                            starts at the chunk's last parameters); the rest after it, its input gradient freed
+    #                            (ZeRO-2's next buckets, ZeRO-3's flat: its block's), made at a weight's gradient
     early: tuple[int, ...] = ()  # programs in rounds (`pipeline.messages`) receive ahead of use: per action, the
     #                              messages held for later ones
 
@@ -155,7 +158,8 @@ class Rules:
 # 600 structures among them.
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
-_PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh")
+_PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh",
+              "deep_held", "deep_freed")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -190,14 +194,15 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
              "mlp_saved": p.mlp_saved, "zero3": 2 * p.unit + p.gathers,
              "head_zero3": p.head_unit + p.unit + p.gathers, "release": r.release,
              "release_start": r.release if r.release_at_start else 0.0, "flats": r.flats,
-             "flats_top": r.flats if r.flats_early else max(r.flats - p.mlp_grad, 0.0)}
+             "flats_top": r.flats_early + max(r.flats - r.flats_early - p.mlp_grad, 0.0)}
     out = [named[name] for name in _GLOBAL]
     for s in sorted(chunks):
         c = chunks[s]
         mine = {"saved": p.saved(c.blocks, c.first, c.last) + c.cast, "shared": c.shared_cast,
                 "stashed": p.stashed(c.blocks),
                 "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
-                "weights": c.weights, **_behind(p, c, r)}
+                "weights": c.weights, "deep_held": c.deep, "deep_freed": c.deep_blocks * p.block,
+                **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
 
@@ -266,8 +271,8 @@ class _Terms:
     release: int = 0
     release_start: int = 0  # what is released before the first action: ``release`` or nothing
     flats: int = 0
-    flats_top: int = 0  # what the first flat adds to its backward's top: all of it (ZeRO-2's, made before the block's
-    #                     first matmul) or max(flats - mlp_grad, 0) (ZeRO-3's, made after it, the MLP's gradient gone)
+    flats_top: int = 0  # what the flats add to their backward's top: those made before the block's first matmul, and
+    #                     of the rest what the MLP's input gradient, gone by then, does not cover
     saved: int = 0  # a chunk's activations saved per microbatch (`Pieces.saved`, and `Chunk.cast`)
     shared: int = 0  # what it holds once from its first forward on (`Chunk.shared_cast`)
     stashed: int = 0  # what its B keeps for W (`Pieces.stashed`)
@@ -277,6 +282,8 @@ class _Terms:
     weights: int = 0
     behind_kept: int = 0  # a ZeRO-3 chunk's reducing backward at its second block (`_behind`), its gradients kept ...
     behind_fresh: int = 0  # ... or made in this backward
+    deep_held: int = 0  # a ZeRO-3 chunk's reducing backward, its gradients made there, at its IN_FLIGHT-th block
+    deep_freed: int = 0  # (`Chunk.deep`): what the blocks before hold while they reduce, and what they saved
     first: bool = False
     last: bool = False
 
@@ -321,7 +328,7 @@ class _Walk:
         # it, for that gradient, when the MLP's input gradient is gone.
         start = q.zero3 + q.recompute + ahead + q.backward + q.workspace + q.weight
         top = start + (q.flats_top if reducing else 0)
-        self._working(action, chunk, ahead, top)
+        self._working(action, chunk, ahead, top, reducing and action.stage not in self.seen)
         if action is self.last_backward[action.stage]:
             kept = action.stage in self.seen
             self.consider(self.saved + self.stash - (q.head if chunk.last else 0),
@@ -354,8 +361,10 @@ class _Walk:
         self.stash -= chunk.stashed
         self._gradients(action, chunk, ahead)
 
-    def _working(self, action: Action, chunk: _Terms, ahead: int, top: int) -> None:
-        """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first."""
+    def _working(self, action: Action, chunk: _Terms, ahead: int, top: int, fresh: bool = False) -> None:
+        """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first. Then its first
+        block's attention backward and, where it reduces gradients made there (``fresh``; kept ones are moved into
+        the flats: `_behind`), its IN_FLIGHT-th block's (`Chunk.deep`), the flat filling beside those reducing."""
         q = self.q
         self.released = q.release
         if chunk.last:  # the loss's gradient (two logits-sized tensors) beside ZeRO-3's units (the head's, the last
@@ -366,8 +375,12 @@ class _Walk:
         else:
             self.consider(self.saved + self.stash, self.held + top, action)
         # The first block's attention backward: its MLP's saved tensors freed, the fused kernel's workspace beside
-        self.consider(self.saved + self.stash - (q.head if chunk.last else 0) - q.mlp_saved,
-                      self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention, action)
+        # (and the flat the block's gradients fill, made by then, where this backward reduces)
+        saved = self.saved + self.stash - (q.head if chunk.last else 0) - q.mlp_saved
+        attention = self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention + (q.flats if fresh else 0)
+        self.consider(saved, attention, action)
+        if fresh:
+            self.consider(saved - chunk.deep_freed, attention + chunk.deep_held, action)
 
     def _embedding(self, action: Action, chunk: _Terms, ahead: int) -> None:
         """The end of the first chunk's backward: the embedding's fresh gradient, its activations freed."""

@@ -112,7 +112,7 @@ def test_zero3s_reduction_in_flight_at_a_chunks_second_block_where_gradients_wer
     pieces = Pieces(boundary=1, block=1, recompute=0, embedding=2, head=4, logits=8, backward=32, unit=64, gathers=64,
                     mlp_grad=1024)
     table = one_f_one_b(2, 2)[0]  # the first stage: F F B B
-    rules = Rules(flats=1024, flats_early=False)  # ZeRO-3's: its first block's point has no flat (the MLP's gradient
+    rules = Rules(flats=1024, flats_early=0)  # ZeRO-3's: its first block's point has no flat (the MLP's gradient
     #                                               is as large)
 
     def total(in_flight: float, grads: float = 4096) -> float:
