@@ -750,6 +750,11 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     rounds, early = crowded and backend == GLOO, messages.posts_early(backend == GLOO)
     rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
                    rounds, early)
+    if table is not None and schedules.is_split([table]):  # W's the runner merges into their B (each micro-step)
+        fused = schedules.fused_weights(table, schedules.reducing(table), _placement(plan), rounds)
+        step = plan.microbatches or 1
+        rules = dataclasses.replace(rules, fused=frozenset((s, m + k * step) for s, m in fused
+                                                           for k in range(shape.accumulate)))
     # what names the actions and the messages held ahead (`_rules`)
     key = (plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, plan.group, shape.accumulate, rank, rounds,
            early)

@@ -149,6 +149,8 @@ class Rules:
     #                            (ZeRO-2's next buckets, ZeRO-3's flat: its block's), made at a weight's gradient
     early: tuple[int, ...] = ()  # programs in rounds (`pipeline.messages`) receive ahead of use: per action, the
     #                              messages held for later ones
+    fused: frozenset[tuple[int, int]] = frozenset()  # (stage, microbatch) whose W runs inside its B, as one full
+    #                                                  backward (`schedules.fused_weights`)
 
 
 # The walk is linear in a few byte counts (`_GLOBAL`, and `_PER_CHUNK` per chunk): it is run once per structure (a
@@ -231,12 +233,10 @@ def _compile(stages: tuple, actions: list[Action], rules: Rules) -> tuple:
         base = len(_GLOBAL) + k * len(_PER_CHUNK)
         chunks[stage] = _Terms(first=first, last=last,
                                **{n: 1 << (_WIDTH * (base + i)) for i, n in enumerate(_PER_CHUNK)})
-    walker = _Walk(_Terms(**unit), actions)
-    run = {Phase.FORWARD: walker.forward, Phase.BACKWARD: walker.input_backward if walker.split else walker.backward,
-           Phase.WEIGHT: walker.weight_backward}
+    walker = _Walk(_Terms(**unit), actions, rules.fused)
     for index, action in enumerate(actions):
         ahead = walker.q.boundary * rules.early[index % len(rules.early)] if rules.early else 0
-        run[action.phase](action, chunks[action.stage], ahead)
+        walker.run(action, chunks[action.stage], ahead)
     width = len(_GLOBAL) + len(stages) * len(_PER_CHUNK)
     a, t, r = (_unpack([row[i] for row in walker.rows], width) for i in range(3))
     return a + t - r, np.stack([a, t, r], axis=1), [str(action) for action in walker.rows.values()]
@@ -296,12 +296,12 @@ class _Walk:
     kept, flats, sends in flight), the kept gradients already freed (``released``); each point compared is kept as a
     row (`_compile`)."""
 
-    def __init__(self, q: _Terms, actions: list[Action]) -> None:
-        self.q = q
-        # Zero-bubble tables split each backward: B frees the activations and keeps the stash, W makes the gradients.
+    def __init__(self, q: _Terms, actions: list[Action], fused: frozenset[tuple[int, int]] = frozenset()) -> None:
+        self.q, self.fused = q, fused
+        # Zero-bubble tables split each backward: B frees the activations and keeps the stash, W makes the gradients;
+        # a fused pair's B is a full backward, its W nothing.
         self.split = any(a.phase is Phase.WEIGHT for a in actions)
-        grads = Phase.WEIGHT if self.split else Phase.BACKWARD
-        self.last_backward = {a.stage: a for a in actions if a.phase is grads}
+        self.last_backward = {a.stage: a for a in actions if a.phase is not Phase.FORWARD and self._makes_grads(a)}
         # each chunk's last, in order; the walk compares actions by identity
         last = {id(a) for a in self.last_backward.values()}
         self.reducing = [a for a in actions if id(a) in last]
@@ -310,6 +310,22 @@ class _Walk:
         self.saved = self.held = self.stash = 0
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
+
+    def _makes_grads(self, action: Action) -> bool:
+        fused = (action.stage, action.microbatch) in self.fused
+        return fused if action.phase is Phase.BACKWARD and self.split else not fused
+
+    def run(self, action: Action, chunk: _Terms, ahead: int) -> None:
+        fused = (action.stage, action.microbatch) in self.fused
+        if action.phase is Phase.FORWARD:
+            self.forward(action, chunk, ahead)
+        elif action.phase is Phase.WEIGHT:
+            if not fused:
+                self.weight_backward(action, chunk, ahead)
+        elif self.split and not fused:
+            self.input_backward(action, chunk, ahead)
+        else:
+            self.backward(action, chunk, ahead)
 
     def consider(self, activations: int, temporaries: int, action: Action) -> None:
         self.rows.setdefault((activations, temporaries, self.released), action)
@@ -344,8 +360,12 @@ class _Walk:
         q = self.q
         top = q.zero3 + q.recompute + ahead + q.backward + q.workspace
         self._working(action, chunk, ahead, top)
-        # Its last block: the blocks done have swapped what they saved for their stash (more under ac).
+        # Its last block: the blocks done have swapped what they saved for their stash (more under ac); at its first
+        # matmul, and at its attention backward, its MLP's saved tensors swapped for about as much stash (under
+        # autocast on a CPU the fused attention's workspace is the larger: bf16's products hold little)
         self.consider(self.saved + self.stash + chunk.swap, self.held + top, action)
+        self.consider(self.saved + self.stash + chunk.swap,
+                      self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention, action)
         self.saved -= chunk.saved
         self.stash += chunk.stashed
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)

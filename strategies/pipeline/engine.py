@@ -80,10 +80,10 @@ class PipelineParallel(Technique):
         # Only the blocks' linears wait for W (the head's logits-sized output gradient is not kept).
         blocks = module.get_submodule(self.layout.blocks_name)
         self.weights = WeightStore(list(blocks.parameters())) if schedules.is_split(tables) else None
-        self._last_backward = _reducing(self.table)
-        fused = fused_weights(self.table, self._last_backward, self.where, crowded) if self.weights else frozenset()
+        self._last_backward = schedules.reducing(self.table)
+        fused = self.weights and schedules.fused_weights(self.table, self._last_backward, self.where, crowded)
         self.runner = PipelineRunner(self.axis, self.stages, how == "action" and self._gloo, self.where, self.weights,
-                                     fused, _loss_carrier(tables), _stage_outputs(self.layout, trace))
+                                     fused or frozenset(), _loss_carrier(tables), _stage_outputs(self.layout, trace))
         # Evaluation captures the model's output at its top module: the LightningModule's child that holds the
         # blocks (self.model), or an nn.Sequential the LightningModule calls itself (its last block's output).
         top, _, _ = self.layout.blocks_name.partition(".")
@@ -264,32 +264,6 @@ def _loss_carrier(tables: schedules.ScheduleTable) -> int:
     last = max(schedules.owners(tables))
     return [a for actions in tables for a in actions if a.phase is schedules.Phase.BACKWARD and a.stage == last][-1] \
         .microbatch
-
-
-def _reducing(actions: list[schedules.Action]) -> set[schedules.Action]:
-    """The actions whose backward reduces over dp: each parameter once, complete, in its stage's last backward (with W
-    split off, the last B for what B finishes, the last W for the weights)."""
-    last: dict[tuple[schedules.Phase, int], schedules.Action] = {}
-    for action in actions:
-        if action.phase is not schedules.Phase.FORWARD:
-            last[(action.phase, action.stage)] = action
-    return set(last.values())
-
-
-def fused_weights(actions: list[schedules.Action], reducing: set[schedules.Action],
-                  where: dict[int, int], across: bool = False) -> frozenset[tuple[int, int]]:
-    """The (stage, microbatch) whose W the runner runs inside its B, as one full backward (torch's `_merge_bw` defines
-    the merge): where the W directly follows its B in this rank's ``actions`` and B's input gradient goes to no other
-    rank (stage 0, or the previous stage on this rank per ``where``, the V's bottom). Where it goes to another rank the
-    split is what sends it one W sooner, which the receiver may be waiting for (merged anyway: pp2 ZB-V on 2 CPU ranks,
-    10% slower a step), unless ``across``: the CPU time is what the step waits on (`messages.crowded`), and the split
-    costs more than the receiver gains (pp4 on 2 CPU cores, merged: DualPipeV 0.96 -> 1.02 of torch's steps a second,
-    4 ms less CPU a rank and step; ZB-V 1.07 -> 1.09). Not where only one of the two reduces over dp (``reducing``): a
-    full backward reduces every gradient it makes, or none."""
-    return frozenset((b.stage, b.microbatch) for b, w in zip(actions, actions[1:])
-                     if b.phase is schedules.Phase.BACKWARD and w.phase is schedules.Phase.WEIGHT
-                     and (b.stage, b.microbatch) == (w.stage, w.microbatch) and (b in reducing) == (w in reducing)
-                     and (across or b.stage == 0 or where[b.stage - 1] == where[b.stage]))
 
 
 def crowded_host(mesh: ParallelMesh) -> bool:

@@ -140,7 +140,7 @@ def crowded(ranks_here: int) -> bool:
     step waits on, more than any message: the runner groups every schedule's messages in rounds (a receive posted before
     its send arrives spares gloo's threads a handshake: pp4 1F1B on 2 CPU cores, 1.00 -> 1.05 of torch's steps a
     second), lets its sends complete while it computes, and runs a B and the W right after it as one backward
-    (`engine.fused_weights`). A launcher that pins each rank to cores of its own is taken for crowded: a heuristic of
+    (`schedules.fused_weights`). A launcher that pins each rank to cores of its own is taken for crowded: a heuristic of
     speed only, every grouping being proven by `check`."""
     import os
 

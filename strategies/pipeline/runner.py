@@ -25,9 +25,9 @@ that backward sends carries the sum in a few extra elements at its end, a float3
 (float64 in an 8-byte one); each stage passes it on with its own gradient of that microbatch (``carrier``; as it came,
 where the dtypes agree), so every rank has the same float when its backwards are done. Only that microbatch's gradients
 are copied to make room for it: it rode on every gradient once, a copy each way per backward. A W that directly follows
-its own B (``fused``: where B's input gradient goes to no other rank, or the CPU is short: `engine.fused_weights`) runs
-inside that B, as one full backward: split, the pair would only cost the deferred linears' Python, about 8% of a stage's
-compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
+its own B (``fused``: where B's input gradient goes to no other rank, or the CPU is short:
+`schedules.fused_weights`) runs inside that B, as one full backward: split, the pair would only cost the deferred
+linears' Python, about 8% of a stage's compute on the demo's blocks; the timeline names that B ``B<s>.<m>+W``.
 """
 
 from __future__ import annotations

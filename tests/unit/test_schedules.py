@@ -145,28 +145,28 @@ def test_zero_bubble_refuses_too_few_microbatches():
 
 
 def test_a_w_right_after_its_own_b_runs_inside_it_where_no_rank_waits_for_bs_gradient():
-    from strategies.pipeline.engine import _reducing, fused_weights
+    from strategies.pipeline.schedules import fused_weights, reducing
 
     def table(text: str) -> list[Action]:
         return [Action(Phase(a[0]), int(a[1]), int(a[3])) for a in text.split()]
 
     alone = {0: 0, 1: 1}  # stage 0 sends no gradient back: its adjacent B and W merge (the last pair reduces in both)
     ahead = table("F0.0 F0.1 B0.0 W0.0 F0.2 B0.1 F0.3 B0.2 W0.1 W0.2 B0.3 W0.3")
-    assert fused_weights(ahead, _reducing(ahead), alone) == {(0, 0), (0, 3)}  # W's held back stay split
+    assert fused_weights(ahead, reducing(ahead), alone) == {(0, 0), (0, 3)}  # W's held back stay split
     # B0.1 is the stage's last B (it reduces what B finishes) but W0.1 is not its last W: a full backward would reduce
     # the weights before W0.0 adds to them, so the pair stays split.
     behind = table("F0.0 F0.1 B0.0 B0.1 W0.1 W0.0")
-    assert fused_weights(behind, _reducing(behind), alone) == set()
+    assert fused_weights(behind, reducing(behind), alone) == set()
     # Stage 1's B sends its input's gradient to stage 0 on another rank, which may wait: split; on one rank, merged.
     sends = table("F1.0 B1.0 W1.0")
-    assert fused_weights(sends, _reducing(sends), alone) == set()
-    assert fused_weights(sends, _reducing(sends), {0: 0, 1: 0}) == {(1, 0)}
-    assert fused_weights(sends, _reducing(sends), alone, across=True) == {(1, 0)}  # where the CPU is short: merged
-    assert fused_weights(ahead, _reducing(ahead), alone, across=True) == {(0, 0), (0, 3)}  # held W's: still split
+    assert fused_weights(sends, reducing(sends), alone) == set()
+    assert fused_weights(sends, reducing(sends), {0: 0, 1: 0}) == {(1, 0)}
+    assert fused_weights(sends, reducing(sends), alone, across=True) == {(1, 0)}  # where the CPU is short: merged
+    assert fused_weights(ahead, reducing(ahead), alone, across=True) == {(0, 0), (0, 3)}  # held W's: still split
     # ZB-V at pp2: rank 0's stage 0 and rank 1's stage 2 (the V's bottom, after stage 1 on the same rank).
     zbv = build("zbv", 2, 4)
-    assert fused_weights(zbv[0], _reducing(zbv[0]), owners(zbv)) == {(0, m) for m in range(4)}
-    assert {s for s, _ in fused_weights(zbv[1], _reducing(zbv[1]), owners(zbv))} == {2}
+    assert fused_weights(zbv[0], reducing(zbv[0]), owners(zbv)) == {(0, m) for m in range(4)}
+    assert {s for s, _ in fused_weights(zbv[1], reducing(zbv[1]), owners(zbv))} == {2}
 
 
 GROUPS = [(4, 10, 2, 5), (4, 6, 2, 4), (2, 3, 2, 3), (4, 16, 2, 8), (3, 7, 3, 3)]
