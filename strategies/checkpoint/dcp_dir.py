@@ -27,7 +27,8 @@ import torch
 
 from strategies.checkpoint import directory
 from strategies.checkpoint.directory import CheckpointError, swap_in
-from strategies.checkpoint.slices import Boxed, leaves, load_state, save_state
+from strategies.checkpoint.lazy import LazyWeight
+from strategies.checkpoint.slices import Boxed, leaves, load_planner, load_state, save_state
 from strategies.files import atomic_write
 
 META = "meta.pt"
@@ -229,22 +230,100 @@ def load_into(state: dict[str, Any], path: str | os.PathLike, strict: bool = Tru
     load_state(state, os.fspath(path), partial=not strict, check=check)
 
 
-class DcpReader:
-    """The weights of a DCP checkpoint, one tensor at a time (`pretrained.sharded_to_pretrained`): ``index``, the
-    module's state names; ``tensor(name)`` reads that one whole, from only the chunks that hold it."""
+class DcpFiles:
+    """The model weights of any DCP checkpoint, read box by box for `strategies.load_pretrained` (the interface of
+    `pretrained.SafetensorsFiles`): Lightning's (``state_dict.*``: the pack's, ``ModelParallelStrategy``'s),
+    torchtitan's and `slices`' (``model.*``), or a plain ``dcp.save(model.state_dict())`` (names at the top). ``read``
+    fills a box of one tensor from only the chunks that overlap it, whatever layout saved them (FSDP2's shards, tp
+    slices)."""
+
+    RESERVED = ("optimizer", "optim", "lr_scheduler", "lr_schedulers", "dataloader", "train_state")
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
-        self._meta = read_metadata(self.path).state_dict_metadata
-        self.index = {fqn.removeprefix(f"{MODEL}."): fqn for fqn in self._meta if fqn.startswith(f"{MODEL}.")}
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path, self.bytes_read = os.fspath(path), 0
+        metadata = read_metadata(self.path)
+        where = metadata.planner_data or {}
+        paths = {fqn: tuple(where.get(fqn, (fqn,))) for fqn, meta in metadata.state_dict_metadata.items()
+                 if isinstance(meta, TensorStorageMetadata)}
+        tops = {p[0] for p in paths.values() if len(p) == 2}
+        top = next((t for t in (MODEL, "model") if t in tops), None)
+        mine = {fqn: p for fqn, p in paths.items()
+                if (len(p) == 2 and p[0] == top) or (top is None and len(p) == 1 and not self._reserved(fqn))}
+        self._path = {p[-1]: p for p in mine.values()}  # a weight's name -> where DCP's flattening put it
+        self._meta = {p[-1]: metadata.state_dict_metadata[fqn] for fqn, p in mine.items()}
+
+        class Cached(FileSystemReader):  # DCP reads .metadata again at every load: once is enough here
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                return metadata
+
+        self._reader = Cached(self.path)
+
+    def _reserved(self, fqn: str) -> bool:
+        return fqn.split(".", 1)[0] in self.RESERVED or fqn.startswith("optimizer_")
+
+    def keys(self) -> list[str]:
+        return list(self._meta)
+
+    @property
+    def index(self) -> dict[str, str]:  # (the converters' reader: `pretrained.sharded_to_pretrained`)
+        return {key: key for key in self._meta}
+
+    def entries(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Each weight's shape and dtype, read from the metadata alone."""
+        return {key: (torch.Size(meta.size), meta.properties.dtype) for key, meta in self._meta.items()}
 
     def tensor(self, key: str) -> torch.Tensor:
+        """``key`` whole, from only the chunks that hold it."""
+        return self.read(key, ())
+
+    def lazy(self, key: str) -> LazyWeight:
+        return LazyWeight(self, key, tuple(self._meta[key].size))
+
+    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """``key``'s values at ``index`` (one slice per dim; ``()``: all of it)."""
         import torch.distributed.checkpoint as dcp
 
-        meta = self._meta[self.index[key]]
-        out = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load({MODEL: {key: out}}, checkpoint_id=self.path, no_dist=True)
+        meta = self._meta[key]
+        shape = tuple(meta.size)
+        bounds = [(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape)]
+        bounds += [(0, n) for n in shape[len(bounds):]]
+        out = torch.empty([b - a for a, b in bounds], dtype=meta.properties.dtype)
+        whole = all((a, b) == (0, n) for (a, b), n in zip(bounds, shape))
+        target = out if whole else Boxed(shape, [(tuple(a for a, _ in bounds), tuple(out.shape), out)])
+        state: dict[str, Any] = {}
+        _set_in(state, self._path[key], target)
+        dcp.load(state, storage_reader=self._reader, planner=load_planner(), no_dist=True)
+        self.bytes_read += out.numel() * out.element_size()
         return out
+
+
+def save_lazily(entries: dict[str, tuple[torch.Size, torch.dtype]], read: Callable[[str], torch.Tensor],
+                path: str | os.PathLike, top: str = "model") -> None:
+    """A DCP directory at ``path`` of the tensors ``entries`` names (shape and dtype each) under ``top`` (torchtitan's
+    ``model``), each read by ``read(name)`` only as DCP writes it, into a file of its own: one tensor in memory at a
+    time (`stratpack convert --dcp`). Written at ``<path>.tmp-<token>`` and moved in once whole, as a save is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class Lazy(DefaultSavePlanner):  # the plan from shapes alone; each tensor's values when its file is written
+        def resolve_data(self, write_item: Any) -> Any:
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            return read(write_item.index.fqn.removeprefix(f"{top}.")).contiguous()
+
+    path = os.fspath(path)
+    directory.refuse_non_checkpoint(path)
+    token = uuid.uuid4().hex[:12]
+    tmp = f"{path}.tmp-{token}"
+    shapes = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in entries.items()}
+    # a file per tensor: DCP's writer holds every tensor of a file until the file is done
+    writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
+    dcp.save({top: shapes}, storage_writer=writer, planner=Lazy(), no_dist=True)
+    swap_in(path, tmp, token)
 
 
 def describe(path: str | os.PathLike) -> tuple[str, int]:

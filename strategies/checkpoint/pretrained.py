@@ -11,12 +11,13 @@ falls in its shard; whatever no technique cut is read whole (`read_all`). Each r
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
 import torch
 from torch import nn
+
+from strategies.checkpoint.lazy import LazyWeight
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -49,6 +50,17 @@ class SafetensorsFiles:
     def keys(self) -> list[str]:
         return list(self.file_of)
 
+    def entries(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Each tensor's shape and dtype, from the files' headers."""
+        out = {}
+        for key in self.file_of:
+            part = self._handle(self.file_of[key]).get_slice(key)
+            out[key] = (torch.Size(part.get_shape()), _SAFETENSORS_DTYPES[part.get_dtype()])
+        return out
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self.read(key, ())
+
     def lazy(self, key: str) -> LazyWeight:
         return LazyWeight(self, key, tuple(self._handle(self.file_of[key]).get_slice(key).get_shape()))
 
@@ -60,57 +72,45 @@ class SafetensorsFiles:
         return out
 
 
-class LazyWeight:
-    """One tensor of a `SafetensorsFiles`, or a selection of its rows or columns, read only where asked (see the
-    module's docstring). ``index_select`` gives another LazyWeight: a tensor-parallel slice stays unread until the
-    techniques after it (the pipeline keeping its stage, ZeRO its shard) have taken what they keep."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
-    device = torch.device("cpu")  # where what it reads lands
 
-    def __init__(self, files: SafetensorsFiles, key: str, shape: tuple[int, ...],
-                 picked: tuple[list[int] | None, ...] | None = None) -> None:
-        self.files, self.key, self.base = files, key, torch.Size(shape)
-        self.picked = picked if picked is not None else tuple(None for _ in shape)  # per dim: base indices, or all
-        self.shape = torch.Size(len(p) if p is not None else n for p, n in zip(self.picked, self.base))
+class TorchFile:
+    """The tensors of one ``torch.save`` file, memory-mapped (a model's state dict, or a Lightning checkpoint's
+    ``state_dict``): the converters' reader (``keys``, ``entries``, ``tensor``)."""
 
-    def _indices(self, dim: int) -> list[int]:
-        picked = self.picked[dim]
-        return picked if picked is not None else list(range(self.base[dim]))
+    def __init__(self, path: str | os.PathLike) -> None:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 - whatever torch raises for a damaged or hostile file
+            raise ValueError(f"{path}: not a file torch.load reads with weights_only=True "
+                             f"({type(err).__name__}: {err})") from None
+        state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
+        if not isinstance(state, dict) or not state:
+            raise ValueError(f"{path}: neither a state dict nor a Lightning checkpoint")
+        self._tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
-    def index_select(self, dim: int, index: torch.Tensor) -> LazyWeight:
-        """What ``full.index_select(dim, index)`` would give, still unread."""
-        indices = self._indices(dim)
-        picked = list(self.picked)
-        picked[dim] = [indices[i] for i in index.tolist()]
-        return LazyWeight(self.files, self.key, tuple(self.base), tuple(picked))
+    def keys(self) -> list[str]:
+        return list(self._tensors)
 
-    def clone(self) -> LazyWeight:
-        return self
+    def entries(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return {k: (v.shape, v.dtype) for k, v in self._tensors.items()}
 
-    def read_all(self) -> torch.Tensor:
-        if not self.shape:
-            return self.files.read(self.key, ())
-        return self._read([self._indices(d) for d in range(len(self.shape))])
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
 
-    def read_flat(self, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``lo:hi`` of the flattened tensor: the rows that hold them are read, then cut."""
-        if not self.shape:
-            return self.read_all().reshape(-1)[lo:hi]
-        row = math.prod(self.shape[1:])
-        first, last = lo // row, (hi - 1) // row + 1
-        box = [self._indices(0)[first:last], *(self._indices(d) for d in range(1, len(self.shape)))]
-        return self._read(box).reshape(-1)[lo - first * row : hi - first * row]
 
-    def _read(self, box: list[list[int]]) -> torch.Tensor:
-        """The base tensor at the index lists ``box`` (one per dim), read run by run of consecutive indices."""
-        runs = [_runs(indices) for indices in box]
+def open_weights(path: str | os.PathLike) -> Any:
+    """The weights at ``path``, read on demand: a DCP directory's (`dcp_dir.DcpFiles`), a ``save_pretrained``
+    directory's (`SafetensorsFiles`) or, for a file, `TorchFile`."""
+    from strategies.checkpoint.dcp_dir import DcpFiles
+    from strategies.checkpoint.directory import is_dcp
 
-        def part(dim: int, chosen: tuple[slice, ...]) -> torch.Tensor:
-            if dim == len(runs):
-                return self.files.read(self.key, chosen)
-            return torch.cat([part(dim + 1, (*chosen, slice(a, b))) for a, b in runs[dim]], dim=dim)
-
-        return part(0, ())
+    if is_dcp(path):
+        return DcpFiles(path)
+    return SafetensorsFiles(path) if os.path.isdir(path) else TorchFile(path)
 
 
 def names_of_each(module: nn.Module) -> list[list[str]]:
@@ -162,11 +162,11 @@ def sharded_to_pretrained(checkpoint: str | os.PathLike, out: str | os.PathLike,
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from strategies.checkpoint.dcp_dir import DcpReader
+    from strategies.checkpoint.dcp_dir import DcpFiles
     from strategies.checkpoint.directory import CheckpointError, is_dcp
     from strategies.checkpoint.sharded import ShardedReader
 
-    reader = DcpReader(checkpoint) if is_dcp(checkpoint) else ShardedReader(checkpoint)
+    reader = DcpFiles(checkpoint) if is_dcp(checkpoint) else ShardedReader(checkpoint)
     with torch.device("meta"):  # the names and ties only: no weights made
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config))
     keep = first_names(model)
@@ -198,14 +198,3 @@ def model_prefix(names: set[str], keys) -> str:
     found = {k[:-len(some)] for k in keys if some and k.endswith(some) and (k == some or k[-len(some) - 1] == ".")}
     fits = [p for p in found if all(p + n in keys for n in names)]
     return fits[0] if len(fits) == 1 else ""
-
-
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
-    """Consecutive stretches of ``indices`` as (start, stop) pairs, in order."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs

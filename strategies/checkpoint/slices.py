@@ -130,7 +130,7 @@ def _save_planner() -> Any:
     return Planner()
 
 
-def _load_planner(partial: bool = False, check: Callable[[], None] | None = None) -> Any:
+def load_planner(partial: bool = False, check: Callable[[], None] | None = None) -> Any:
     """DCP's default load planner, which fills a `Boxed` tensor's boxes in place (as `_save_planner`). Its set-up
     replaces every leaf it does not know with None (torch's `_init_state_dict`, which makes meta tensors real): the
     boxes are put back after it, in the caller's dict and in the planner's flattened one. ``partial``: entries the
@@ -358,10 +358,10 @@ def load_state(state: dict, path: str, group: dist.ProcessGroup | None = None, p
                check: Callable[[], None] | None = None) -> None:
     """Fill ``state`` (`rank_state`'s: views of what the rank holds) in place from the DCP checkpoint at ``path``,
     each rank reading only the chunks that overlap its boxes, whatever layout saved them (``partial``: entries the
-    checkpoint lacks are left as they are; ``check``: see `_load_planner`)."""
+    checkpoint lacks are left as they are; ``check``: see `load_planner`)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=path, process_group=group, planner=_load_planner(partial, check))
+    dcp.load(state, checkpoint_id=path, process_group=group, planner=load_planner(partial, check))
 
 
 def save_by_slice(flats: list, path: str, group: dist.ProcessGroup | None = None,

@@ -1,5 +1,7 @@
 """``stratpack convert``: a checkpoint directory (DCP, or the pack's gathered format) as one file (the whole
-checkpoint, or the model's weights), or with ``--hf`` as a Hugging Face ``save_pretrained`` directory."""
+checkpoint, or the model's weights), or with ``--hf`` as a Hugging Face ``save_pretrained`` directory; with ``--dcp``
+any model's weights (DCP in any layout, ``save_pretrained``, one file) as a DCP directory in torchtitan's layout. The
+two directory outputs read and write one tensor at a time."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="write OUT as a Hugging Face save_pretrained directory (safetensors by block, their index, "
                    "the config) of the model CONFIG describes (a directory with its config.json), reading one "
                    "tensor at a time")
+    p.add_argument("--dcp", action="store_true",
+                   help="write OUT as a DCP directory of the model's weights in torchtitan's layout (model.<name>), "
+                   "reading one tensor at a time: from a DCP directory in any layout (the pack's, Lightning's "
+                   "ModelParallelStrategy's, torchtitan's, FSDP2's), a Hugging Face save_pretrained directory, or a "
+                   "torch.save file (a state dict, or a Lightning checkpoint's state_dict)")
     p.set_defaults(func=command)
 
 
@@ -30,6 +37,8 @@ def command(args: argparse.Namespace) -> int:
 
     if args.hf:
         return _to_pretrained(args)
+    if args.dcp:
+        return _to_dcp(args)
     try:
         if is_dcp(args.checkpoint):
             plan, ranks = describe(args.checkpoint)
@@ -55,4 +64,28 @@ def _to_pretrained(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.out}: a Hugging Face directory in {len(files)} safetensors files (from_pretrained loads it)")
+    return 0
+
+
+def _to_dcp(args: argparse.Namespace) -> int:
+    from strategies.checkpoint import CheckpointError
+    from strategies.checkpoint.dcp_dir import save_lazily
+    from strategies.checkpoint.directory import is_sharded
+    from strategies.checkpoint.pretrained import open_weights
+
+    try:
+        if is_sharded(args.checkpoint):
+            raise CheckpointError(f"{args.checkpoint} is in the pack's earlier gathered format: convert it to one file "
+                                  "first (stratpack convert IN FILE --model-only), then that file with --dcp")
+        source = open_weights(args.checkpoint)
+        entries = {k: v for k, v in source.entries().items() if k.startswith(args.strip_prefix)}
+        if not entries:
+            raise CheckpointError(f"{args.checkpoint} holds no weights under {args.strip_prefix!r}")
+        save_lazily({k.removeprefix(args.strip_prefix): v for k, v in entries.items()},
+                    lambda name: source.tensor(args.strip_prefix + name), args.out)
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: a DCP directory of {len(entries)} tensors under model. (torchtitan's layout; "
+          "strategies.load_pretrained and torch.distributed.checkpoint.load read it)")
     return 0

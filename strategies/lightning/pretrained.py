@@ -1,5 +1,5 @@
-"""`load_pretrained`: a Hugging Face ``save_pretrained`` directory loaded into a running plan, each rank reading only
-the bytes of what it keeps (`checkpoint.pretrained`)."""
+"""`load_pretrained`: a Hugging Face ``save_pretrained`` directory or a DCP checkpoint's weights loaded into a running
+plan, each rank reading only the bytes of what it keeps (`checkpoint.pretrained`, `checkpoint.dcp_dir.DcpFiles`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from typing import Any
 from lightning.pytorch import Callback
 from torch import nn
 
-from strategies.checkpoint.pretrained import SafetensorsFiles, blocks, first_names, names_of_each, write_index
+from strategies.checkpoint.pretrained import (
+    blocks,
+    first_names,
+    model_prefix,
+    names_of_each,
+    open_weights,
+    write_index,
+)
 
 
 @dataclass
@@ -19,7 +26,7 @@ class Loaded:
     """What `load_pretrained` read: ``tensors`` loaded, ``unexpected`` names of the files the module lacks, and
     ``bytes_read`` so far (a pipeline stage reads at the first batch, once the stages are cut)."""
 
-    files: SafetensorsFiles
+    files: Any  # SafetensorsFiles, or a DCP checkpoint's DcpFiles
     tensors: int
     unexpected: list[str]
 
@@ -29,8 +36,12 @@ class Loaded:
 
 
 def load_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module | None = None) -> Loaded:
-    """Load the safetensors of ``path`` (``model.safetensors``, or shards and their index) into ``module`` (by
-    default the one Hugging Face ``PreTrainedModel`` inside ``pl_module``, else ``pl_module`` itself).
+    """Load the weights at ``path`` into ``module`` (by default the one Hugging Face ``PreTrainedModel`` inside
+    ``pl_module``, else ``pl_module`` itself): a Hugging Face ``save_pretrained`` directory (``model.safetensors``,
+    or shards and their index), or a torch Distributed Checkpoint directory (DCP: torchtitan's ``step-N``, a plain
+    ``dcp.save`` of a model's state dict, FSDP2's, Lightning's ``ModelParallelStrategy``'s or the pack's; its
+    weights found under ``state_dict``, ``model`` or at the top, and under the LightningModule's name for the model
+    where one prefix fits every name).
 
     Call it once the strategy has set the model up (``on_fit_start``, or after ``trainer.fit`` began): under a pack
     plan each rank reads only its slices: tensor parallel's rows or columns, ZeRO's shard of each flattened
@@ -40,22 +51,29 @@ def load_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
     counts as there); tensors of the files that the module lacks are returned as ``unexpected``. Returns what was
     read (`Loaded`).
     """
-    files = SafetensorsFiles(path)
+    files = open_weights(path)
+    if not hasattr(files, "lazy"):
+        raise ValueError(f"{path}: load_pretrained reads a Hugging Face save_pretrained directory or a DCP directory; "
+                         "for one torch.save file, pass ckpt_path= to the Trainer or use module.load_state_dict")
     module = module if module is not None else _pretrained_inside(pl_module)
     prefix = _name_in(pl_module, module)
     names = set(module.state_dict())
-    stored = set(files.keys())
-    missing = sorted(names - stored - _aliases(module, stored))
+    inner = model_prefix(names, files.keys())  # (a Lightning checkpoint's names: the module's under its own)
+    stored = {key.removeprefix(inner): key for key in files.keys() if key.startswith(inner)}
+    missing = sorted(names - set(stored) - _aliases(module, set(stored)))
     if missing:
         raise ValueError(f"{path}: no values for {len(missing)} of {type(module).__name__}'s entries "
                          f"({', '.join(missing[:6])}): a checkpoint of another model, or of another configuration")
-    state = {prefix + key: files.lazy(key) for key in sorted(names & stored)}
+    # a weight tied under several names is read once (a DCP checkpoint holds every name; save_pretrained, the first)
+    later = {n for group in names_of_each(module) for n in group[1:] if any(m in stored for m in group[:1])}
+    state = {prefix + key: files.lazy(stored[key]) for key in sorted((names & set(stored)) - later)}
     strategy = getattr(getattr(pl_module, "_trainer", None), "strategy", None)
     if hasattr(strategy, "techniques"):  # a pack plan: each technique takes (and reads) the part it keeps
         strategy.load_model_state_dict({"state_dict": state}, strict=False)
     else:
         pl_module.load_state_dict({k: v.read_all() for k, v in state.items()}, strict=False)
-    return Loaded(files, len(state), sorted(stored - names))
+    return Loaded(files, len(state), sorted(set(stored) - names))
+
 
 
 def _pretrained_inside(pl_module: nn.Module) -> nn.Module:

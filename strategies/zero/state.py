@@ -69,7 +69,7 @@ def load_optimizer_state(flats: list[FlatParam], optimizer: torch.optim.Optimize
 
 def load_params(flats: list[FlatParam], state_dict: dict[str, Any], strict: bool = True) -> None:
     """Load full parameters into the flats: every rank takes its shard (and its offloaded master), reading only the
-    part of each value its shard holds (a lazily read value, `checkpoint.pretrained.LazyWeight`, reads no more); a
+    part of each value its shard holds (a lazily read value, `checkpoint.lazy.LazyWeight`, reads no more); a
     gathered flat (ZeRO-1/2, ZeRO-3's pinned unit) takes the whole values. ``strict=False``: names the state does
     not hold keep their values."""
     missing = [name for flat in flats for name in flat.names if name not in state_dict]

@@ -11,6 +11,7 @@ import sys
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import strategies
@@ -21,6 +22,9 @@ CASES = [("llama", "tp2"), ("llama", "zero3"), ("llama", "pp2_1f1b_mb2"), ("gpt2
 # Trained 2 steps after loading, then written back by `strategies.ExportPretrained` (save_pretrained at the end of fit)
 # to DIR/export-*
 EXPORTS = [("gpt2", "zero3_tp2_pp2_1f1b_mb2"), ("llama_tied", "zero3_tp2_pp2_1f1b_mb2")]
+# torchtitan's layout (``model.*``, ``train_state``) written with DCP by FSDP2 over the 8 ranks (each its shard of
+# every weight), loaded with `strategies.load_pretrained` as the safetensors are
+DCP_CASES = [("gpt2", "zero3_tp2_pp2_1f1b_mb2")]
 DEVICES, BATCH, STEPS, LR = 8, 8, 2, 0.5
 
 
@@ -61,11 +65,11 @@ class First(L.Callback):
         self.kept = trainer.strategy.model_state_bytes()["params"]
 
 
-def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
+def fit(name: str, plan: str, folder: str, export: bool = False, source: str | None = None) -> dict:
     L.seed_everything(0)
     steps, lr = (STEPS, LR) if export else (1, 0.0)
     out = os.path.join(folder, f"export-{name}") if export else None
-    module = Pretrained(name, os.path.join(folder, name), lr)
+    module = Pretrained(name, os.path.join(folder, source or name), lr)
     first = First()
     dp = strategies.ParallelPlan.parse(plan).resolve(DEVICES).dp
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategies.PlanStrategy(plan), max_steps=steps,
@@ -82,9 +86,28 @@ def fit(name: str, plan: str, folder: str, export: bool = False) -> dict:
     return {"first": first.state, "ranks": ranks}
 
 
+def fsdp2_save(name: str, folder: str) -> str:
+    """The model `conftest.hf_saved` saved (the same seed), sharded by torch's FSDP2 over every rank and saved with
+    DCP as torchtitan lays its checkpoints out. Returns the folder's name under ``folder``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = zoo.build(name, seed=3).model
+    mesh = init_device_mesh("cpu", (DEVICES,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = {"model": get_model_state_dict(model), "train_state": {"step": torch.tensor(5)}}
+    assert all(v.placements[0].is_shard() for v in state["model"].values())  # each rank its shard
+    torch.distributed.checkpoint.save(state, checkpoint_id=os.path.join(folder, f"dcp-{name}"))
+    return f"dcp-{name}"
+
+
 def main(world: int, saved: str) -> dict:
     assert world == DEVICES, world
     results = {(name, plan): fit(name, plan, saved) for name, plan in CASES}
+    results |= {("dcp", name, plan): fit(name, plan, saved, source=fsdp2_save(name, saved)) for name, plan in DCP_CASES}
     return results | {("export", name, plan): fit(name, plan, saved, export=True) for name, plan in EXPORTS}
 
 

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints loaded by slice (`strategies.load_pretrained`): a tiny Llama and GPT-2 saved with
 ``save_pretrained(max_shard_size=...)`` (several files and their index) load under tp2, zero3, pp2 and
-zero3_tp2_pp2 at 8 ranks, into a model built on meta in configure_model (`_pretrained_job.py`). The whole model's
+zero3_tp2_pp2 at 8 ranks, into a model built on meta in configure_model (`_pretrained_job.py`); so does GPT-2 saved
+with DCP by torch's FSDP2 at 8 ranks in torchtitan's layout. The whole model's
 weights then equal ``from_pretrained`` in one process bit for bit, the first step's loss equals that model's on the
 same batch, and under tp2 and zero3 each rank reads within 10% of the bytes of parameters it keeps. Trained two steps
 under zero3_tp2_pp2 and written back by the ranks (`strategies.save_pretrained`, one block at a time), GPT-2 and a
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e._pretrained_job import BATCH, CASES, EXPORTS, LR, STEPS
+from tests.e2e._pretrained_job import BATCH, CASES, DCP_CASES, EXPORTS, LR, STEPS
 from tests.models import zoo
 
 transformers = pytest.importorskip("transformers")
@@ -25,10 +26,11 @@ def results(pretrained_jobs):
     return pretrained_jobs[8]  # (the session's shared ranks, and `saved`: tests/e2e/conftest.py)
 
 
-@pytest.mark.parametrize("name,plan", CASES)
-def test_loaded_by_slice_equals_from_pretrained(saved, results, name: str, plan: str):
+@pytest.mark.parametrize("name,plan,source", [(n, p, "hf") for n, p in CASES] + [(n, p, "dcp") for n, p in DCP_CASES])
+def test_loaded_by_slice_equals_from_pretrained(saved, results, name: str, plan: str, source: str):
+    # "dcp": torchtitan's layout, written by FSDP2 at 8 ranks (`_pretrained_job.fsdp2_save`), read box by box
     reference = transformers.AutoModelForCausalLM.from_pretrained(saved / name)
-    got = results[name, plan]
+    got = results[name, plan] if source == "hf" else results["dcp", name, plan]
     expected = {f"net.model.{k}": v for k, v in reference.state_dict().items()}
     assert got["first"].keys() == expected.keys()
     for key, value in expected.items():

@@ -1,0 +1,89 @@
+"""A DCP checkpoint's weights read box by box (`checkpoint.dcp_dir.DcpFiles`, behind `strategies.load_pretrained`):
+torchtitan's layout (``model.*`` beside ``optimizer`` and ``train_state``), a plain ``dcp.save(model.state_dict())``
+(names at the top) and Lightning's (``state_dict.*`` under the LightningModule's name for the model). The rows and
+flat ranges the techniques ask for are the saved tensor's, and a rank reads only their bytes. Under a plan at 8 ranks:
+`e2e/test_pretrained.py` (`_pretrained_job`'s ``dcp-gpt2`` case)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import strategies
+from strategies.checkpoint.dcp_dir import DcpFiles
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.LayerNorm(5))
+
+
+class Wrapped(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.LayerNorm(5))
+
+
+LAYOUTS = {
+    "torchtitan": lambda sd: {"model": sd, "optimizer": {"state": {"1.weight": {"exp_avg": torch.ones(5, 6)}}},
+                              "train_state": {"step": torch.tensor(7)}},
+    "plain": lambda sd: {**sd, "optimizer.step": torch.tensor(3)},
+    "lightning": lambda sd: {"state_dict": {f"net.{k}": v for k, v in sd.items()},
+                             "optimizer_0": {"state": {"net.1.weight": {"exp_avg": torch.ones(5, 6)}}}},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_weights_of_each_layout_are_found_and_read_by_box(tmp_path, layout: str):
+    saved = _model().state_dict()
+    dcp.save(LAYOUTS[layout](saved), checkpoint_id=tmp_path, no_dist=True)
+    files = DcpFiles(tmp_path)
+    prefix = "net." if layout == "lightning" else ""
+    assert sorted(files.keys()) == sorted(prefix + k for k in saved)
+    weight = saved["1.weight"]  # 5 x 6
+    rows = files.lazy(prefix + "1.weight").index_select(0, torch.tensor([1, 2, 4]))
+    assert torch.equal(rows.read_all(), weight.index_select(0, torch.tensor([1, 2, 4])))
+    before = files.bytes_read
+    assert torch.equal(files.lazy(prefix + "1.weight").read_flat(8, 21), weight.reshape(-1)[8:21])
+    assert files.bytes_read - before == 3 * 6 * 4  # the three rows that hold elements 8-20, not the tensor
+    assert torch.equal(files.lazy(prefix + "2.bias").read_all(), saved["2.bias"])
+
+
+def test_load_pretrained_takes_a_torchtitan_checkpoint_and_a_lightning_one(tmp_path):
+    saved = _model().state_dict()
+    for layout in ("torchtitan", "lightning"):
+        dcp.save(LAYOUTS[layout](saved), checkpoint_id=tmp_path / layout, no_dist=True)
+        module = Wrapped()
+        loaded = strategies.load_pretrained(module, tmp_path / layout, module=module.net)  # no plan: read whole
+        assert loaded.tensors == len(saved) and loaded.unexpected == []
+        for key, value in saved.items():
+            assert torch.equal(module.net.state_dict()[key], value), (layout, key)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_what_is_missing(tmp_path):
+    dcp.save({"model": {"0.weight": torch.zeros(11, 6)}}, checkpoint_id=tmp_path, no_dist=True)
+    module = Wrapped()
+    with pytest.raises(ValueError, match=r"no values for 4 of Sequential's entries \(1.bias, 1.weight"):
+        strategies.load_pretrained(module, tmp_path, module=module.net)
+
+
+def test_convert_writes_any_models_weights_as_torchtitans_dcp_one_tensor_at_a_time(tmp_path):
+    from strategies.checkpoint.dcp_dir import save_lazily
+    from strategies.cli import main
+
+    saved = _model().state_dict()
+    torch.save({"state_dict": {f"net.{k}": v for k, v in saved.items()}, "epoch": 3}, tmp_path / "last.ckpt")
+    assert main(["convert", str(tmp_path / "last.ckpt"), str(tmp_path / "dcp"), "--dcp", "--strip-prefix", "net."]) == 0
+    files = DcpFiles(tmp_path / "dcp")
+    assert files.entries() == {k: (v.shape, v.dtype) for k, v in saved.items()}
+    assert all(torch.equal(files.tensor(k), v) for k, v in saved.items())
+    # ... and from that DCP (any layout) again, each tensor read when DCP writes it, into a file of its own (DCP's
+    # writer holds every tensor of a file until the file is written: one file for all would hold them all)
+    asked: list[str] = []
+    save_lazily(files.entries(), lambda name: asked.append(name) or files.tensor(name), tmp_path / "again")
+    assert sorted(asked) == sorted(saved) and len(list((tmp_path / "again").glob("*.distcp"))) == len(saved)
+    assert all(torch.equal(DcpFiles(tmp_path / "again").tensor(k), v) for k, v in saved.items())
+    assert main(["convert", str(tmp_path / "last.ckpt"), str(tmp_path / "none"), "--dcp", "--strip-prefix", "x."]) == 2
