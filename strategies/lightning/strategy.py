@@ -247,7 +247,7 @@ class PlanStrategy(ParallelStrategy):
         self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options,
                                                     self._deferred)
         if self._deferred is not None and not fitting:
-            self._deferred.rest()  # evaluating only: no optimizer for ZeRO to shard, so made whole
+            self._evaluate_in_slices()
         self._steps = self._make_steps(fitting)
         if fitting:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
@@ -258,6 +258,22 @@ class PlanStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._slices_at_cut = fitting and self.resolved_plan.pp > 1 and self._deferred is not None
         self._load_slices()  # a DCP checkpoint given before set-up (Lightning's order), now that the slices exist
+
+    def _evaluate_in_slices(self) -> None:
+        """test/validate/predict alone of a model built on meta: ZeRO-3 shards it as a fit would, its units gathered
+        for their forward only, over an optimizer that is never stepped (it only groups the weights into flats),
+        and each rank then reads its shard of a checkpoint (`_load_slices`). Under pp (cut at a training batch), or
+        where the weights are whole anyway, it is made whole."""
+        plan = self.resolved_plan
+        if plan.data.stage != 3 or plan.pp > 1 or plan.ep > 1 or plan.offload or self.mesh.data.size == 1:
+            self._deferred.rest()
+            return
+        grouping = torch.optim.SGD([p for p in self.lightning_module.parameters() if p.requires_grad], lr=0.0)
+        for sync in assemble.gradient_syncs(self.model, [grouping], plan, self.mesh, self.options, self.techniques,
+                                            fp16_scaler=False, deferred=self._deferred):
+            self._adopt(sync)
+        self._deferred = None
+        self._sliced = True  # left in slices at teardown, as after a fit: never made whole
 
     def _prepare_first_batch_check(self, precision: str) -> None:
         """The whole model's structure kept, before any technique splits it (its weights: at the first batch)."""

@@ -5,7 +5,8 @@ Trainer's fit from ``ckpt_path=".../last.ckpt"`` for two more steps, tested from
     python _fit_test_job.py OUT DEVICES PLAN BUILT
 
 ``BUILT``: ``init`` or ``configure_model`` (the model built on meta there, each rank making what it keeps). Rank 0
-writes to OUT the best checkpoint's test loss, the resumed fit's, and its own predictions (a loss per batch)."""
+writes to OUT the best checkpoint's test loss, the resumed fit's, and its own predictions (a loss per batch), and to
+OUT.held the share of the model's parameter bytes it held as it tested from the best checkpoint."""
 
 import sys
 
@@ -15,6 +16,18 @@ from torch.utils.data import DataLoader, Subset
 
 import strategies  # noqa: F401  (the plan names)
 from demos.gpt import GPTModule, make_demo
+
+
+class Held(L.Callback):
+    """The bytes of parameters this rank holds as it tests, over the whole model's (where a model built on meta is
+    tested from a checkpoint: ZeRO-3 keeps its shard)."""
+
+    share = None
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.share is None:
+            whole = trainer.strategy.built_num_params * 4
+            self.share = trainer.strategy.model_state_bytes()["params"] / whole
 
 
 class Module(GPTModule):
@@ -35,6 +48,8 @@ common = dict(strategy=plan, accelerator="cpu", devices=devices, val_check_inter
 trainer = L.Trainer(max_steps=4, **common,
                     callbacks=[ModelCheckpoint(dirpath=out + ".ckpt", monitor="val_loss", save_last=True)])
 trainer.fit(model, DataLoader(data, batch_size=4, drop_last=True), DataLoader(held_out, batch_size=4))
+held = Held()
+trainer.callbacks.append(held)
 trainer.test(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
 best = float(trainer.callback_metrics["test_loss"])
 predictions = trainer.predict(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
@@ -46,3 +61,5 @@ figures = [best, float(again.callback_metrics["test_loss"]), *map(float, predict
 if again.global_rank == 0:
     with open(out, "w") as f:
         f.write(" ".join(f"{v:.8f}" for v in figures))
+    with open(out + ".held", "w") as f:
+        f.write(f"{held.share:.4f}")
