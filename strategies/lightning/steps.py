@@ -88,6 +88,8 @@ class DirectSteps:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.hook("training_step", *args, **kwargs)
 
+    cut_on_eval = False  # (`PipelineSteps`)
+
     def eval_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self.hook(name, *args, **kwargs)
 
@@ -156,6 +158,8 @@ class PipelineSteps(DirectSteps):
         self._new_window = True
 
     def eval_step(self, name: str, batch: Any, batch_idx: int, *args: Any) -> Any:
+        if self.pipeline is None and self.cut_on_eval:  # evaluating alone a model built on meta: cut at this batch
+            self.pipeline = self.build(batch, batch_idx, *args, step=name)
         if self.pipeline is None:  # not cut yet (balanced by time, before the first training batch): whole model
             return self.hook(name, batch, batch_idx, *args)
         return self.pipeline.eval_step(batch, batch_idx, lambda b, i, *a: self.hook(name, b, i, *a), self.device,

@@ -246,9 +246,9 @@ class PlanStrategy(ParallelStrategy):
             self._prepare_first_batch_check(str(trainer.precision))
         self.techniques = assemble.model_techniques(self.model, self.resolved_plan, self.mesh, self.options,
                                                     self._deferred)
+        self._steps = self._make_steps(fitting)
         if self._deferred is not None and not fitting:
             self._evaluate_in_slices()
-        self._steps = self._make_steps(fitting)
         if fitting:
             self.setup_optimizers(trainer)  # before the sync: ZeRO builds its flats from the optimizer's groups
             if self.resolved_plan.pp == 1:  # else the first batch builds the pipeline, then the sync
@@ -256,16 +256,21 @@ class PlanStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._slices_at_cut = fitting and self.resolved_plan.pp > 1 and self._deferred is not None
+        self._slices_at_cut = self.resolved_plan.pp > 1 and self._deferred is not None
         self._load_slices()  # a DCP checkpoint given before set-up (Lightning's order), now that the slices exist
 
-    def _evaluate_in_slices(self) -> None:
+    def _evaluate_in_slices(self, cut: bool = False) -> None:
         """test/validate/predict alone of a model built on meta: ZeRO-3 shards it as a fit would, its units gathered
         for their forward only, over an optimizer that is never stepped (it only groups the weights into flats),
-        and each rank then reads its shard of a checkpoint (`_load_slices`). Under pp (cut at a training batch), or
-        where the weights are whole anyway, it is made whole."""
+        and each rank then reads its shard of a checkpoint (`_load_slices`). Under pp the first batch evaluated
+        cuts the stages (as a fit's first training batch does: `_build_pipeline`), and this runs again then (``cut``)
+        for what the stage keeps. Where the weights are whole anyway, they are made whole."""
         plan = self.resolved_plan
-        if plan.data.stage != 3 or plan.pp > 1 or plan.ep > 1 or plan.offload or self.mesh.data.size == 1:
+        if plan.pp > 1 and not cut:
+            self._steps.cut_on_eval = True
+            self._sliced = True
+            return
+        if plan.data.stage != 3 or plan.ep > 1 or plan.offload or self.mesh.data.size == 1:
             self._deferred.rest()
             return
         grouping = torch.optim.SGD([p for p in self.lightning_module.parameters() if p.requires_grad], lr=0.0)
@@ -307,7 +312,7 @@ class PlanStrategy(ParallelStrategy):
         return PipelineSteps(self._lightning_hook, self.lightning_module, self.compute_device, self._no_sync, None,
                              self._build_pipeline, self.options.stop_on_nonfinite_loss)
 
-    def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any) -> PipelineParallel:
+    def _build_pipeline(self, batch: Any, batch_idx: int, *args: Any, step: str = "training_step") -> PipelineParallel:
         if self.resolved_plan.schedule is PipelineSchedule.AUTO:
             self.resolved_plan, self.schedule_choice = assemble.choose_schedule(
                 self.lightning_module, batch, self.resolved_plan, self.mesh, self.root_device,
@@ -327,7 +332,7 @@ class PlanStrategy(ParallelStrategy):
             with torch.no_grad(), deferred_logs(self.lightning_module), torch.random.fork_rng(devices=devices), \
                     self._tracing(), reads:
                 try:
-                    self._lightning_hook("training_step", micro, batch_idx, *args)
+                    self._lightning_hook(step, micro, batch_idx, *args)
                 except (RuntimeError, NotImplementedError) as error:
                     if on_shapes and "meta" in str(error):
                         raise RuntimeError(_TRACE_READ.format(error=error)) from error
@@ -336,7 +341,11 @@ class PlanStrategy(ParallelStrategy):
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward,
                                             self._deferred)
         self._adopt(pipeline)
-        self._add_grad_sync()
+        if step == "training_step":
+            self._add_grad_sync()
+        else:  # evaluating alone (`_evaluate_in_slices`): what the stage keeps is made now
+            self._evaluate_in_slices(cut=True)
+            self._deferred = None
         self._slices_at_cut = False
         self._load_slices()
         if self._pending_model is not None:  # weights given before the cut (`load_pretrained`): each stage its own
@@ -459,7 +468,8 @@ class PlanStrategy(ParallelStrategy):
     def _whole_before_cut(self) -> None:
         """A meta-built model evaluated before the first training batch cuts the pipeline (the sanity check): made
         whole, since every rank runs the whole model until the cut."""
-        if self._deferred is not None and self.resolved_plan.pp > 1 and self.pipeline is None:
+        if self._deferred is not None and self.resolved_plan.pp > 1 and self.pipeline is None and \
+                not self._steps.cut_on_eval:
             rank_zero_info("the model built on meta is made whole to be evaluated before the pipeline is cut "
                            "(num_sanity_val_steps=0 keeps each stage to its own layers)")
             self._deferred.rest()

@@ -19,12 +19,12 @@ from demos.gpt import GPTModule, make_demo
 
 
 class Held(L.Callback):
-    """The bytes of parameters this rank holds as it tests, over the whole model's (where a model built on meta is
-    tested from a checkpoint: ZeRO-3 keeps its shard)."""
+    """The bytes of parameters this rank holds after its first test batch (under pp the one that cut the stages),
+    over the whole model's: a model built on meta tested from a checkpoint keeps the plan's slices."""
 
     share = None
 
-    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if self.share is None:
             whole = trainer.strategy.built_num_params * 4
             self.share = trainer.strategy.model_state_bytes()["params"] / whole
