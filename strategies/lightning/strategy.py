@@ -340,8 +340,14 @@ class PlanStrategy(ParallelStrategy):
 
         pipeline = assemble.traced_pipeline(self.model, self.resolved_plan, self.mesh, self.options, run_forward,
                                             self._deferred)
+        self._after_cut(pipeline, fitting=step == "training_step")
+        return pipeline
+
+    def _after_cut(self, pipeline: PipelineParallel, fitting: bool) -> None:
+        """The stages cut: the data-parallel technique over what this rank's stage keeps (evaluating alone, what it
+        keeps made: `_evaluate_in_slices`), then the weights and optimizer state given before the cut, read."""
         self._adopt(pipeline)
-        if step == "training_step":
+        if fitting:
             self._add_grad_sync()
         else:  # evaluating alone (`_evaluate_in_slices`): what the stage keeps is made now
             self._evaluate_in_slices(cut=True)
@@ -355,7 +361,6 @@ class PlanStrategy(ParallelStrategy):
             self._steps.pipeline = pipeline
             self.load_optimizer_state_dict(self._pending_optimizer)
             self._pending_optimizer = None
-        return pipeline
 
     def _tracing(self) -> contextlib.AbstractContextManager:
         """Around the pipeline's trace (a rehearsal counts no memory there: `lightning.rehearsal`)."""
