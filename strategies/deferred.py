@@ -25,6 +25,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,6 +93,33 @@ def has_meta_parameters(module: nn.Module) -> bool:
 
 
 LEFT = "_stratpack_left_in_slices"  # on a LightningModule that fit left in slices: the plan it trained under
+KEPT = "_stratpack_kept_slices"  # ... and what this rank held of it (`KeptSlices`)
+
+
+@dataclass
+class KeptSlices:
+    """What a rank held of a model a fit left in slices, copied to host memory (``boxes``: each name's boxes, as
+    `checkpoint.slices.keep_boxes` keeps them), so that the next set-up under the same plan and ranks takes it up
+    without a checkpoint: ``trainer.test(model)`` after ``trainer.fit(model)``. ``plan``: as resolved (the schedule
+    chosen), so the stages are cut alike; ``groups``: the optimizer's param groups by name (ZeRO's flats follow
+    them)."""
+
+    plan: str
+    world: int
+    rank: int
+    boxes: dict[str, list]
+    groups: list[list[str]] | None = None
+
+
+def take_kept(root: nn.Module, plan: Any, world: int, rank: int) -> KeptSlices | None:
+    """The slices a fit left this rank of ``root`` (`KeptSlices`), taken off the module, where they were kept under
+    ``plan`` (as the user wrote it) at ``world`` ranks; else None, and the module stays marked."""
+    kept = getattr(root, KEPT, None)
+    if kept is None or (str(getattr(root, LEFT, None)), kept.world, kept.rank) != (str(plan), world, rank):
+        return None
+    vars(root).pop(LEFT, None)
+    vars(root).pop(KEPT, None)
+    return kept
 
 
 def holds_whole_weights(plan: Any) -> bool:
@@ -100,10 +128,11 @@ def holds_whole_weights(plan: Any) -> bool:
     return plan.data.stage < 3 and plan.tp == 1 and plan.pp == 1 and plan.ep == 1
 
 
-def leave_in_slices(root: nn.Module, plan: str) -> None:
+def leave_in_slices(root: nn.Module, plan: str, kept: KeptSlices | None = None) -> None:
     """The end of a fit of a model built on meta: its weights stay in the slices the ranks held (gathering them
     would put the whole model on every rank, which need not fit), and the module keeps none: every parameter is
-    put on meta, so that using it fails loudly instead of computing with a slice, and the module is marked."""
+    put on meta, so that using it fails loudly instead of computing with a slice, and the module is marked, with
+    this rank's slices where they could be ``kept`` (`take_kept`)."""
     made: dict[int, nn.Parameter] = {}
     for module in root.modules():
         for name, p in list(module._parameters.items()):
@@ -112,6 +141,8 @@ def leave_in_slices(root: nn.Module, plan: str) -> None:
                     made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                 module._parameters[name] = made[id(p)]
     setattr(root, LEFT, plan)
+    if kept is not None:
+        setattr(root, KEPT, kept)
 
 
 def refill_left_in_slices(root: nn.Module) -> None:
@@ -119,6 +150,7 @@ def refill_left_in_slices(root: nn.Module) -> None:
     Lightning's ``test(ckpt_path="best")`` after ``fit``. The module is then as one built on meta and given that
     checkpoint: made whole to take it (before set-up, Lightning's order), and split by the plan at set-up."""
     vars(root).pop(LEFT, None)
+    vars(root).pop(KEPT, None)
 
 
 def refuse_left_in_slices(root: nn.Module) -> None:
@@ -128,8 +160,9 @@ def refuse_left_in_slices(root: nn.Module) -> None:
         raise RuntimeError(
             f"this {type(root).__name__} was trained under '{plan}' from a model built in configure_model: after "
             "fit its weights stay in the slices each rank held (the whole model need not fit on one), and the module "
-            "holds none. Save them while fit runs (ModelCheckpoint, or strategies.ExportPretrained for a Hugging "
-            "Face directory); to go on, build a new module and pass ckpt_path=... or use strategies.load_pretrained")
+            "holds none; the same Trainer's strategy (the same plan and ranks) takes them up again, another cannot. "
+            "Save them while fit runs (ModelCheckpoint, or strategies.ExportPretrained for a Hugging Face "
+            "directory); to go on, pass ckpt_path=... or use strategies.load_pretrained")
 
 
 def to_device(module: nn.Module, device: torch.device) -> None:

@@ -305,6 +305,31 @@ def _aliased(module: torch.nn.Module, boxed: dict[str, Boxed]) -> dict[str, Boxe
     return out
 
 
+def keep_boxes(boxes: dict[str, Boxed]) -> dict[str, list]:
+    """``boxes`` (`rank_state`'s ``model``) as (offsets, sizes, a host copy of the data) per name: what a rank holds,
+    kept past the techniques that held it (`deferred.KeptSlices`); a tied weight's boxes are copied once."""
+    copies: dict[int, list] = {}
+    for box in boxes.values():
+        if id(box) not in copies:
+            copies[id(box)] = [(tuple(o), tuple(s), d.detach().to("cpu", copy=True)) for o, s, d in box.pieces]
+    return {name: copies[id(box)] for name, box in boxes.items()}
+
+
+def fill_boxes(boxes: dict[str, Boxed], kept: dict[str, list]) -> list[str]:
+    """Fill ``boxes`` in place from ``kept`` (`keep_boxes`), each box from the kept one at the same place: the same
+    plan and ranks make the same boxes. Returns the names of those that found none (a layout that changed)."""
+    missing = []
+    for name, box in boxes.items():
+        pieces = {(o, s): d for o, s, d in kept.get(name, [])}
+        for offsets, sizes, data in box.pieces:
+            source = pieces.get((tuple(offsets), tuple(sizes)))
+            if source is None:
+                missing.append(name)
+                break
+            data.copy_(source)
+    return missing
+
+
 def share_replicas(state: dict, rank: int, gather: Callable[[Any], list[Any]]) -> dict:
     """``state`` (`rank_state`'s) with each box that several ranks hold alike (a replica's: dp's weights, a norm tp
     keeps whole) kept by one of them only, so that each rank writes and copies (an asynchronous save's stall) its

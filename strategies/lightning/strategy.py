@@ -37,16 +37,18 @@ from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
 from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, read_metadata, save_dcp
 from strategies.checkpoint.directory import is_dcp
-from strategies.checkpoint.slices import make_optimizer_state, rank_state, share_replicas
+from strategies.checkpoint.slices import fill_boxes, keep_boxes, make_optimizer_state, rank_state, share_replicas
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
 from strategies.deferred import (
     Deferred,
+    KeptSlices,
     has_meta_parameters,
     holds_whole_weights,
     leave_in_slices,
     refill_left_in_slices,
     refuse_left_in_slices,
+    take_kept,
 )
 from strategies.files import pack_version
 from strategies.lightning import assemble
@@ -113,6 +115,8 @@ class PlanStrategy(ParallelStrategy):
         self._pending_model: tuple[dict[str, Any], bool] | None = None  # weights for a meta model, until the cut
         self._slice_load: tuple[SliceLoad, bool] | None = None  # a DCP checkpoint's weights, until the slices exist
         self._slices_at_cut = False  # fitting a meta model under pp: its slices exist once the first batch cut it
+        self._kept: KeptSlices | None = None  # what a fit left in slices, taken up by this set-up (`take_kept`)
+        self._flat_groups: list[list[str]] | None = None  # evaluating alone: the groups ZeRO's flats followed
         self._told_gathered = False  # a plan saved gathered (`_by_slice`) said so once
         self.activation_bytes = self.peak_activation_bytes = 0
         self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
@@ -223,7 +227,7 @@ class PlanStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
         quiet_sigterm(trainer)  # (Lightning registers its signal handlers after this hook)
-        refuse_left_in_slices(self.lightning_module)
+        self._take_or_refuse_left()
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._grads_stale, self._free_grads_early = False, None  # (asked again for this fit's module and callbacks)
         if fitting and isinstance(self._launcher, AutoResume) and (chosen := self._launcher.chosen) is not None:
@@ -259,6 +263,15 @@ class PlanStrategy(ParallelStrategy):
         self._slices_at_cut = self.resolved_plan.pp > 1 and self._deferred is not None
         self._load_slices()  # a DCP checkpoint given before set-up (Lightning's order), now that the slices exist
 
+    def _take_or_refuse_left(self) -> None:
+        """A module a fit left in slices (`deferred.leave_in_slices`): taken up again where that fit ran under this
+        plan and ranks, the plan as it resolved then (its stages cut alike), its slices put back once this set-up has
+        made its own (`_take_up_kept`); else refused, saying why."""
+        self._kept = take_kept(self.lightning_module, self.plan, self.world_size, self.global_rank)
+        if self._kept is not None:
+            self.resolved_plan = ParallelPlan.parse(self._kept.plan).resolve(self.world_size)
+        refuse_left_in_slices(self.lightning_module)
+
     def _evaluate_in_slices(self, cut: bool = False) -> None:
         """test/validate/predict alone of a model built on meta: ZeRO-3 shards it as a fit would, its units gathered
         for their forward only, over an optimizer that is never stepped (it only groups the weights into flats),
@@ -273,7 +286,11 @@ class PlanStrategy(ParallelStrategy):
         if plan.data.stage != 3 or plan.ep > 1 or plan.offload or self.mesh.data.size == 1:
             self._deferred.rest()
             return
-        grouping = torch.optim.SGD([p for p in self.lightning_module.parameters() if p.requires_grad], lr=0.0)
+        named = dict(self.lightning_module.named_parameters())
+        groups = self._kept.groups if self._kept is not None and self._kept.groups else [
+            [n for n, p in named.items() if p.requires_grad]]  # (as the fit's, whose slices are kept: its flats)
+        grouping = torch.optim.SGD([{"params": [named[n] for n in group]} for group in groups], lr=0.0)
+        self._flat_groups = groups
         for sync in assemble.gradient_syncs(self.model, [grouping], plan, self.mesh, self.options, self.techniques,
                                             fp16_scaler=False, deferred=self._deferred):
             self._adopt(sync)
@@ -658,15 +675,31 @@ class PlanStrategy(ParallelStrategy):
             return box
 
         raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
-        groups = None
-        if raw is not None:  # the single-process groups by name, alike on every rank (every stage's: pp keeps them)
-            names = iter(optimizer_names(self.lightning_module, raw))
-            groups = [[next(names) for _ in group["params"]] for group in raw.param_groups]
-            for technique in techniques:
-                groups = technique.named_groups(groups)
+        groups = self._named_groups(raw) if raw is not None else None
         state = rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
                            lambda name: all(t.holds(name) for t in techniques), raw, groups)
         return {MODEL: state["model"], **({optimizer_key(0): state["optim"]} if raw is not None else {})}
+
+    def _named_groups(self, raw: Any) -> list[list[str]]:
+        """The optimizer's param groups by single-process name, alike on every rank (every stage's: pp keeps them)."""
+        names = iter(optimizer_names(self.lightning_module, raw))
+        groups = [[next(names) for _ in group["params"]] for group in raw.param_groups]
+        for technique in self.techniques:
+            groups = technique.named_groups(groups)
+        return groups
+
+    def _keep_slices(self) -> KeptSlices | None:
+        """This rank's slices copied to host memory, before the techniques that hold them are undone (`teardown`);
+        None where they cannot be described by slice (expert parallel, buffers under pp)."""
+        try:
+            boxes = self.state_by_slice(optimizer=False)[MODEL]
+        except NotImplementedError:
+            return None
+        if any(data.device.type == "meta" for box in boxes.values() for _, _, data in box.pieces):
+            return None  # (a rehearsal's: shapes, no values)
+        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if len(self.optimizers) == 1 else None
+        groups = self._named_groups(raw) if raw is not None else self._flat_groups
+        return KeptSlices(str(self.resolved_plan), self.world_size, self.global_rank, keep_boxes(boxes), groups)
 
     def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
         """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
@@ -711,10 +744,25 @@ class PlanStrategy(ParallelStrategy):
             if not any(n in have for n in names.get(id(p), [])):
                 optimizer.state.pop(p, None)
 
+    def _take_up_kept(self) -> None:
+        """The slices a fit left (`deferred.KeptSlices`) put back into this set-up's, which the same plan and ranks
+        made alike; then each technique remakes what it derives from them, as after a load."""
+        kept, self._kept = self._kept, None
+        missing = fill_boxes(self.state_by_slice(optimizer=False)[MODEL], kept.boxes)
+        if missing:
+            raise RuntimeError(f"the slices fit left do not fit this set-up's ({', '.join(missing[:4])}): a "
+                               "different optimizer's param groups or schedule; pass ckpt_path=... instead")
+        for technique in self.techniques:
+            technique.after_slice_load()
+
     def _load_slices(self) -> None:
         """The DCP checkpoint Lightning gave (`load_model_state_dict`), read into this rank's slices once they exist:
         at the end of set-up, or under pp with a model built on meta once the first batch cut it."""
-        if self._slice_load is None or self._slices_at_cut:
+        if self._slices_at_cut:
+            return
+        if self._kept is not None:
+            self._take_up_kept()
+        if self._slice_load is None:
             return
         (given, strict), self._slice_load = self._slice_load, None
         self.load_state_by_slice(given.path, optimizer=False, strict=strict)
@@ -899,8 +947,10 @@ class PlanStrategy(ParallelStrategy):
         healthy = self._failed is None and self.lightning_module is not None
         if healthy and self._saver is not None:
             self._saver.wait()  # the last save written before the fit returns (after a failure: left torn)
-        # Built on meta and fit: nothing gathered (the whole model need not fit one rank); the module holds none
+        # Built on meta and fit: nothing gathered (the whole model need not fit one rank); the module holds none,
+        # and this rank's slices are kept in host memory for the next set-up under this plan (`KeptSlices`)
         whole = not self._sliced
+        kept = self._keep_slices() if healthy and not whole else None
         for technique in reversed(self.techniques):
             technique.teardown(healthy and whole)
             if healthy and not whole:
@@ -917,7 +967,7 @@ class PlanStrategy(ParallelStrategy):
         with deferred.meta_safe_cpu(module):  # (a failure can leave a model built on meta unmade: no data to move)
             super().teardown()  # (moves the module to the CPU: before its weights go to meta)
         if healthy and not whole:
-            leave_in_slices(module, self.plan)
+            leave_in_slices(module, self.plan, kept)
         if healthy:  # the fit's own groups, not left to the interpreter's exit (the next fit builds its own)
             if self.mesh is not None:
                 self.mesh.release()

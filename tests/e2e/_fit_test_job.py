@@ -1,12 +1,14 @@
 """A user's script as Lightning's docs write one: ``trainer.fit(model, train, val)`` with a ``ModelCheckpoint``, then
-``trainer.test(model, test, ckpt_path="best")``, ``trainer.predict(model, data, ckpt_path="best")``, and a new
-Trainer's fit from ``ckpt_path=".../last.ckpt"`` for two more steps, tested from its own last checkpoint.
+``trainer.validate(model, val)`` (the weights fit left), ``trainer.test(model, test, ckpt_path="best")``,
+``trainer.predict(model, data, ckpt_path="best")``, and a new Trainer's fit from ``ckpt_path=".../last.ckpt"`` for
+two more steps, tested from its own last checkpoint.
 
     python _fit_test_job.py OUT DEVICES PLAN BUILT
 
 ``BUILT``: ``init`` or ``configure_model`` (the model built on meta there, each rank making what it keeps). Rank 0
-writes to OUT the best checkpoint's test loss, the resumed fit's, and its own predictions (a loss per batch), and to
-OUT.held the share of the model's parameter bytes it held as it tested from the best checkpoint."""
+writes to OUT the best checkpoint's test loss, the resumed fit's, the validation loss after the first fit, and its
+own predictions (a loss per batch), and to OUT.held the share of the model's parameter bytes it held as it tested
+from the best checkpoint."""
 
 import sys
 
@@ -48,6 +50,8 @@ common = dict(strategy=plan, accelerator="cpu", devices=devices, val_check_inter
 trainer = L.Trainer(max_steps=4, **common,
                     callbacks=[ModelCheckpoint(dirpath=out + ".ckpt", monitor="val_loss", save_last=True)])
 trainer.fit(model, DataLoader(data, batch_size=4, drop_last=True), DataLoader(held_out, batch_size=4))
+trainer.validate(model, DataLoader(held_out, batch_size=4))  # no ckpt_path: the weights fit left (in slices)
+after_fit = float(trainer.callback_metrics["val_loss"])
 held = Held()
 trainer.callbacks.append(held)
 trainer.test(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
@@ -57,7 +61,7 @@ again = L.Trainer(max_steps=6, **common, callbacks=[ModelCheckpoint(dirpath=out 
 again.fit(model, DataLoader(data, batch_size=4, drop_last=True), DataLoader(held_out, batch_size=4),
           ckpt_path=out + ".ckpt/last.ckpt")
 again.test(model, DataLoader(held_out, batch_size=4), ckpt_path="last")
-figures = [best, float(again.callback_metrics["test_loss"]), *map(float, predictions)]
+figures = [best, float(again.callback_metrics["test_loss"]), after_fit, *map(float, predictions)]
 if again.global_rank == 0:
     with open(out, "w") as f:
         f.write(" ".join(f"{v:.8f}" for v in figures))

@@ -128,13 +128,15 @@ def test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_scrip
 
 
 def test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model(request):
-    # Lightning's flow (`_fit_test_job.py`): fit with a ModelCheckpoint, then test(ckpt_path="best"), predict from it,
-    # and a new Trainer's fit from the last checkpoint, tested from its own. Where every rank holds the weights whole
+    # Lightning's flow (`_fit_test_job.py`): fit with a ModelCheckpoint, validate on the weights fit left (no ckpt_path:
+    # the slices each rank kept, `deferred.KeptSlices`), then test(ckpt_path="best"), predict from it, and a new
+    # Trainer's fit from the last checkpoint, tested from its own. Where every rank holds the weights whole
     # (dp, ZeRO-1/2) the module keeps them after fit; where the plan split them (ZeRO-3, tp, pp) fit leaves them in the
-    # ranks' slices and the module the user wrote on meta, which each checkpoint fills whole again (it used to be
-    # refused, and tp's layers stayed in place, which nothing could fill). Plain SGD: the plans that see the same
-    # batches give the same figures (measured: zero3 and zero3_tp2_pp2@8 = dp@2 to the last digit of all three, tp2 =
-    # dp@1, pp2 within 5e-7 of it).
+    # ranks' slices (a host copy each, taken up by the next set-up under the plan) and the module the user wrote on
+    # meta, which a checkpoint fills by slice (it used to be refused, and tp's layers stayed in place, which nothing
+    # could fill; then made whole). Plain SGD: the plans that see the same batches give the same figures (measured:
+    # zero3 and zero3_tp2_pp2@8 = dp@2 to the last digit of all four, tp2 = dp@1, pp2 within 5e-7 of it). Planted,
+    # the slices not kept: validate refuses the module, the job fails.
     figures = {}
     for key, (proc, out) in _ran(request).items():
         assert proc.returncode == 0, proc.stderr[-4000:]
