@@ -160,7 +160,8 @@ def refuse_left_in_slices(root: nn.Module) -> None:
         raise RuntimeError(
             f"this {type(root).__name__} was trained under '{plan}' from a model built in configure_model: after "
             "fit its weights stay in the slices each rank held (the whole model need not fit on one), and the module "
-            "holds none; the same Trainer's strategy (the same plan and ranks) takes them up again, another cannot. "
+            "holds none; a set-up under the same plan and ranks takes them up again (each rank kept a host copy), "
+            "another cannot. "
             "Save them while fit runs (ModelCheckpoint, or strategies.ExportPretrained for a Hugging Face "
             "directory); to go on, pass ckpt_path=... or use strategies.load_pretrained")
 

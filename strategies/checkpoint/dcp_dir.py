@@ -17,7 +17,9 @@ pack resumes from theirs. The save is atomic as the sharded format's (`sharded.s
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,8 +236,9 @@ class DcpFiles:
     """The model weights of any DCP checkpoint, read box by box for `strategies.load_pretrained` (the interface of
     `pretrained.SafetensorsFiles`): Lightning's (``state_dict.*``: the pack's, ``ModelParallelStrategy``'s),
     torchtitan's and `slices`' (``model.*``), or a plain ``dcp.save(model.state_dict())`` (names at the top). ``read``
-    fills a box of one tensor from only the chunks that overlap it, whatever layout saved them (FSDP2's shards, tp
-    slices)."""
+    fills a box of one tensor from the stored chunks that overlap it, whatever layout saved them (FSDP2's shards, tp
+    slices): DCP's file reader reads each such chunk whole, so ``bytes_read`` counts those chunks (a tensor saved as
+    one chunk is read whole by every rank that keeps part of it)."""
 
     RESERVED = ("optimizer", "optim", "lr_scheduler", "lr_schedulers", "dataloader", "train_state")
 
@@ -296,8 +299,17 @@ class DcpFiles:
         state: dict[str, Any] = {}
         _set_in(state, self._path[key], target)
         dcp.load(state, storage_reader=self._reader, planner=load_planner(), no_dist=True)
-        self.bytes_read += out.numel() * out.element_size()
+        self.bytes_read += _overlapping_bytes(meta, bounds, out.element_size())
         return out
+
+
+def _overlapping_bytes(meta: Any, bounds: list[tuple[int, int]], itemsize: int) -> int:
+    """Bytes of the stored chunks of ``meta`` (DCP's metadata of a tensor) that overlap the box ``bounds``."""
+    total = 0
+    for chunk in meta.chunks:
+        if all(o < b and a < o + n for (a, b), o, n in zip(bounds, chunk.offsets, chunk.sizes)):
+            total += math.prod(chunk.sizes) * itemsize
+    return total
 
 
 def save_lazily(entries: dict[str, tuple[torch.Size, torch.dtype]], read: Callable[[str], torch.Tensor],
@@ -322,7 +334,13 @@ def save_lazily(entries: dict[str, tuple[torch.Size, torch.dtype]], read: Callab
     shapes = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in entries.items()}
     # a file per tensor: DCP's writer holds every tensor of a file until the file is done
     writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
-    dcp.save({top: shapes}, storage_writer=writer, planner=Lazy(), no_dist=True)
+    try:
+        dcp.save({top: shapes}, storage_writer=writer, planner=Lazy(), no_dist=True)
+    except BaseException as err:  # (DCP's CheckpointException is a BaseException): nothing half-written left
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"writing {path}: {type(err).__name__}: {err}") from None
     swap_in(path, tmp, token)
 
 

@@ -75,7 +75,6 @@ def load_pretrained(pl_module: Any, path: str | os.PathLike, module: nn.Module |
     return Loaded(files, len(state), sorted(set(stored) - names))
 
 
-
 def _pretrained_inside(pl_module: nn.Module) -> nn.Module:
     found = [m for m in pl_module.modules() if _is_hf_model(m)]
     outermost = [m for m in found if not any(m is not o and any(m is x for x in o.modules()) for o in found)]

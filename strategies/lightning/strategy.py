@@ -117,6 +117,7 @@ class PlanStrategy(ParallelStrategy):
         self._slices_at_cut = False  # fitting a meta model under pp: its slices exist once the first batch cut it
         self._kept: KeptSlices | None = None  # what a fit left in slices, taken up by this set-up (`take_kept`)
         self._flat_groups: list[list[str]] | None = None  # evaluating alone: the groups ZeRO's flats followed
+        self._fitting = False
         self._told_gathered = False  # a plan saved gathered (`_by_slice`) said so once
         self.activation_bytes = self.peak_activation_bytes = 0
         self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
@@ -124,7 +125,7 @@ class PlanStrategy(ParallelStrategy):
         self._first_batch: FirstBatchCheck | None = None  # the whole model kept for the first-batch check
         self.first_batch: Outcome | None = None  # what the check found (both losses, or why it was skipped)
         self._deferred: Deferred | None = None  # a model built on meta, until every technique made its part
-        self._sliced = False  # built on meta and set up to fit (to evaluate, such a model is made whole)
+        self._sliced = False  # built on meta under a plan that splits it: left in slices at teardown
         self.built_num_params = 0
         self._saver: AsyncSaver | None = None  # async_save: the save in flight
         self.save_stalls = SaveStalls()  # how long training waited on each save
@@ -229,6 +230,7 @@ class PlanStrategy(ParallelStrategy):
         quiet_sigterm(trainer)  # (Lightning registers its signal handlers after this hook)
         self._take_or_refuse_left()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._fitting, self._flat_groups = fitting, None
         self._grads_stale, self._free_grads_early = False, None  # (asked again for this fit's module and callbacks)
         if fitting and isinstance(self._launcher, AutoResume) and (chosen := self._launcher.chosen) is not None:
             agree(chosen, comm.broadcast_object(chosen, self.mesh.world), self.global_rank)
@@ -279,9 +281,9 @@ class PlanStrategy(ParallelStrategy):
         cuts the stages (as a fit's first training batch does: `_build_pipeline`), and this runs again then (``cut``)
         for what the stage keeps. Where the weights are whole anyway, they are made whole."""
         plan = self.resolved_plan
+        self._sliced = not holds_whole_weights(plan)  # (left so at teardown: never gathered whole)
         if plan.pp > 1 and not cut:
             self._steps.cut_on_eval = True
-            self._sliced = True
             return
         if plan.data.stage != 3 or plan.ep > 1 or plan.offload or self.mesh.data.size == 1:
             self._deferred.rest()
@@ -295,7 +297,7 @@ class PlanStrategy(ParallelStrategy):
                                             fp16_scaler=False, deferred=self._deferred):
             self._adopt(sync)
         self._deferred = None
-        self._sliced = True  # left in slices at teardown, as after a fit: never made whole
+        self._gather_in_half()  # (under pp, after set-up's: the units made at the cut)
 
     def _prepare_first_batch_check(self, precision: str) -> None:
         """The whole model's structure kept, before any technique splits it (its weights: at the first batch)."""
@@ -324,8 +326,8 @@ class PlanStrategy(ParallelStrategy):
     def _make_steps(self, fitting: bool) -> DirectSteps:
         if self.resolved_plan.pp == 1:
             return DirectSteps(self._lightning_hook)
-        # Cut on the first training batch, after tracing it (`assemble.traced_pipeline`). Until then, and in a run
-        # that only evaluates, every rank holds and runs the whole model.
+        # Cut on the first training batch, after tracing it (`assemble.traced_pipeline`); until then every rank
+        # holds and runs the whole model. Evaluating alone a model built on meta: on the first batch evaluated.
         return PipelineSteps(self._lightning_hook, self.lightning_module, self.compute_device, self._no_sync, None,
                              self._build_pipeline, self.options.stop_on_nonfinite_loss)
 
@@ -335,7 +337,8 @@ class PlanStrategy(ParallelStrategy):
                 self.lightning_module, batch, self.resolved_plan, self.mesh, self.root_device,
                 self.lightning_module.trainer, self.techniques)
         assemble.check_split(self.resolved_plan, self.techniques)
-        micro = split_microbatches(batch, self.resolved_plan.microbatches)[0]
+        # a training batch's first microbatch; an evaluation's whole batch (its program does not split it)
+        micro = split_microbatches(batch, self.resolved_plan.microbatches)[0] if step == "training_step" else batch
 
         if self._deferred is not None:  # the model is on meta: traced with shapes only
             micro = apply_to_collection(micro, Tensor, lambda t: t.to("meta"))
@@ -668,15 +671,9 @@ class PlanStrategy(ParallelStrategy):
         if self.resolved_plan.ep > 1:
             raise NotImplementedError("saving by slice under expert parallel: the experts are not yet placed")
         techniques = self.techniques
-
-        def place(name: str, box: Any) -> Any:
-            for technique in techniques:
-                box = technique.place_box(name, box)
-            return box
-
         raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
         groups = self._named_groups(raw) if raw is not None else None
-        state = rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], place,
+        state = rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], self._place,
                            lambda name: all(t.holds(name) for t in techniques), raw, groups)
         return {MODEL: state["model"], **({optimizer_key(0): state["optim"]} if raw is not None else {})}
 
@@ -690,16 +687,31 @@ class PlanStrategy(ParallelStrategy):
 
     def _keep_slices(self) -> KeptSlices | None:
         """This rank's slices copied to host memory, before the techniques that hold them are undone (`teardown`);
-        None where they cannot be described by slice (expert parallel, buffers under pp)."""
+        None where they cannot be taken up alike (expert parallel, offload, buffers under pp)."""
+        if self.resolved_plan.offload or self.resolved_plan.ep > 1:
+            return None
         try:
-            boxes = self.state_by_slice(optimizer=False)[MODEL]
+            boxes = self._held_boxes()
         except NotImplementedError:
             return None
         if any(data.device.type == "meta" for box in boxes.values() for _, _, data in box.pieces):
             return None  # (a rehearsal's: shapes, no values)
-        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if len(self.optimizers) == 1 else None
+        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if self._fitting else None
         groups = self._named_groups(raw) if raw is not None else self._flat_groups
         return KeptSlices(str(self.resolved_plan), self.world_size, self.global_rank, keep_boxes(boxes), groups)
+
+    def _held_boxes(self) -> dict[str, Any]:
+        """The weights this rank holds, as boxes (`rank_state`): ZeRO-3's shards, tp's slices, a stage's own. ZeRO-1
+        and 2 keep the weights whole, in flats that evaluating alone does not build: taken as the parameters."""
+        sharded = self.resolved_plan.data.stage == 3
+        flats = [flat for t in self.techniques for flat in t.sliced_flats()] if sharded else []
+        return rank_state(self.lightning_module, flats, self._place,
+                          lambda name: all(t.holds(name) for t in self.techniques))["model"]
+
+    def _place(self, name: str, box: Any) -> Any:
+        for technique in self.techniques:
+            box = technique.place_box(name, box)
+        return box
 
     def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
         """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
@@ -746,12 +758,14 @@ class PlanStrategy(ParallelStrategy):
 
     def _take_up_kept(self) -> None:
         """The slices a fit left (`deferred.KeptSlices`) put back into this set-up's, which the same plan and ranks
-        made alike; then each technique remakes what it derives from them, as after a load."""
-        kept, self._kept = self._kept, None
-        missing = fill_boxes(self.state_by_slice(optimizer=False)[MODEL], kept.boxes)
-        if missing:
-            raise RuntimeError(f"the slices fit left do not fit this set-up's ({', '.join(missing[:4])}): a "
-                               "different optimizer's param groups or schedule; pass ckpt_path=... instead")
+        made alike (their boxes agreed by every rank); then each technique remakes what it derives from them, as
+        after a load."""
+        missing = fill_boxes(self._held_boxes(), self._kept.boxes)
+        anywhere = [names for names in comm.all_gather_object(missing[:4], self.mesh.world) if names]
+        if anywhere:  # (every rank raises: under pp the others would wait in the first step's messages)
+            raise RuntimeError(f"the slices fit left do not fit this set-up's ({', '.join(anywhere[0])}): another "
+                               "optimizer's param groups or pipeline schedule; pass ckpt_path=... instead")
+        self._kept = None  # (else teardown puts them back on the module, for the next set-up)
         for technique in self.techniques:
             technique.after_slice_load()
 
@@ -950,7 +964,7 @@ class PlanStrategy(ParallelStrategy):
         # Built on meta and fit: nothing gathered (the whole model need not fit one rank); the module holds none,
         # and this rank's slices are kept in host memory for the next set-up under this plan (`KeptSlices`)
         whole = not self._sliced
-        kept = self._keep_slices() if healthy and not whole else None
+        kept = self._kept or (self._keep_slices() if healthy and not whole else None)  # (not taken up: put back)
         for technique in reversed(self.techniques):
             technique.teardown(healthy and whole)
             if healthy and not whole:
@@ -966,8 +980,9 @@ class PlanStrategy(ParallelStrategy):
         module = self.lightning_module
         with deferred.meta_safe_cpu(module):  # (a failure can leave a model built on meta unmade: no data to move)
             super().teardown()  # (moves the module to the CPU: before its weights go to meta)
-        if healthy and not whole:
+        if (healthy and not whole) or self._kept is not None:
             leave_in_slices(module, self.plan, kept)
+        self._kept = None
         if healthy:  # the fit's own groups, not left to the interpreter's exit (the next fit builds its own)
             if self.mesh is not None:
                 self.mesh.release()

@@ -169,8 +169,8 @@ _COMPILED: dict[tuple, tuple] = {}
 def walk(pieces: Pieces, chunks: dict[int, Chunk], actions: list[Action], workspace: Workspace = Workspace(),
          rules: Rules = Rules(), key: Hashable | None = None) -> Peak:
     """The peak of ``actions`` run in order on a rank whose chunks (by stage) are ``chunks``. ``workspace``: what
-    the kernels hold while they run (`Workspace`). ``key``: a name for ``actions`` and ``rules.early``
-    (the same key, the same both), under which the walk's structure is compiled once."""
+    the kernels hold while they run (`Workspace`). ``key``: a name for ``actions``, ``rules.early`` and
+    ``rules.fused`` (the same key, the same all three), under which the walk's structure is compiled once."""
     stages = tuple((s, chunks[s].first, chunks[s].last) for s in sorted(chunks))
     compiled = _COMPILED.get((key, stages)) if key is not None else None
     if compiled is None:
@@ -282,8 +282,8 @@ class _Terms:
     weights: int = 0
     behind_kept: int = 0  # a ZeRO-3 chunk's reducing backward at its second block (`_behind`), its gradients kept ...
     behind_fresh: int = 0  # ... or made in this backward
-    deep_held: int = 0  # a ZeRO-3 chunk's reducing backward, its gradients made there, at its IN_FLIGHT-th block
-    deep_freed: int = 0  # (`Chunk.deep`): what the blocks before hold while they reduce, and what they saved
+    deep_held: int = 0  # a ZeRO-3 chunk's reducing backward, its gradients made there, at its block IN_FLIGHT (the
+    deep_freed: int = 0  # third: `Chunk.deep`): what the blocks before hold while they reduce, and what they saved
     first: bool = False
     last: bool = False
 
@@ -384,7 +384,7 @@ class _Walk:
     def _working(self, action: Action, chunk: _Terms, ahead: int, top: int, fresh: bool = False) -> None:
         """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first. Then its first
         block's attention backward and, where it reduces gradients made there (``fresh``; kept ones are moved into
-        the flats: `_behind`), its IN_FLIGHT-th block's (`Chunk.deep`), the flat filling beside those reducing."""
+        the flats: `_behind`), that of its block IN_FLIGHT (`Chunk.deep`), the flat filling beside those reducing."""
         q = self.q
         self.released = q.release
         if chunk.last:  # the loss's gradient (two logits-sized tensors) beside ZeRO-3's units (the head's, the last

@@ -45,7 +45,9 @@ def test_loaded_by_slice_equals_from_pretrained(saved, results, name: str, plan:
         assert sum(val) / len(val) == pytest.approx(loss, rel=1e-5)
     if plan in SLICED and not plan.startswith("pp"):
         for read, kept, _, _ in got["ranks"]:
-            assert abs(read - kept) <= 0.1 * kept, (read, kept)
+            # safetensors read the slices; DCP reads each stored chunk a box overlaps whole (FSDP2's row shards under
+            # a rank's tp columns and ZeRO range: 62 KB against 27 KB kept on one rank), not the model (114 KB)
+            assert abs(read - kept) <= 0.1 * kept if source == "hf" else read <= 3 * kept, (read, kept)
 
 
 @pytest.mark.parametrize("name,plan", EXPORTS)
