@@ -670,12 +670,23 @@ class PlanStrategy(ParallelStrategy):
         ``optimizer_0``, its state alike and its param groups by parameter name). Nothing is gathered."""
         if self.resolved_plan.ep > 1:
             raise NotImplementedError("saving by slice under expert parallel: the experts are not yet placed")
-        techniques = self.techniques
-        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
-        groups = self._named_groups(raw) if raw is not None else None
-        state = rank_state(self.lightning_module, [flat for t in techniques for flat in t.sliced_flats()], self._place,
-                           lambda name: all(t.holds(name) for t in techniques), raw, groups)
+        raw = self._raw_optimizer() if optimizer else None
+        state = self._rank_state(self._sliced_flats(), raw)
         return {MODEL: state["model"], **({optimizer_key(0): state["optim"]} if raw is not None else {})}
+
+    def _rank_state(self, flats: list, raw: Any = None) -> dict[str, Any]:
+        """`rank_state` of the module: ``flats``' shards, each technique placing its boxes and saying what it holds;
+        with ``raw``, that optimizer's state and its groups by name."""
+        return rank_state(self.lightning_module, flats, self._place,
+                          lambda name: all(t.holds(name) for t in self.techniques), raw,
+                          self._named_groups(raw) if raw is not None else None)
+
+    def _sliced_flats(self) -> list:
+        return [flat for t in self.techniques for flat in t.sliced_flats()]
+
+    def _raw_optimizer(self) -> Any:
+        """The one optimizer as torch made it (not Lightning's wrapper)."""
+        return getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
 
     def _named_groups(self, raw: Any) -> list[list[str]]:
         """The optimizer's param groups by single-process name, alike on every rank (every stage's: pp keeps them)."""
@@ -696,17 +707,13 @@ class PlanStrategy(ParallelStrategy):
             return None
         if any(data.device.type == "meta" for box in boxes.values() for _, _, data in box.pieces):
             return None  # (a rehearsal's: shapes, no values)
-        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if self._fitting else None
-        groups = self._named_groups(raw) if raw is not None else self._flat_groups
+        groups = self._named_groups(self._raw_optimizer()) if self._fitting and self.optimizers else self._flat_groups
         return KeptSlices(str(self.resolved_plan), self.world_size, self.global_rank, keep_boxes(boxes), groups)
 
     def _held_boxes(self) -> dict[str, Any]:
         """The weights this rank holds, as boxes (`rank_state`): ZeRO-3's shards, tp's slices, a stage's own. ZeRO-1
         and 2 keep the weights whole, in flats that evaluating alone does not build: taken as the parameters."""
-        sharded = self.resolved_plan.data.stage == 3
-        flats = [flat for t in self.techniques for flat in t.sliced_flats()] if sharded else []
-        return rank_state(self.lightning_module, flats, self._place,
-                          lambda name: all(t.holds(name) for t in self.techniques))["model"]
+        return self._rank_state(self._sliced_flats() if self.resolved_plan.data.stage == 3 else [])["model"]
 
     def _place(self, name: str, box: Any) -> Any:
         for technique in self.techniques:
@@ -722,7 +729,7 @@ class PlanStrategy(ParallelStrategy):
         path, key = os.fspath(path), optimizer_key(0)
         metadata = read_metadata(path)
         saved = set(metadata.state_dict_metadata)
-        raw = getattr(self.optimizers[0], "_optimizer", self.optimizers[0]) if optimizer else None
+        raw = self._raw_optimizer() if optimizer else None
         if raw is not None and any(k.startswith(f"{key}.state.") for k in saved):
             make_optimizer_state(raw)
             self._drop_unsaved_state(raw, saved, key)
@@ -751,7 +758,7 @@ class PlanStrategy(ParallelStrategy):
         prefix = f"{key}.state."
         have = {k[len(prefix):k.rindex(".")] for k in saved if k.startswith(prefix)}
         names = {id(p): [n] for n, p in self.lightning_module.named_parameters()}
-        names.update({id(flat.master): list(flat.names) for t in self.techniques for flat in t.sliced_flats()})
+        names.update({id(flat.master): list(flat.names) for flat in self._sliced_flats()})
         for p in [p for group in optimizer.param_groups for p in group["params"]]:
             if not any(n in have for n in names.get(id(p), [])):
                 optimizer.state.pop(p, None)
