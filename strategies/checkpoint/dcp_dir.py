@@ -29,17 +29,15 @@ import torch
 
 from strategies.checkpoint import directory
 from strategies.checkpoint.directory import CheckpointError, swap_in
+from strategies.checkpoint.layout import MODEL, layout_of, optimizer_key, paths
 from strategies.checkpoint.lazy import LazyWeight
 from strategies.checkpoint.slices import Boxed, leaves, load_planner, load_state, save_state
 from strategies.files import atomic_write
 
 META = "meta.pt"
 METADATA = ".metadata"
-MODEL = "state_dict"
-
-
-def optimizer_key(index: int) -> str:
-    return f"optimizer_{index}"
+FOREIGN = "stratpack_foreign_layout"  # `load_rest`'s answer for a checkpoint not in Lightning's layout
+__all__ = ["MODEL", "optimizer_key"]  # (Lightning's layout's keys, `layout`: imported from here too)
 
 
 @dataclass(frozen=True)
@@ -129,14 +127,20 @@ def read_metadata(path: str | os.PathLike) -> Any:
 
 def load_rest(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """Lightning's checkpoint from the DCP directory ``path`` without its tensors: ``meta.pt`` (a ModelParallelStrategy
-    checkpoint's too), with a `SliceLoad` for the weights and for each optimizer saved, read later by slice."""
+    checkpoint's too), with a `SliceLoad` for the weights and for each optimizer saved, read later by slice. A
+    checkpoint in another layout (torchtitan's, a plain ``dcp.save`` of FSDP2's state dicts: `layout`) has no loop
+    state: its `SliceLoad`s alone, and its `Layout` under ``FOREIGN``."""
     path = os.fspath(path)
     metadata = read_metadata(path)
+    layout = layout_of(metadata)
+    if not layout.lightnings and not os.path.exists(os.path.join(path, META)):
+        return {FOREIGN: layout, MODEL: SliceLoad(path, MODEL),
+                **({"optimizer_states": [SliceLoad(path, optimizer_key(0))]} if layout.optimizer else {})}
     try:
         rest = torch.load(os.path.join(path, META), weights_only=weights_only is not False)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {META}: a DCP checkpoint, but not one Lightning wrote (the loop's "
-                              "state is missing); load its weights with strategies.load_pretrained") from None
+        raise CheckpointError(f"{path} has no {META}: a DCP checkpoint in Lightning's layout, but its save did not "
+                              "finish (the loop's state is missing)") from None
     except Exception as err:  # noqa: BLE001
         raise CheckpointError(f"{path}/{META} could not be loaded with torch.load(weights_only=True): "
                               f"{type(err).__name__}: {err}. If it comes from a source you trust, pass "
@@ -157,6 +161,10 @@ def load_whole(path: str | os.PathLike, weights_only: bool | None = None) -> dic
 
     path = os.fspath(path)
     checkpoint = {k: v for k, v in load_rest(path, weights_only).items() if not _is_slice_load(v)}
+    if FOREIGN in checkpoint:
+        raise CheckpointError(f"{path} is a DCP checkpoint in another layout than Lightning's (torchtitan's, "
+                              "FSDP2's): a plan's strategy resumes from it by slice (trainer.fit(..., ckpt_path=...)), "
+                              "strategies.load_pretrained reads its weights, `stratpack convert CKPT OUT --dcp` too")
     metadata = read_metadata(path)
     state: dict[str, Any] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
@@ -240,32 +248,23 @@ class DcpFiles:
     slices): DCP's file reader reads each such chunk whole, so ``bytes_read`` counts those chunks (a tensor saved as
     one chunk is read whole by every rank that keeps part of it)."""
 
-    RESERVED = ("optimizer", "optim", "lr_scheduler", "lr_schedulers", "dataloader", "train_state")
-
     def __init__(self, path: str | os.PathLike) -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path, self.bytes_read = os.fspath(path), 0
         metadata = read_metadata(self.path)
-        where = metadata.planner_data or {}
-        paths = {fqn: tuple(where.get(fqn, (fqn,))) for fqn, meta in metadata.state_dict_metadata.items()
-                 if isinstance(meta, TensorStorageMetadata)}
-        tops = {p[0] for p in paths.values() if len(p) == 2}
-        top = next((t for t in (MODEL, "model") if t in tops), None)
-        mine = {fqn: p for fqn, p in paths.items()
-                if (len(p) == 2 and p[0] == top) or (top is None and len(p) == 1 and not self._reserved(fqn))}
-        self._path = {p[-1]: p for p in mine.values()}  # a weight's name -> where DCP's flattening put it
-        self._meta = {p[-1]: metadata.state_dict_metadata[fqn] for fqn, p in mine.items()}
+        where, found = paths(metadata), layout_of(metadata).weights(metadata)
+        mine = {name: fqn for name, fqn in found.items()
+                if isinstance(metadata.state_dict_metadata[fqn], TensorStorageMetadata)}
+        self._path = {name: where[fqn] for name, fqn in mine.items()}  # where DCP's flattening put each weight
+        self._meta = {name: metadata.state_dict_metadata[fqn] for name, fqn in mine.items()}
 
         class Cached(FileSystemReader):  # DCP reads .metadata again at every load: once is enough here
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
                 return metadata
 
         self._reader = Cached(self.path)
-
-    def _reserved(self, fqn: str) -> bool:
-        return fqn.split(".", 1)[0] in self.RESERVED or fqn.startswith("optimizer_")
 
     def keys(self) -> list[str]:
         return list(self._meta)

@@ -15,6 +15,7 @@ import faulthandler
 import os
 import sys
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,8 +36,19 @@ from typing_extensions import override
 from strategies import comm, deferred
 from strategies.checkpoint import load_any, save_sharded
 from strategies.checkpoint.async_save import AsyncSaver, SaveStalls, save_axis
-from strategies.checkpoint.dcp_dir import MODEL, SliceLoad, load_into, load_rest, optimizer_key, read_metadata, save_dcp
-from strategies.checkpoint.directory import is_dcp
+from strategies.checkpoint.dcp_dir import (
+    FOREIGN,
+    MODEL,
+    SliceLoad,
+    load_into,
+    load_rest,
+    optimizer_key,
+    read_metadata,
+    save_dcp,
+)
+from strategies.checkpoint.directory import CheckpointError, is_dcp
+from strategies.checkpoint.layout import Layout, layout_of
+from strategies.checkpoint.pretrained import model_prefix
 from strategies.checkpoint.slices import fill_boxes, keep_boxes, make_optimizer_state, rank_state, share_replicas
 from strategies.clipping import clip_pieces
 from strategies.comm import CommStats
@@ -722,41 +734,59 @@ class PlanStrategy(ParallelStrategy):
 
     def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
         """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
-        any plan and world size (the pack's, FSDP2's, Lightning's ModelParallelStrategy's), each rank reading only
-        what overlaps its boxes; then each technique remakes what it derives from them (ZeRO's full parameters).
-        With ``optimizer``, its state is made first where no step has made it yet, and its hyperparameters read;
-        ``model=False``: the optimizer's part only (Lightning loads the two apart)."""
+        any plan and world size (the pack's, Lightning's ModelParallelStrategy's; torchtitan's and FSDP2's by their
+        own keys, `checkpoint.layout`), each rank reading only what overlaps its boxes; then each technique remakes
+        what it derives from them (ZeRO's full parameters). With ``optimizer``, its state is made first where no step
+        has made it yet, and its hyperparameters read; ``model=False``: the optimizer's part only (Lightning loads
+        the two apart)."""
         path, key = os.fspath(path), optimizer_key(0)
         metadata = read_metadata(path)
-        saved = set(metadata.state_dict_metadata)
+        saved, layout = set(metadata.state_dict_metadata), self._layout(metadata)
         raw = self._raw_optimizer() if optimizer else None
-        if raw is not None and any(k.startswith(f"{key}.state.") for k in saved):
+        if raw is not None and layout.stated(saved):
             make_optimizer_state(raw)
-            self._drop_unsaved_state(raw, saved, key)
+            self._drop_unsaved_state(raw, layout.stated(saved))
         state = self.state_by_slice(optimizer)
         if not model:
             del state[MODEL]
         if raw is not None:
             groups = state[key].pop("param_groups")
-            if not any(k.startswith(f"{key}.state.") for k in saved):
+            if not layout.stated(saved):
                 state[key].pop("state")  # saved before a first step: the optimizer starts as it is
-            state[key]["param_groups"] = _saved_groups(raw, groups, saved, key)
-            ours = [list(group["params"]) for group in groups]
-        load_into(state, path, strict, metadata)
+            count = layout.group_count(saved)
+            if count is not None and count != len(raw.param_groups):
+                raise ValueError(f"the checkpoint's optimizer has {count} param groups, this one "
+                                 f"{len(raw.param_groups)}: it was saved from a different configure_optimizers")
+            state[key]["param_groups"] = layout.groups(groups, saved)
+        theirs = layout.saved(state)
+        load_into(theirs, path, strict, metadata)
         for technique in self.techniques if model else ():
             technique.after_slice_load()
-        for i, (group, read) in enumerate(zip(raw.param_groups if raw is not None else (),
-                                               state.get(key, {}).get("param_groups", ()))):
-            if "params" in read and sorted(read["params"]) != sorted(ours[i]):  # (alike on every rank)
+        if raw is not None:
+            read = layout.read_groups(theirs[layout.optimizer]["param_groups"], groups)
+            self._read_groups(raw, read, [[layout.name(n) for n in group["params"]] for group in groups])
+
+    def _layout(self, metadata: Any) -> Layout:
+        """The checkpoint's `Layout`; outside Lightning's, the LightningModule's name for the model its names are
+        under (``model.``) found where one prefix fits every saved weight."""
+        layout = layout_of(metadata)
+        if layout.lightnings:
+            return layout
+        return replace(layout, prefix=model_prefix(set(layout.weights(metadata)), self.lightning_module.state_dict()))
+
+    @staticmethod
+    def _read_groups(optimizer: Any, read: list[dict[str, Any]], ours: list[list[str]]) -> None:
+        """The hyperparameters a checkpoint's param groups hold (a scheduler's learning rate...) set on
+        ``optimizer``'s, after checking that each holds the parameters ``ours`` names (alike on every rank)."""
+        for i, (group, got) in enumerate(zip(optimizer.param_groups, read)):
+            if "params" in got and sorted(got["params"]) != sorted(ours[i]):
                 raise ValueError(f"the checkpoint's optimizer param group {i} holds other parameters than this one's "
                                  "(a different configure_optimizers)")
-            group.update({k: v for k, v in read.items() if k != "params"})  # (a scheduler's learning rate...)
+            group.update({k: v for k, v in got.items() if k != "params"})
 
-    def _drop_unsaved_state(self, optimizer: Any, saved: set[str], key: str) -> None:
-        """The state `make_optimizer_state` made for a parameter the checkpoint holds none for (one no step ever
-        reached, unused) taken back: AdamW would count a step it never took."""
-        prefix = f"{key}.state."
-        have = {k[len(prefix):k.rindex(".")] for k in saved if k.startswith(prefix)}
+    def _drop_unsaved_state(self, optimizer: Any, have: set[str]) -> None:
+        """The state `make_optimizer_state` made for a parameter the checkpoint holds none for (``have``: the names
+        it holds state for; one no step ever reached, unused) taken back: AdamW would count a step it never took."""
         names = {id(p): [n] for n, p in self.lightning_module.named_parameters()}
         names.update({id(flat.master): list(flat.names) for flat in self._sliced_flats()})
         for p in [p for group in optimizer.param_groups for p in group["params"]]:
@@ -891,9 +921,28 @@ class PlanStrategy(ParallelStrategy):
         if self._saver is not None:
             self._saver.wait()  # (the checkpoint may be the one in flight)
         if is_dcp(checkpoint_path):  # (Lightning's ModelParallelStrategy's too): its tensors read by slice later
-            return load_rest(checkpoint_path, weights_only)
+            rest = load_rest(checkpoint_path, weights_only)
+            return self._foreign(rest, os.fspath(checkpoint_path)) if FOREIGN in rest else rest
         # A sharded directory from any plan and world size, or a single-file checkpoint (single process, ddp).
         return load_any(checkpoint_path, weights_only=weights_only)
+
+    def _foreign(self, rest: dict[str, Any], path: str) -> dict[str, Any]:
+        """A DCP checkpoint that Lightning did not write (torchtitan's ``step-N``, a ``dcp.save`` of FSDP2's
+        ``get_model_state_dict`` and ``get_optimizer_state_dict``) as Lightning's restore takes it: its weights and
+        optimizer's state read by slice, by its own keys (`checkpoint.layout`); no loop state to read, so the loops,
+        the learning-rate schedulers and the loader start afresh."""
+        import lightning
+
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and "optimizer_states" not in rest:
+            raise CheckpointError(f"{path} holds a model's weights and no optimizer state, so a fit cannot resume from "
+                                  "it: start one from its weights with strategies.load_pretrained(self, path) in "
+                                  "on_fit_start (or pass it to trainer.test/validate/predict)")
+        layout: Layout = rest.pop(FOREIGN)
+        rank_zero_info(f"{path} is not a Lightning checkpoint (its weights under {layout.model or 'the top'!r}"
+                       f"{f', the optimizer under {layout.optimizer!r}' if layout.optimizer else ''}): they are "
+                       "read by slice; the loops, learning-rate schedulers and loader start afresh")
+        return {**rest, "pytorch-lightning_version": lightning.__version__, "lr_schedulers": []}
 
     # -- Lightning's own collectives, through comm.py on the world axis -------------------------------------
 
@@ -996,13 +1045,3 @@ class PlanStrategy(ParallelStrategy):
             if self._saver is not None:
                 comm.leave_groups([self._saver.axis.group])
                 self._saver = None
-
-
-def _saved_groups(optimizer: Any, groups: list[dict[str, Any]], saved: set[str], key: str) -> list[dict[str, Any]]:
-    """``groups`` (the optimizer's, by name) with the hyperparameters the checkpoint holds only, to be read from it,
-    after checking it holds as many groups as ``optimizer``."""
-    count = len({k.split(".")[2] for k in saved if k.startswith(f"{key}.param_groups.")})
-    if count and count != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {count} param groups, this one {len(optimizer.param_groups)}:"
-                         " it was saved from a different configure_optimizers")
-    return [{k: v for k, v in g.items() if f"{key}.param_groups.{i}.{k}" in saved} for i, g in enumerate(groups)]

@@ -6,7 +6,8 @@ plans, and the pack's read back by it (#59: the same format, both ways).
 STRATEGY: ``mps`` (Lightning's ``ModelParallelStrategy``, data parallel only) or a plan. The demo GPT built in
 ``configure_model`` (under ``mps``: each block and the whole put under FSDP2's ``fully_shard`` over the
 data-parallel mesh, as Lightning's docs show), AdamW, trained to STEPS, then ``trainer.save_checkpoint(OUT.ckpt)``.
-With FROM (another run's checkpoint) the fit resumes from it.
+With FROM (another run's checkpoint) the fit resumes from it. A ``mps`` run also writes OUT-titan.ckpt, its state in
+torchtitan's layout (a plain ``dcp.save``).
 Rank 0 writes OUT.pt, the whole weights and AdamW's state by parameter name, at the save; a resumed fit also
 OUT-start.pt, before its first optimizer step (what it read: a pipeline reads it once the first batch has cut it)."""
 
@@ -15,6 +16,7 @@ from dataclasses import replace
 
 import lightning as L
 import torch
+import torch.distributed.checkpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.utils.data import DataLoader
@@ -46,6 +48,18 @@ class Whole(L.Callback):
     def on_train_end(self, trainer, pl_module):
         trainer.save_checkpoint(out + ".ckpt")
         write(trainer, pl_module, out + ".pt")
+        if strategy == "mps":
+            titan(pl_module.model, trainer.optimizers[0], out + "-titan.ckpt")
+
+
+def titan(model, optimizer, path):
+    """The same state as torchtitan saves it with DCP (no Lightning): the model's by its own names under ``model``,
+    the optimizer's flattened by parameter under ``optimizer``; its learning rate changed first (read back?)."""
+    optimizer.param_groups[0]["lr"] = TITAN_LR
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    torch.distributed.checkpoint.save({"model": get_model_state_dict(model),
+                                       "optimizer": get_optimizer_state_dict(model, optimizer, options=flat),
+                                       "train_state": {"step": torch.tensor(2)}}, checkpoint_id=path)
 
 
 def write(trainer, pl_module, path):
@@ -64,9 +78,10 @@ def write(trainer, pl_module, path):
         names = [name for name, _ in pl_module.named_parameters()]
         moments = {names[i]: entry for i, entry in gathered["state"].items()}
     if trainer.global_rank == 0:
-        torch.save({"weights": weights, "moments": moments}, path)
+        torch.save({"weights": weights, "moments": moments, "lr": optimizer.param_groups[0]["lr"]}, path)
 
 
+TITAN_LR = 0.02
 out, devices, strategy, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 source = (sys.argv[5:] or [None])[0]
 L.seed_everything(1 if source else 0, verbose=False)

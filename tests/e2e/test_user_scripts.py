@@ -82,7 +82,8 @@ def _unused(factory) -> tuple[list[subprocess.CompletedProcess], Path]:
                             timeout=600, cwd=Path(__file__).parents[2])], folder
 
 
-INTEROP = [("mps", 2, "mps", 2, None), ("pack", 8, "zero3_tp2_pp2", 3, "mps"), ("mps_again", 2, "mps", 4, "pack")]
+INTEROP = [("mps", 2, "mps", 2, None), ("pack", 8, "zero3_tp2_pp2", 3, "mps"), ("mps_again", 2, "mps", 4, "pack"),
+           ("pack_titan", 8, "zero3_tp2_pp2", 3, "mps-titan")]
 
 SAVE_HEAP = [("zero3", 4, 3, None), ("tp2_pp2", 4, 6, "zero3"), ("zero3_tp2_pp2", 8, 9, "tp2_pp2")]
 
@@ -222,13 +223,16 @@ def test_lightnings_model_parallel_strategy_and_the_pack_resume_each_others_chec
     """#59: one format both ways. A fit under Lightning's ``ModelParallelStrategy`` (FSDP2 over 2 ranks, the demo GPT
     built in configure_model, AdamW) saves with torch's DCP; a fit under the pack's ``zero3_tp2_pp2`` at 8 ranks
     resumes from it (each rank reading its ZeRO-3 shards of its tp slices of its stage) and saves by slice; a
-    ``ModelParallelStrategy`` fit resumes from that. Each resumed fit's weights and AdamW state (gathered before its
-    first step) are the saved ones exactly."""
+    ``ModelParallelStrategy`` fit resumes from that. The same state saved in torchtitan's layout by a plain
+    ``dcp.save`` (the model's own names under ``model``, the optimizer's flattened by parameter under ``optimizer``)
+    resumes under ``zero3_tp2_pp2`` too. Each resumed fit's weights and AdamW state (gathered before its first step)
+    are the saved ones exactly, and the learning rate the saved one."""
     import torch
 
     runs, folder = _ran(request)
     assert all(run.returncode == 0 for run in runs), [run.stderr[-3000:] for run in runs]
-    for saved, resumed in (("mps", "pack"), ("pack", "mps_again")):
+    assert torch.load(folder / "pack_titan-start.pt")["lr"] == 0.02  # (`_interop_job.TITAN_LR`; the module's: 0.01)
+    for saved, resumed in (("mps", "pack"), ("pack", "mps_again"), ("mps", "pack_titan")):
         before, after = torch.load(folder / f"{saved}.pt"), torch.load(folder / f"{resumed}-start.pt")
         assert before["weights"].keys() == after["weights"].keys() and len(before["weights"]) == 30
         assert all(torch.equal(v, after["weights"][k]) for k, v in before["weights"].items()), (saved, resumed)

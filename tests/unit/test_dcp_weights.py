@@ -98,3 +98,63 @@ def test_convert_writes_any_models_weights_as_torchtitans_dcp_one_tensor_at_a_ti
     assert sorted(asked) == sorted(saved) and len(list((tmp_path / "again").glob("*.distcp"))) == len(saved)
     assert all(torch.equal(DcpFiles(tmp_path / "again").tensor(k), v) for k, v in saved.items())
     assert main(["convert", str(tmp_path / "last.ckpt"), str(tmp_path / "none"), "--dcp", "--strip-prefix", "x."]) == 2
+
+
+class Trained(Wrapped):
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__()
+        self.lr, self.start = lr, None
+
+    def training_step(self, batch, index):
+        if self.start is None:  # what the resume read, before the first step changes it
+            optimizer = self.trainer.optimizers[0]
+            moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in self.named_parameters()}
+            weights = {k: v.clone() for k, v in self.state_dict().items()}
+            self.start = (weights, moments, optimizer.param_groups[0]["lr"])
+        return self.net(batch[0]).sum()
+
+    def validation_step(self, batch, index):
+        self.log("value", self.net(batch[0]).sum())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def _stepped() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.03)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _trainer() -> L.Trainer:
+    return L.Trainer(strategy=strategies.PlanStrategy("dp"), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+@pytest.mark.parametrize("groups", ["by parameter", "listed"])
+def test_a_fit_resumes_from_torchtitans_layout_and_a_weights_only_one_is_refused_with_the_way(tmp_path, groups):
+    # torchtitan saves `get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`: groups by parameter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from strategies.checkpoint.directory import CheckpointError
+
+    model, optimizer = _stepped()
+    options = StateDictOptions(flatten_optimizer_state_dict=groups == "by parameter")
+    dcp.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
+              "train_state": {"step": torch.tensor(1)}}, checkpoint_id=tmp_path / "titan", no_dist=True)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor([[4, 5, 6]])), batch_size=1)
+    module = Trained()
+    _trainer().fit(module, data, ckpt_path=tmp_path / "titan")
+    weights, moments, lr = module.start
+    assert weights.keys() == {f"net.{k}" for k in model.state_dict()}
+    assert all(torch.equal(weights[f"net.{k}"], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(moments[f"net.{n}"], optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters())
+    assert lr == 0.03  # the checkpoint's, not configure_optimizers' 0.01
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "weights", no_dist=True)
+    with pytest.raises(CheckpointError, match="no optimizer state.*load_pretrained"):
+        _trainer().fit(Trained(), data, ckpt_path=tmp_path / "weights")
+    got = _trainer().validate(Trained(), data, ckpt_path=tmp_path / "weights", verbose=False)
+    with torch.no_grad():
+        assert got[0]["value"] == pytest.approx(float(model(torch.tensor([[4, 5, 6]])).sum()))
