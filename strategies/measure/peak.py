@@ -347,8 +347,12 @@ class _Walk:
         self._working(action, chunk, ahead, top, reducing and action.stage not in self.seen)
         if action is self.last_backward[action.stage]:
             kept = action.stage in self.seen
-            self.consider(self.saved + self.stash - (q.head if chunk.last else 0),
-                          self.held + start + (chunk.behind_kept if kept else chunk.behind_fresh), action)
+            behind = chunk.behind_kept if kept else chunk.behind_fresh
+            saved = self.saved + self.stash - (q.head if chunk.last else 0)
+            self.consider(saved, self.held + start + behind, action)
+            if kept:  # ... and at that block's attention backward, its MLP's saved tensors freed
+                self.consider(saved - q.mlp_saved, self.held + q.zero3 + q.recompute + ahead + q.backward +
+                              q.attention + behind, action)
         self.held += q.flats if reducing else 0
         self.saved -= chunk.saved
         self._embedding(action, chunk, ahead)

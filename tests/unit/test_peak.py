@@ -150,3 +150,15 @@ def test_zero3s_reduction_in_flight_at_a_chunks_second_block_where_gradients_wer
     # less (the first block's own activations beyond its input: none here, block = boundary)
     assert total(2048) == (2 + 2 - 1) + 4096 + (192 + 32) + (2048 + 1024 - 64 - 64)
     assert total(16) == total(0)  # a small one stays below
+
+
+def test_zero3s_reduction_in_flight_is_beside_the_second_blocks_attention_workspace():
+    # The same point at that block's attention backward: its MLP's saved tensors freed, the fused attention's
+    # workspace in place of the first matmul's. On a CPU the attention's is the larger (4.1 MiB at the heap tests'
+    # size): zero3_tp2_pp2_1f1b_ac@8's first stage under the policy peaks there, 6.4% above the block's start
+    pieces = Pieces(boundary=1, block=1, recompute=0, embedding=2, head=4, logits=8, backward=32, unit=64, gathers=64,
+                    mlp_grad=1024, mlp_saved=1)
+    chunk = {0: Chunk(blocks=2, first=True, last=False, grads=4096, in_flight=2048)}
+    peak = walk(pieces, chunk, step_actions(one_f_one_b(2, 2)[0], 1, 2), Workspace(attention=512),
+                Rules(flats=1024, flats_early=0))
+    assert (peak.total, peak.at) == ((3 - 1) + 4096 + (192 + 32 + 512) + (2048 + 1024 - 64 - 64), "B0.1")
