@@ -95,6 +95,12 @@ def shared_cast(weight: torch.Tensor, dtype: torch.dtype, param: torch.Tensor | 
     return held[1].detach() if detached else held[1]
 
 
+def standing_for(weight: torch.Tensor) -> torch.Tensor:
+    """The parameter ``weight`` computes for: itself, or the float32 parameter whose half copy another technique
+    gathered and `ParamDtype` swapped in for the call (ZeRO-3's), which a zero-bubble linear defers the gradient of."""
+    return getattr(weight, "stands_for", weight)
+
+
 def _cast_by_autocast(module: nn.Module) -> tuple[str, ...]:
     """The parameters of ``module`` autocast casts at its matmul (once per step under `step_casts`): a linear layer's
     weight and bias (torch's, a ``transformers`` ``Conv1D``); what a layer of the pack's names in its class's
@@ -160,6 +166,8 @@ class ParamDtype:
             saved[name] = p = module._parameters[name]
             make = self._halves.get(id(p))
             half = make(p) if make is not None else None
+            if half is not None:  # (the gathered copy names what it computes for: `standing_for`)
+                half.stands_for = p
             # (a tensor, not a Parameter: for this call)
             module._parameters[name] = half if half is not None else shared_cast(p, self.dtype)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from strategies.mixed_precision import shared_cast
+from strategies.mixed_precision import shared_cast, standing_for
 from strategies.tensors import storage_id
 
 _ORIGINAL_LINEAR = F.linear
@@ -97,11 +97,12 @@ class WeightStore:
 
 def _deferring(store: WeightStore):
     def deferred_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if not (weight.requires_grad and torch.is_grad_enabled()) or id(weight) not in store.deferrable:
+        param = standing_for(weight)  # (under ZeRO-3's half gather, its copy: the gradient goes to the parameter)
+        if not (weight.requires_grad and torch.is_grad_enabled()) or id(param) not in store.deferrable:
             return _ORIGINAL_LINEAR(input, weight, bias)
         # The weight enters detached: autograd would otherwise run its AccumulateGrad (and the hooks on it, with no
         # gradient) in B; W accumulates into it instead.
-        return _Linear.apply(input, weight.detach(), bias, store, [weight])  # (in a list: not an autograd input)
+        return _Linear.apply(input, weight.detach(), bias, store, [param])  # (in a list: not an autograd input)
     return deferred_linear
 
 
@@ -130,8 +131,10 @@ class _Linear(torch.autograd.Function):
         ctx.param = param[0]  # the parameter itself (``weight`` is it detached): W accumulates into it
         autocast = x.device.type != "meta"
         dtype = _autocast_dtype(x)
-        if dtype is not None:  # what autocast does to F.linear: compute in its dtype (the weight's copy: once a step)
-            x, weight = x.to(dtype), shared_cast(weight, dtype, ctx.param)
+        if dtype is not None:  # what autocast does to F.linear: compute in its dtype (the weight's copy: once a step;
+            # ZeRO-3's half gather is one already, its parameter's float32 storage freed)
+            x = x.to(dtype)
+            weight = weight if weight.dtype == dtype else shared_cast(weight, dtype, ctx.param)
             bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
             out = _ORIGINAL_LINEAR(x, weight, bias)

@@ -56,7 +56,7 @@ BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
 # residual stream in bf16) against a single process under the same policy (`test_sgd_matrix`: its own tolerance)
 POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero2", "zero3", "tp2_sp", "pp2_1f1b_mb4",
                                                       "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
-          4: [], 8: [("zero3_tp2_pp2_mb4+bf16+policy", 1)]}
+          4: [], 8: [("zero3_tp2_pp2_zbv_mb4+bf16+policy", 1)]}  # (ZeRO-3's bf16 copies: W takes their gradients)
 POLICY[2] += [("zero3+adamw+bf16+policy", 1), ("pp2_1f1b_mb4+adamw+bf16+policy", 1)]  # (against their own reference)
 POLICY[2] += [("zero3+llama+bf16+policy", 1)]  # a Hugging Face Llama: ZeRO-3's bf16 gather swaps its layers' weights
 # The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call

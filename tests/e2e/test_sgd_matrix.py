@@ -142,7 +142,8 @@ def policy() -> dict[str, tuple[dict, dict, float]]:
 
 
 def test_param_dtype_matches_a_single_process_under_the_same_policy(jobs, policy):
-    """dp, ZeRO-1, 2 and 3, tp2_sp, pp2 under 1F1B, interleaved and ZB-V at 2 ranks, zero3_tp2_pp2 at 8 (plain SGD),
+    """dp, ZeRO-1, 2 and 3, tp2_sp, pp2 under 1F1B, interleaved and ZB-V at 2 ranks, zero3_tp2_pp2 under ZB-V at 8
+    (0.0077: its W given the gradients of ZeRO-3's bf16 copies, `mixed_precision.standing_for`; plain SGD),
     and zero3 and pp2_1f1b under AdamW against AdamW's own single process, and zero3 on a Hugging Face Llama against
     Llama's: each within twice the policy's measured spread of the single process under it (SGD 0.0062, measured
     0.0028-0.0031, ZeRO-3 gathering bf16; autocast's own single process is 0.0087 away; AdamW 0.051, measured 0.018
