@@ -143,6 +143,11 @@ class Technique:
         """Whether this rank holds parameter ``name`` (a pipeline stage holds its own only)."""
         return True
 
+    def holds_buffer(self, name: str) -> bool:
+        """Whether this rank's copy of buffer ``name`` is the one in use (a pipeline stage's: its blocks' own), which a
+        save by slice writes."""
+        return True
+
     def place_box(self, name: str, box: Any) -> Any:
         """``box`` (`slices.Boxed`, laid out as parameter ``name`` is on this rank, or its optimizer state) placed
         where this technique's split put it in the whole tensor (tensor parallel's slices)."""

@@ -232,21 +232,24 @@ def sharded_optimizer_state(flats: list, optimizer: torch.optim.Optimizer, group
 
 def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed], Boxed] = _as_is,
                holds: Callable[[str], bool] = lambda name: True,
-               optimizer: torch.optim.Optimizer | None = None, groups: list[list[str]] | None = None) -> dict:
+               optimizer: torch.optim.Optimizer | None = None, groups: list[list[str]] | None = None,
+               buffers_held: Callable[[str], bool] | None = None) -> dict:
     """What this rank holds of the single-process state, as boxes in the whole tensors (`Boxed`): ``model``, the
     weights (ZeRO's shards of ``flats``, and every parameter outside them whole: a replica's, a pipeline stage's
     own, ``holds``), each placed by ``place`` (tensor parallel's slices: `TensorSlices.place_one`), every name of a
     tied one; with ``optimizer``, ``optim``, its state alike (for the flats as `sharded_optimizer_state` names it,
     the rest whole) and its param groups as torch's ``get_optimizer_state_dict`` writes them (the hyperparameters,
     and ``groups``, the single-process names of each group's parameters, under ``params``). Nothing is gathered. The
-    buffers a module keeps in its state dict are refused where a rank does not hold every parameter (not yet placed
-    by stage)."""
+    buffers a module keeps in its state dict: those ``buffers_held`` names (a pipeline stage's copies in use, to save;
+    every one, to load: each rank's copies), or, without it, refused where a rank does not hold every parameter."""
     named = dict(module.named_parameters())
     flat_names = {name for flat in flats for name in flat.names}
     whole = {name: p for name, p in named.items() if name not in flat_names and holds(name)}
     buffer_names = {name for name, _ in module.named_buffers()}
     buffers = {k: v for k, v in module.state_dict().items() if k not in named and k in buffer_names}
-    if buffers and not all(holds(name) for name in named):
+    if buffers_held is not None:
+        buffers = {k: v for k, v in buffers.items() if buffers_held(k)}
+    elif buffers and not all(holds(name) for name in named):
         raise NotImplementedError(f"saving or loading by slice under pp: the module's buffers "
                                   f"({', '.join(sorted(buffers))}) are not yet placed by stage; such a plan saves the "
                                   "gathered format, and resumes from it (not yet from a DCP checkpoint)")

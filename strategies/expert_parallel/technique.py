@@ -84,6 +84,12 @@ class ExpertParallel(Technique):
 
     # -- state -------------------------------------------------------------------------------------------------
 
+    def place_box(self, name: str, box: Any) -> Any:
+        # (each rank's experts are its rows of the fused (num_experts, ...) weights: placed as tp places a slice)
+        from strategies.checkpoint.slices import TensorSlices
+
+        return TensorSlices(self.splits, self.axis.index, self.axis.size).place_one(name, box)
+
     def full_model_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         return split_state.unsplit_state(state, self.splits, self.axis)
 

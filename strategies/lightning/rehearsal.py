@@ -148,7 +148,7 @@ class RehearsalStrategy(PlanStrategy):
         with self._window("resume"):
             if optimizer:  # (made by a step on zero gradients, as the real resume does)
                 make_optimizer_state(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))
-            state = self.state_by_slice(optimizer)
+            state = self.state_by_slice(optimizer, load=True)
             if not model:
                 del state[MODEL]
             _copied_one_at_a_time(state, self.backend == "gloo", fresh=True)

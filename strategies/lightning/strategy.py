@@ -654,13 +654,8 @@ class PlanStrategy(ParallelStrategy):
         if self.options.checkpoint_format != "dcp":
             return False
         why = None
-        if self.resolved_plan.ep > 1:
-            why = "under expert parallel the experts are not yet placed"
-        elif len(self.optimizers) > 1:
+        if len(self.optimizers) > 1:
             why = f"{len(self.optimizers)} optimizers (one is saved by slice)"
-        elif self.resolved_plan.pp > 1 and dict(self.lightning_module.named_buffers()).keys() & \
-                self.lightning_module.state_dict().keys():
-            why = "the module's buffers are not yet placed by pipeline stage"
         if why is not None and not self._told_gathered:
             self._told_gathered = True
             rank_zero_info(f"checkpoints under '{self.resolved_plan}' are saved gathered, not by slice: {why}")
@@ -675,23 +670,23 @@ class PlanStrategy(ParallelStrategy):
             state = technique.full_model_state(state)
         return state
 
-    def state_by_slice(self, optimizer: bool = True) -> dict[str, Any]:
+    def state_by_slice(self, optimizer: bool = True, load: bool = False) -> dict[str, Any]:
         """This rank's part of the single-process state as it lies, in DCP boxes placed in the whole tensors
         (`checkpoint.slices.rank_state`, each technique saying what it holds: ZeRO's shards, tp's slices, the
         pipeline stages' parameters), under Lightning's names (`dcp_dir`: ``state_dict``, and with ``optimizer``
-        ``optimizer_0``, its state alike and its param groups by parameter name). Nothing is gathered."""
-        if self.resolved_plan.ep > 1:
-            raise NotImplementedError("saving by slice under expert parallel: the experts are not yet placed")
+        ``optimizer_0``, its state alike and its param groups by parameter name). Nothing is gathered. The buffers in
+        the state dict: the copies in use (a pipeline stage's own), or to ``load``, every copy the rank has."""
         raw = self._raw_optimizer() if optimizer else None
-        state = self._rank_state(self._sliced_flats(), raw)
+        held = (lambda name: True) if load else (lambda name: all(t.holds_buffer(name) for t in self.techniques))
+        state = self._rank_state(self._sliced_flats(), raw, held)
         return {MODEL: state["model"], **({optimizer_key(0): state["optim"]} if raw is not None else {})}
 
-    def _rank_state(self, flats: list, raw: Any = None) -> dict[str, Any]:
+    def _rank_state(self, flats: list, raw: Any = None, buffers: Any = None) -> dict[str, Any]:
         """`rank_state` of the module: ``flats``' shards, each technique placing its boxes and saying what it holds;
-        with ``raw``, that optimizer's state and its groups by name."""
+        with ``raw``, that optimizer's state and its groups by name; ``buffers``: which buffers (`rank_state`)."""
         return rank_state(self.lightning_module, flats, self._place,
                           lambda name: all(t.holds(name) for t in self.techniques), raw,
-                          self._named_groups(raw) if raw is not None else None)
+                          self._named_groups(raw) if raw is not None else None, buffers)
 
     def _sliced_flats(self) -> list:
         return [flat for t in self.techniques for flat in t.sliced_flats()]
@@ -746,7 +741,7 @@ class PlanStrategy(ParallelStrategy):
         if raw is not None and layout.stated(saved):
             make_optimizer_state(raw)
             self._drop_unsaved_state(raw, layout.stated(saved))
-        state = self.state_by_slice(optimizer)
+        state = self.state_by_slice(optimizer, load=True)
         if not model:
             del state[MODEL]
         if raw is not None:

@@ -204,6 +204,9 @@ class PipelineParallel(Technique):
     def holds(self, name: str) -> bool:
         return self.owns(name)
 
+    def holds_buffer(self, name: str) -> bool:
+        return self.layout.buffer_stage(name) in self.my_stages
+
     def owns(self, name: str) -> bool:
         """Whether this rank's stages hold parameter ``name``."""
         return name in self.runner_stages.owned

@@ -2,11 +2,13 @@
 of the zoo (Mixtral, with and without its aux loss, Qwen2-MoE, Qwen3-MoE, OLMoE, the demo GPT's MoE) for 2 steps with
 plain SGD (no momentum, no clipping) in fp32; rank 0 saves the final parameters (whole again after fit). Lightning's
 popen launcher re-runs this script for the other ranks. ``plant``: the return all-to-all's order broken on purpose
-(`PLANT`)."""
+(`PLANT`). The cases of `SAVED` also save a checkpoint by slice at their fit's end (under ``ep-ckpts/`` in the
+working folder), and `RESUMED` resumes one of them under another plan at its last step (so it only loads)."""
 
 import contextlib
 import dataclasses
 import itertools
+import os
 import sys
 from unittest import mock
 
@@ -27,6 +29,19 @@ CASES = {2: [("gpt_moe", "ep2", "sgd"), ("mixtral_aux", "ep2", "sgd"), ("qwen2_m
              ("gpt_moe", "tp2_ep2", "sgd"), ("mixtral", "ep2_pp2_mb2", "sgd"), ("gpt_moe", "zero1_ep2", "sgd"),
              ("qwen2_moe", "zero2_ep2_ac", "adamw"), ("mixtral_aux", "zero1_ep2", "sgd"), ("olmoe", "ep4", "sgd")],
          8: [("qwen2_moe", "dp2_tp2_ep2_pp2_mb2", "sgd")]}
+# Saved by slice at the fit's end (#59: each rank its experts' rows, with ZeRO-3, tp and pp); at 4, mixtral's
+# zero3_ep2 checkpoint resumed under ep2_pp2_mb2, each rank reading its experts of its stage
+SAVED = {("mixtral", "zero3_ep2", "sgd"), ("gpt_moe", "tp2_ep2", "sgd"), ("mixtral", "ep2_pp2_mb2", "sgd"),
+         ("qwen2_moe", "dp2_tp2_ep2_pp2_mb2", "sgd")}
+RESUMED = {4: [(("mixtral", "ep2_pp2_mb2", "sgd"), "zero3_ep2")]}
+
+
+class Save(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:  # (the plan still holds its slices)
+        trainer.save_checkpoint(self.path)
 
 
 class MoeModule(L.LightningModule):
@@ -61,16 +76,18 @@ def reference(name: str, optimizer: str = "sgd") -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
 
-def fit(name: str, plan: str, optimizer: str, world: int, check: bool = True) -> dict:
+def fit(name: str, plan: str, optimizer: str, world: int, check: bool = True, source: str | None = None) -> dict:
     module = MoeModule(name, optimizer)
     data_ranks = world // (2 if "tp2" in plan else 1) // (2 if "pp2" in plan else 1)
     strategy = strategies.PlanStrategy(plan, check_first_batch=check)  # its outcome: "check"
+    saved = os.path.abspath(f"ep-ckpts/{name}-{plan}.ckpt") if (name, plan, optimizer) in SAVED and not source else None
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
-    trainer.fit(module, DataLoader(data(), batch_size=BATCH // data_ranks, drop_last=True))
+                        num_sanity_val_steps=0, callbacks=[Save(saved)] if saved else [])
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH // data_ranks, drop_last=True), ckpt_path=source)
     return {"params": {k: v.detach().clone() for k, v in module.net.state_dict().items()},
-            "check": dataclasses.asdict(trainer.strategy.first_batch) if check else None}
+            "check": dataclasses.asdict(trainer.strategy.first_batch) if check and not source else None,
+            "saved": saved}
 
 
 def planted_exchange():
@@ -87,7 +104,10 @@ def main(world: int, plant: str = "") -> dict:
     cases = CASES[world][:1] if plant else CASES[world]
     # (planted: without the first-batch check, which stops such a run at its first batch, so that it trains)
     with mock.patch.object(dispatch, "exchange", planted_exchange()) if plant else contextlib.nullcontext():
-        return {case: fit(*case, world, check=not plant) for case in cases}
+        done = {case: fit(*case, world, check=not plant) for case in cases}
+    for case, source in [] if plant else RESUMED.get(world, []):
+        done[("resumed", *case)] = fit(*case, world, source=os.path.abspath(f"ep-ckpts/{case[0]}-{source}.ckpt"))
+    return done
 
 
 if __name__ == "__main__":

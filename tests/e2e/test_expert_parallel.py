@@ -54,6 +54,29 @@ def test_expert_parallel_equals_one_process(results, references, world: int, nam
     assert check["skipped"] is None and abs(check["plan"] - check["reference"]) <= check["tolerance"], check
 
 
+def test_each_rank_saves_its_experts_by_slice_and_another_plan_resumes_them(results):
+    """#59: under ep a checkpoint is saved by slice (it was gathered): each rank writes its rows of the fused expert
+    weights, placed in the whole tensors (with ZeRO-3's shards, tp's slices, a pipeline stage's own). Read whole in
+    one process it is the fit's final parameters exactly; mixtral's `zero3_ep2` checkpoint resumed under
+    `ep2_pp2_mb2` (each rank reading its experts of its stage) holds them exactly. Planted, the experts not placed
+    (ep's `place_box` as is): every rank's rows land at row 0, fails."""
+    import torch
+
+    from strategies.checkpoint.dcp_dir import load_whole
+
+    saved = {(w, case): result for w, cases in CASES.items() for case in cases
+             if (result := results[w][case])["saved"]}
+    assert len(saved) == 4
+    for (world, case), result in saved.items():
+        state = load_whole(result["saved"])["state_dict"]
+        assert {k.removeprefix("net."): v for k, v in state.items()}.keys() == result["params"].keys()
+        for key, value in result["params"].items():
+            assert torch.equal(state[f"net.{key}"], value), (world, case, key)
+    resumed = results[4]["resumed", "mixtral", "ep2_pp2_mb2", "sgd"]["params"]
+    for key, value in results[4]["mixtral", "zero3_ep2", "sgd"]["params"].items():
+        assert torch.equal(resumed[key], value), key
+
+
 def test_broken_return_order_fails(tmp_path_factory, references):
     got = _job(tmp_path_factory, 2, "plant")
     (case, result), = got.items()

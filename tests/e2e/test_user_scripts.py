@@ -82,6 +82,15 @@ def _unused(factory) -> tuple[list[subprocess.CompletedProcess], Path]:
                             timeout=600, cwd=Path(__file__).parents[2])], folder
 
 
+def _buffers(factory) -> tuple[list[subprocess.CompletedProcess], Path]:
+    """`_buffers_job.py`: saved by slice under pp2 after 2 steps, resumed under pp2 for a third."""
+    folder, job = factory.mktemp("buffers"), str(SCRIPT.with_name("_buffers_job.py"))
+    runs = [lane.run([python.core(), job, str(folder / "a"), "pp2_1f1b_mb2", "2"], timeout=600,
+                     cwd=Path(__file__).parents[2])]
+    return runs + [lane.run([python.core(), job, str(folder / "b"), "pp2_1f1b_mb2", "3",
+                             str(folder / "a" / "last.ckpt")], timeout=600, cwd=Path(__file__).parents[2])], folder
+
+
 INTEROP = [("mps", 2, "mps", 2, None), ("pack", 8, "zero3_tp2_pp2", 3, "mps"), ("mps_again", 2, "mps", 4, "pack"),
            ("pack_titan", 8, "zero3_tp2_pp2", 3, "mps-titan")]
 
@@ -92,6 +101,7 @@ WORK = {"test_two_rank_plans_from_a_script_that_ends_after_fit": (_script, 2, tu
         "test_a_save_and_a_resume_hold_a_ranks_slice_and_a_tensor_more_than_its_steps": (_save_heap,),
         "test_lightnings_model_parallel_strategy_and_the_pack_resume_each_others_checkpoints": (_interop,),
         "test_a_parameter_no_step_reached_resumes_without_optimizer_state": (_unused,),
+        "test_a_pipelines_buffers_are_saved_by_slice_from_the_stage_that_uses_them": (_buffers,),
         "test_an_error_at_set_up_of_a_model_built_on_meta_is_the_last_thing_the_script_prints": (
             partial(_script, BATCH="6", BUILDS="configure_model"), 2, ("pp2_1f1b_mb4",)),
         "test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_model": (_fit_then_test,)}
@@ -250,6 +260,23 @@ def test_a_parameter_no_step_reached_resumes_without_optimizer_state(request):
     runs, _ = _ran(request)
     assert all(run.returncode == 0 for run in runs), [run.stderr[-3000:] for run in runs]
     assert [run.stdout.split("OK", 1)[1].split() for run in runs] == [["2", "30"], ["3", "30"]]
+
+
+def test_a_pipelines_buffers_are_saved_by_slice_from_the_stage_that_uses_them(request):
+    """#59: a module with buffers in its state dict is saved by slice under pp too (it was saved gathered). Each block
+    counts its forwards in a buffer; only the stage that runs a block counts, so the save writes that stage's copy, and
+    a resume reads it into every rank's: 4 after 2 steps of 2 microbatches, 6 after a third. Planted (each stage's
+    copies written, `holds_buffer` always true): stage 0's count of blocks 2 and 3, 0, fails."""
+    from strategies.checkpoint.dcp_dir import load_whole
+    from strategies.checkpoint.directory import is_dcp
+
+    runs, folder = _ran(request)
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-3000:] for run in runs]
+    for name, seen in (("a", 4), ("b", 6)):
+        path = folder / name / "last.ckpt"
+        assert is_dcp(path)
+        counts = {k: int(v) for k, v in load_whole(path)["state_dict"].items() if k.endswith(".seen")}
+        assert counts == {f"model.blocks.{i}.seen": seen for i in range(4)}, (name, counts)
 
 
 def _payload_per_file(path: str) -> dict[str, int]:
