@@ -142,9 +142,10 @@ class RehearsalStrategy(PlanStrategy):
             _copied_one_at_a_time(self.state_by_slice(optimizer=True), self.backend == "gloo", fresh=False)
 
     @override
-    def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
+    def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True,
+                            index: int = 0) -> None:
         if path != REHEARSED:
-            return super().load_state_by_slice(path, optimizer, strict, model)
+            return super().load_state_by_slice(path, optimizer, strict, model, index)
         with self._window("resume"):
             if optimizer:  # (made by a step on zero gradients, as the real resume does)
                 make_optimizer_state(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))

@@ -130,7 +130,6 @@ class PlanStrategy(ParallelStrategy):
         self._kept: KeptSlices | None = None  # what a fit left in slices, taken up by this set-up (`take_kept`)
         self._flat_groups: list[list[str]] | None = None  # evaluating alone: the groups ZeRO's flats followed
         self._fitting = False
-        self._told_gathered = False  # a plan saved gathered (`_by_slice`) said so once
         self.activation_bytes = self.peak_activation_bytes = 0
         self.schedule_choice: str | None = None  # for pp<N> without a schedule: which the pipeline took, and why
         self._failed: BaseException | None = None  # set by on_exception: teardown must not wait on other ranks
@@ -649,17 +648,8 @@ class PlanStrategy(ParallelStrategy):
         return self.full_state()
 
     def _by_slice(self) -> bool:
-        """Whether checkpoints are written by slice (`options.checkpoint_format`), or gathered where this plan's
-        state cannot yet be (said once)."""
-        if self.options.checkpoint_format != "dcp":
-            return False
-        why = None
-        if len(self.optimizers) > 1:
-            why = f"{len(self.optimizers)} optimizers (one is saved by slice)"
-        if why is not None and not self._told_gathered:
-            self._told_gathered = True
-            rank_zero_info(f"checkpoints under '{self.resolved_plan}' are saved gathered, not by slice: {why}")
-        return why is None
+        """Whether checkpoints are written by slice, or gathered (`options.checkpoint_format`)."""
+        return self.options.checkpoint_format == "dcp"
 
     def full_state(self, names: set[str] | None = None) -> dict[str, Any]:
         """The single-process state (every rank must call this), or its entries ``names`` only: each technique
@@ -670,16 +660,20 @@ class PlanStrategy(ParallelStrategy):
             state = technique.full_model_state(state)
         return state
 
-    def state_by_slice(self, optimizer: bool = True, load: bool = False) -> dict[str, Any]:
+    def state_by_slice(self, optimizer: bool = True, load: bool = False, index: int | None = None) -> dict[str, Any]:
         """This rank's part of the single-process state as it lies, in DCP boxes placed in the whole tensors
         (`checkpoint.slices.rank_state`, each technique saying what it holds: ZeRO's shards, tp's slices, the
         pipeline stages' parameters), under Lightning's names (`dcp_dir`: ``state_dict``, and with ``optimizer``
-        ``optimizer_0``, its state alike and its param groups by parameter name). Nothing is gathered. The buffers in
-        the state dict: the copies in use (a pipeline stage's own), or to ``load``, every copy the rank has."""
-        raw = self._raw_optimizer() if optimizer else None
+        ``optimizer_<i>`` for each optimizer, or for optimizer ``index`` only: its state alike and its param groups by
+        parameter name). Nothing is gathered. The buffers in the state dict: the copies in use (a pipeline stage's
+        own), or to ``load``, every copy the rank has."""
         held = (lambda name: True) if load else (lambda name: all(t.holds_buffer(name) for t in self.techniques))
-        state = self._rank_state(self._sliced_flats(), raw, held)
-        return {MODEL: state["model"], **({optimizer_key(0): state["optim"]} if raw is not None else {})}
+        flats = self._sliced_flats()
+        state = {MODEL: self._rank_state(flats, None, held)["model"]}
+        for i, raw in enumerate(self._raw_optimizers() if optimizer else []):
+            if index in (None, i):
+                state[optimizer_key(i)] = self._rank_state(flats, raw, held)["optim"]
+        return state
 
     def _rank_state(self, flats: list, raw: Any = None, buffers: Any = None) -> dict[str, Any]:
         """`rank_state` of the module: ``flats``' shards, each technique placing its boxes and saying what it holds;
@@ -691,9 +685,12 @@ class PlanStrategy(ParallelStrategy):
     def _sliced_flats(self) -> list:
         return [flat for t in self.techniques for flat in t.sliced_flats()]
 
-    def _raw_optimizer(self) -> Any:
-        """The one optimizer as torch made it (not Lightning's wrapper)."""
-        return getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+    def _raw_optimizers(self) -> list[Any]:
+        """The optimizers as torch made them (not Lightning's wrappers)."""
+        return [getattr(optimizer, "_optimizer", optimizer) for optimizer in self.optimizers]
+
+    def _raw_optimizer(self, index: int = 0) -> Any:
+        return self._raw_optimizers()[index]
 
     def _named_groups(self, raw: Any) -> list[list[str]]:
         """The optimizer's param groups by single-process name, alike on every rank (every stage's: pp keeps them)."""
@@ -727,21 +724,22 @@ class PlanStrategy(ParallelStrategy):
             box = technique.place_box(name, box)
         return box
 
-    def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True) -> None:
+    def load_state_by_slice(self, path: str, optimizer: bool = True, strict: bool = True, model: bool = True,
+                            index: int = 0) -> None:
         """Fill this rank's part of the state (`state_by_slice`) from the DCP checkpoint at ``path``, saved under
         any plan and world size (the pack's, Lightning's ModelParallelStrategy's; torchtitan's and FSDP2's by their
         own keys, `checkpoint.layout`), each rank reading only what overlaps its boxes; then each technique remakes
         what it derives from them (ZeRO's full parameters). With ``optimizer``, its state is made first where no step
-        has made it yet, and its hyperparameters read; ``model=False``: the optimizer's part only (Lightning loads
-        the two apart)."""
-        path, key = os.fspath(path), optimizer_key(0)
+        has made it yet, and its hyperparameters read (optimizer ``index``'s); ``model=False``: the optimizer's part
+        only (Lightning loads the two apart)."""
+        path, key = os.fspath(path), optimizer_key(index)
         metadata = read_metadata(path)
-        saved, layout = set(metadata.state_dict_metadata), self._layout(metadata)
-        raw = self._raw_optimizer() if optimizer else None
+        saved, layout = set(metadata.state_dict_metadata), self._layout(metadata, key)
+        raw = self._raw_optimizer(index) if optimizer else None
         if raw is not None and layout.stated(saved):
             make_optimizer_state(raw)
             self._drop_unsaved_state(raw, layout.stated(saved))
-        state = self.state_by_slice(optimizer, load=True)
+        state = self.state_by_slice(optimizer, load=True, index=index)
         if not model:
             del state[MODEL]
         if raw is not None:
@@ -761,12 +759,13 @@ class PlanStrategy(ParallelStrategy):
             read = layout.read_groups(theirs[layout.optimizer]["param_groups"], groups)
             self._read_groups(raw, read, [[layout.name(n) for n in group["params"]] for group in groups])
 
-    def _layout(self, metadata: Any) -> Layout:
-        """The checkpoint's `Layout`; outside Lightning's, the LightningModule's name for the model its names are
-        under (``model.``) found where one prefix fits every saved weight."""
+    def _layout(self, metadata: Any, key: str) -> Layout:
+        """The checkpoint's `Layout` (in Lightning's, its optimizer ``key``'s); outside Lightning's, the
+        LightningModule's name for the model its names are under (``model.``) found where one prefix fits every
+        saved weight."""
         layout = layout_of(metadata)
         if layout.lightnings:
-            return layout
+            return replace(layout, optimizer=key)
         return replace(layout, prefix=model_prefix(set(layout.weights(metadata)), self.lightning_module.state_dict()))
 
     @staticmethod
@@ -844,7 +843,8 @@ class PlanStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if self._by_slice():
-            return self.state_by_slice(optimizer=True)[optimizer_key(0)]
+            index = next(i for i, raw in enumerate(self._raw_optimizers()) if raw is optimizer)
+            return self.state_by_slice(optimizer=True, index=index)[optimizer_key(index)]
         state = OptimizerState.of(self.lightning_module, optimizer)
         for technique in reversed(self.techniques):
             state = technique.full_optimizer_state(optimizer, state)
@@ -856,10 +856,12 @@ class PlanStrategy(ParallelStrategy):
             self._pending_optimizer = checkpoint  # resumed before the first batch cuts the pipeline: load then
             return
         if any(isinstance(saved, SliceLoad) for saved in checkpoint["optimizer_states"]):
-            if len(self.optimizers) != 1 or len(checkpoint["optimizer_states"]) != 1:
-                raise ValueError(f"the DCP checkpoint holds {len(checkpoint['optimizer_states'])} optimizers' state, "
-                                 f"this module has {len(self.optimizers)}: one is read by slice")
-            return self.load_state_by_slice(checkpoint["optimizer_states"][0].path, optimizer=True, model=False)
+            if len(self.optimizers) != len(checkpoint["optimizer_states"]):
+                raise ValueError(f"the checkpoint holds {len(checkpoint['optimizer_states'])} optimizers' state, this "
+                                 f"module has {len(self.optimizers)}: saved from a different configure_optimizers")
+            for index, saved in enumerate(checkpoint["optimizer_states"]):
+                self.load_state_by_slice(saved.path, optimizer=True, model=False, index=index)
+            return None
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             if len(saved["param_groups"]) != len(optimizer.param_groups):
