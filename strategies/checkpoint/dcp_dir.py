@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,9 +154,11 @@ def load_rest(path: str | os.PathLike, weights_only: bool | None = None) -> dict
     return rest
 
 
-def load_whole(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+def load_whole(path: str | os.PathLike, weights_only: bool | None = None, spill: str | None = None) -> dict[str, Any]:
     """The whole Lightning checkpoint from a DCP directory, in one process, as the single-file format holds it (the
-    optimizer's state by index). For converting and for strategies that are not a plan; training loads by slice."""
+    optimizer's state by index). For converting and for strategies that are not a plan; training loads by slice.
+    ``spill``: a folder where each tensor's storage is a file, memory-mapped (`_spilled`): read into the page cache,
+    which the kernel writes back and drops, not into the process's own memory (`sharded.convert`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -169,8 +172,10 @@ def load_whole(path: str | os.PathLike, weights_only: bool | None = None) -> dic
     state: dict[str, Any] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         where = (metadata.planner_data or {}).get(fqn, tuple(fqn.split(".", 1)))
-        value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) \
-            else None
+        value = None
+        if isinstance(meta, TensorStorageMetadata):
+            value = _spilled(meta.size, meta.properties.dtype, spill) if spill else \
+                torch.empty(meta.size, dtype=meta.properties.dtype)
         _set_in(state, where, value)
     dcp.load(state, checkpoint_id=path, no_dist=True)
     checkpoint[MODEL] = state.pop(MODEL, {})
@@ -178,6 +183,21 @@ def load_whole(path: str | os.PathLike, weights_only: bool | None = None) -> dic
     if optimizers:
         checkpoint["optimizer_states"] = [by_index(v) for _, v in optimizers]
     return checkpoint
+
+
+def _spilled(size: torch.Size, dtype: torch.dtype, folder: str) -> torch.Tensor:
+    """An empty tensor whose storage is a file of its own under ``folder``, mapped shared: what is written to it and
+    read from it lives in the page cache (dropped once written back), so a whole checkpoint passes through one
+    process without being held in its memory."""
+    numel = math.prod(size)
+    if numel == 0:
+        return torch.empty(size, dtype=dtype)
+    fd, file = tempfile.mkstemp(dir=folder, suffix=".bin")
+    try:
+        os.ftruncate(fd, numel * dtype.itemsize)
+    finally:
+        os.close(fd)
+    return torch.from_file(file, shared=True, size=numel, dtype=dtype).view(size)
 
 
 def _is_slice_load(value: Any) -> bool:

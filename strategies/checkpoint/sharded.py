@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -310,16 +311,23 @@ def _moved(checkpoint: Any, map_location: Any) -> tuple[Any, list[torch.Tensor]]
 def convert(path: str | os.PathLike, out: str | os.PathLike, *, model_only: bool = False,
             strip_prefix: str = "") -> dict[str, Any]:
     """Write the sharded or DCP checkpoint at ``path`` as one file: the whole Lightning checkpoint, or with
-    ``model_only`` the model's state_dict (keys without ``strip_prefix``), which ``load_state_dict`` takes."""
-    checkpoint = load_any(path) if is_dcp(path) else load_sharded(path)
-    obj = checkpoint
-    if model_only:
-        obj = {k.removeprefix(strip_prefix): v for k, v in checkpoint["state_dict"].items()
-               if k.startswith(strip_prefix)}
-    tmp = f"{os.fspath(out)}.part"
-    torch.save(obj, tmp)
-    os.replace(tmp, out)
-    return obj
+    ``model_only`` the model's state_dict (keys without ``strip_prefix``), which ``load_state_dict`` takes. A DCP
+    checkpoint passes through files mapped beside ``out`` (`dcp_dir.load_whole`'s ``spill``), removed after: the
+    process holds what the page cache keeps of them, not the checkpoint (the gathered format's shards are mapped
+    as they are)."""
+    from strategies.checkpoint.dcp_dir import load_whole
+
+    out = os.fspath(out)
+    with tempfile.TemporaryDirectory(prefix=".convert-", dir=os.path.dirname(os.path.abspath(out))) as spill:
+        checkpoint = load_whole(path, spill=spill) if is_dcp(path) else load_sharded(path)
+        obj = checkpoint
+        if model_only:
+            obj = {k.removeprefix(strip_prefix): v for k, v in checkpoint["state_dict"].items()
+                   if k.startswith(strip_prefix)}
+        tmp = f"{out}.part"
+        torch.save(obj, tmp)
+        os.replace(tmp, out)
+    return obj  # (a mapped file outlives its name: the folder's removal leaves these readable)
 
 
 class ShardedCheckpointIO(TorchCheckpointIO):
