@@ -161,7 +161,7 @@ class Rules:
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
 _PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh",
-              "deep_held", "deep_freed")
+              "deep_held", "deep_freed", "mlp_grads")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -204,6 +204,7 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
                 "stashed": p.stashed(c.blocks),
                 "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
                 "weights": c.weights, "deep_held": c.deep, "deep_freed": c.deep_blocks * p.block,
+                "mlp_grads": 2 * p.weight if c.grads else 0.0,
                 **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
@@ -284,6 +285,8 @@ class _Terms:
     behind_fresh: int = 0  # ... or made in this backward
     deep_held: int = 0  # a ZeRO-3 chunk's reducing backward, its gradients made there, at its block IN_FLIGHT (the
     deep_freed: int = 0  # third: `Chunk.deep`): what the blocks before hold while they reduce, and what they saved
+    mlp_grads: int = 0  # a chunk whose gradients are kept (ZeRO-2/3 across microbatches): its block's MLP weights'
+    #                    gradients, made in .grad by its attention backward
     first: bool = False
     last: bool = False
 
@@ -344,7 +347,8 @@ class _Walk:
         # it, for that gradient, when the MLP's input gradient is gone.
         start = q.zero3 + q.recompute + ahead + q.backward + q.workspace + q.weight
         top = start + (q.flats_top if reducing else 0)
-        self._working(action, chunk, ahead, top, reducing and action.stage not in self.seen)
+        self._working(action, chunk, ahead, top, reducing and action.stage not in self.seen,
+                      action is not self.last_backward[action.stage])
         if action is self.last_backward[action.stage]:
             kept = action.stage in self.seen
             behind = chunk.behind_kept if kept else chunk.behind_fresh
@@ -385,10 +389,12 @@ class _Walk:
         self.stash -= chunk.stashed
         self._gradients(action, chunk, ahead)
 
-    def _working(self, action: Action, chunk: _Terms, ahead: int, top: int, fresh: bool = False) -> None:
+    def _working(self, action: Action, chunk: _Terms, ahead: int, top: int, fresh: bool = False,
+                 keeps: bool = False) -> None:
         """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first. Then its first
         block's attention backward and, where it reduces gradients made there (``fresh``; kept ones are moved into
-        the flats: `_behind`), that of its block IN_FLIGHT (`Chunk.deep`), the flat filling beside those reducing."""
+        the flats: `_behind`), that of its block IN_FLIGHT (`Chunk.deep`), the flat filling beside those reducing.
+        ``keeps``: a full backward whose gradients stay in .grad (not the chunk's last): its MLP's are made by then."""
         q = self.q
         self.released = q.release
         if chunk.last:  # the loss's gradient (two logits-sized tensors) beside ZeRO-3's units (the head's, the last
@@ -402,7 +408,7 @@ class _Walk:
         # (and the flat the block's gradients fill, made by then, where this backward reduces)
         saved = self.saved + self.stash - (q.head if chunk.last else 0) - q.mlp_saved
         attention = self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention + (q.flats if fresh else 0)
-        self.consider(saved, attention, action)
+        self.consider(saved, attention + (chunk.mlp_grads if keeps else 0), action)
         if fresh:
             self.consider(saved - chunk.deep_freed, attention + chunk.deep_held, action)
 

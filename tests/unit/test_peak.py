@@ -162,3 +162,17 @@ def test_zero3s_reduction_in_flight_is_beside_the_second_blocks_attention_worksp
     peak = walk(pieces, chunk, step_actions(one_f_one_b(2, 2)[0], 1, 2), Workspace(attention=512),
                 Rules(flats=1024, flats_early=0))
     assert (peak.total, peak.at) == ((3 - 1) + 4096 + (192 + 32 + 512) + (2048 + 1024 - 64 - 64), "B0.1")
+
+
+def test_a_backward_that_keeps_its_gradients_holds_its_mlps_at_the_attention_backward():
+    # ZeRO-2/3 under pp keeps each microbatch's gradients in .grad until the step's last backward: at the first
+    # block's attention backward its MLP's two weights' gradients are there already (float32 under the policy).
+    # zb1p's first stage (Ws inside their Bs) under the policy peaks there: -5.1% -> -2.7% of the rehearsal
+    pieces = Pieces(boundary=1, block=8, recompute=0, embedding=2, head=4, logits=8, backward=32, weight=100,
+                    mlp_saved=4)
+    table = one_f_one_b(2, 2)[0]  # F F B B: B0.0 keeps, B0.1 reduces
+    chunk = {0: Chunk(blocks=2, first=True, last=False, grads=10)}
+    peak = walk(pieces, chunk, step_actions(table, 1, 2), Workspace(attention=4096))
+    # B0.0's first block: both microbatches' activations (2 x 17) less its MLP's, the working set, the workspace,
+    # and the two weights' gradients; B0.1 holds B0.0's kept .grad (10) in their place
+    assert (peak.total, peak.at) == ((2 * 17 - 4) + (32 + 4096) + 2 * 100, "B0.0")
