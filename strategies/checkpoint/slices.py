@@ -250,9 +250,8 @@ def rank_state(module: torch.nn.Module, flats: list, place: Callable[[str, Boxed
     if buffers_held is not None:
         buffers = {k: v for k, v in buffers.items() if buffers_held(k)}
     elif buffers and not all(holds(name) for name in named):
-        raise NotImplementedError(f"saving or loading by slice under pp: the module's buffers "
-                                  f"({', '.join(sorted(buffers))}) are not yet placed by stage; such a plan saves the "
-                                  "gathered format, and resumes from it (not yet from a DCP checkpoint)")
+        raise NotImplementedError(f"under pp, which of the module's buffers ({', '.join(sorted(buffers))}) a rank "
+                                  "holds is for its caller to say (buffers_held)")
     weights = {**sharded_weights(flats), **_whole({**{n: p.detach() for n, p in whole.items()}, **buffers})}
     state: dict[str, Any] = {"model": _aliased(module, {n: place(n, box) for n, box in weights.items()})}
     if optimizer is not None:

@@ -735,6 +735,8 @@ class PlanStrategy(ParallelStrategy):
         path, key = os.fspath(path), optimizer_key(index)
         metadata = read_metadata(path)
         saved, layout = set(metadata.state_dict_metadata), self._layout(metadata, key)
+        if optimizer and not layout.optimizer:
+            raise CheckpointError(f"{path} holds weights and no optimizer state: read it with optimizer=False")
         raw = self._raw_optimizer(index) if optimizer else None
         if raw is not None and layout.stated(saved):
             make_optimizer_state(raw)
