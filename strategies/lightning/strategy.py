@@ -501,20 +501,28 @@ class PlanStrategy(ParallelStrategy):
             output = technique.step_output(output)
         return output
 
-    def _whole_before_cut(self) -> None:
-        """A meta-built model evaluated before the first training batch cuts the pipeline (the sanity check): made
-        whole, since every rank runs the whole model until the cut."""
-        if self._deferred is not None and self.resolved_plan.pp > 1 and self.pipeline is None and \
-                not self._steps.cut_on_eval:
-            rank_zero_info("the model built on meta is made whole to be evaluated before the pipeline is cut "
-                           "(num_sanity_val_steps=0 keeps each stage to its own layers)")
-            self._deferred.rest()
-            self._deferred = None
-            self._slices_at_cut = False
-            self._load_slices()
-            if self._pending_model is not None:  # weights given for the cut (`load_pretrained`): taken whole now
-                pending, self._pending_model = self._pending_model, None
-                self.load_model_state_dict(*pending)
+    def _before_cut(self, args: tuple) -> None:
+        """A meta-built model evaluated before the first training batch cuts the pipeline (the sanity check). In a
+        fit the stages are cut at this batch (``args``: the step's, this rank's part) as the first training batch
+        would cut them, the training step traced on its shapes, each stage making only its own. Where it cannot
+        stand in for a training batch (it does not split into the plan's microbatches) the model is made whole,
+        since every rank runs the whole model until the cut."""
+        if self._deferred is None or self.resolved_plan.pp == 1 or self.pipeline is not None or \
+                self._steps.cut_on_eval:
+            return
+        if self._fitting and args and _splits(args[0], self.resolved_plan.microbatches):
+            self._steps.pipeline = self._build_pipeline(*args)
+            return
+        rank_zero_info("the model built on meta is made whole to be evaluated before the pipeline is cut: this "
+                       f"batch does not split into mb{self.resolved_plan.microbatches} (num_sanity_val_steps=0 keeps "
+                       "each stage to its own layers)")
+        self._deferred.rest()
+        self._deferred = None
+        self._slices_at_cut = False
+        self._load_slices()
+        if self._pending_model is not None:  # weights given for the cut (`load_pretrained`): taken whole now
+            pending, self._pending_model = self._pending_model, None
+            self.load_model_state_dict(*pending)
 
     def _local(self, args: tuple) -> tuple:
         """A step's arguments with this rank's part of the batch (the first)."""
@@ -527,18 +535,21 @@ class PlanStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._whole_before_cut()
-        return self._steps.eval_step("validation_step", *self._local(args), **kwargs)
+        args = self._local(args)
+        self._before_cut(args)
+        return self._steps.eval_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._whole_before_cut()
-        return self._steps.eval_step("test_step", *self._local(args), **kwargs)
+        args = self._local(args)
+        self._before_cut(args)
+        return self._steps.eval_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._whole_before_cut()
-        return self._steps.eval_step("predict_step", *self._local(args), **kwargs)
+        args = self._local(args)
+        self._before_cut(args)
+        return self._steps.eval_step("predict_step", *args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -1044,3 +1055,12 @@ class PlanStrategy(ParallelStrategy):
             if self._saver is not None:
                 comm.leave_groups([self._saver.axis.group])
                 self._saver = None
+
+
+def _splits(batch: Any, microbatches: int) -> bool:
+    """Whether ``batch`` splits into ``microbatches`` equal microbatches (a training batch's first is traced)."""
+    try:
+        split_microbatches(batch, microbatches)
+    except (TypeError, ValueError):
+        return False
+    return True

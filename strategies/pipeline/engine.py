@@ -142,29 +142,45 @@ class PipelineParallel(Technique):
 
     def eval_step(self, batch: Any, batch_idx: int, step: Callable[..., Any], device: torch.device, *args) -> Any:
         def forward(stage: int, received: torch.Tensor | None) -> Any:
-            hook = None
-            if stage == self.stages - 1:
-                at = self.runner_stages.blocks[self.layout.ranges[stage].stop - 1] if self._sequential_top else self.top
-                hook = at.register_forward_hook(_capture)
+            hooks = self._capturing() if stage == self.stages - 1 else []
             try:
                 with self.runner_stages.stage(stage, received):
                     step(batch, batch_idx, *args)
             except (StageDone, _TopDone) as done:
                 return done.output
             finally:
-                if hook is not None:
+                for hook in hooks:
                     hook.remove()
             raise RuntimeError(
-                f"pipeline evaluation: the step never called {type(self.top).__name__}'s forward. Evaluation under "
-                "pp captures the model's output there: keep the blocks under a submodule the step calls "
-                "(self.model(x)), or call the nn.Sequential of blocks directly")
+                f"pipeline evaluation: the step never called {type(self.top).__name__}'s forward, nor that of a module "
+                f"inside it that holds {self.layout.blocks_name}. Evaluation under pp captures the model's output "
+                "there: keep the blocks under a submodule the step calls (self.model(x)), or call the nn.Sequential of "
+                "blocks directly")
 
         with torch.no_grad():
             output = self.runner.forward_only(self.eval_program, forward, device)
         # Pickled through host memory: a CUDA tensor would be unpickled onto the sender's GPU on every rank.
-        output = _to(comm.broadcast_object(_to(output, torch.device("cpu")), self.axis, src=self.last_rank), device)
-        with _answering(self.top, output):
+        name, output = _to(comm.broadcast_object(_to(output, torch.device("cpu")), self.axis, src=self.last_rank),
+                           device)
+        with _answering(self.module.get_submodule(name) if name else self.top, output):
             return step(batch, batch_idx, *args)
+
+    def _capturing(self) -> list:
+        """Hooks that end the last stage's evaluation at the model's output, with it: its last block's, where the
+        step calls the nn.Sequential of blocks itself; else the outermost module holding the blocks whose forward the
+        step calls (``self.model``, or inside it where the step calls a method: ``self.net.loss(x)`` calling
+        ``self.net.model(x)``), named so that every rank answers there."""
+        if self._sequential_top:
+            at = self.runner_stages.blocks[self.layout.ranges[self.stages - 1].stop - 1]
+            return [at.register_forward_hook(lambda m, a, out: _capture(m, a, ("", out)))]
+        parts, entered, hooks = self.layout.blocks_name.split("."), [], []
+        # (blocks on the LightningModule itself: its own forward, ``top``, named "")
+        for name in [".".join(parts[:i]) for i in range(1, len(parts))] or [""]:
+            module = self.module.get_submodule(name) if name else self.top
+            hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: entered.append(name)))
+            hooks.append(module.register_forward_hook(
+                lambda m, a, out, name=name: _capture(m, a, (name, out)) if entered[:1] == [name] else None))
+        return hooks
 
     # -- state ---------------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ two more steps, tested from its own last checkpoint.
 ``BUILT``: ``init`` or ``configure_model`` (the model built on meta there, each rank making what it keeps). Rank 0
 writes to OUT the best checkpoint's test loss, the resumed fit's, the validation loss after the first fit, and its
 own predictions (a loss per batch), and to OUT.held the share of the model's parameter bytes it held as it tested
-from the best checkpoint."""
+from the best checkpoint, and in the fit's sanity check."""
 
 import sys
 
@@ -22,14 +22,22 @@ from demos.gpt import GPTModule, make_demo
 
 class Held(L.Callback):
     """The bytes of parameters this rank holds after its first test batch (under pp the one that cut the stages),
-    over the whole model's: a model built on meta tested from a checkpoint keeps the plan's slices."""
+    over the whole model's: a model built on meta tested from a checkpoint keeps the plan's slices. ``sanity``: the
+    same after the fit's sanity check's first batch (under pp, before any training batch: it cuts the stages)."""
 
-    share = None
+    share = sanity = None
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if self.share is None:
-            whole = trainer.strategy.built_num_params * 4
-            self.share = trainer.strategy.model_state_bytes()["params"] / whole
+            self.share = _share(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking and self.sanity is None:
+            self.sanity = _share(trainer)
+
+
+def _share(trainer) -> float:
+    return trainer.strategy.model_state_bytes()["params"] / (trainer.strategy.built_num_params * 4)
 
 
 class Module(GPTModule):
@@ -47,13 +55,12 @@ model = Module(base.config, configure_model=built == "configure_model", optimize
 held_out = Subset(data, range(8))
 common = dict(strategy=plan, accelerator="cpu", devices=devices, val_check_interval=2, limit_val_batches=1,
               logger=False, enable_progress_bar=False, enable_model_summary=False)
+held = Held()
 trainer = L.Trainer(max_steps=4, **common,
-                    callbacks=[ModelCheckpoint(dirpath=out + ".ckpt", monitor="val_loss", save_last=True)])
+                    callbacks=[ModelCheckpoint(dirpath=out + ".ckpt", monitor="val_loss", save_last=True), held])
 trainer.fit(model, DataLoader(data, batch_size=4, drop_last=True), DataLoader(held_out, batch_size=4))
 trainer.validate(model, DataLoader(held_out, batch_size=4))  # no ckpt_path: the weights fit left (in slices)
 after_fit = float(trainer.callback_metrics["val_loss"])
-held = Held()
-trainer.callbacks.append(held)
 trainer.test(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
 best = float(trainer.callback_metrics["test_loss"])
 predictions = trainer.predict(model, DataLoader(held_out, batch_size=4), ckpt_path="best")
@@ -66,4 +73,4 @@ if again.global_rank == 0:
     with open(out, "w") as f:
         f.write(" ".join(f"{v:.8f}" for v in figures))
     with open(out + ".held", "w") as f:
-        f.write(f"{held.share:.4f}")
+        f.write(f"{held.share:.4f} {held.sanity:.4f}")

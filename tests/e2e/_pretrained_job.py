@@ -46,7 +46,7 @@ class Pretrained(L.LightningModule):
 
     def validation_step(self, batch, index):
         loss = self.net.loss(batch[0])
-        self.val_loss = float(loss) if self.val_loss is None else self.val_loss  # the sanity check's, before the cut
+        self.val_loss = float(loss) if self.val_loss is None else self.val_loss  # the sanity check's (it cuts pp)
         return loss
 
     def on_train_batch_end(self, outputs, batch, index) -> None:
@@ -79,7 +79,7 @@ def fit(name: str, plan: str, folder: str, export: bool = False, source: str | N
                         callbacks=[first] + ([strategies.ExportPretrained(out)] if export else []))
     data = TensorDataset(torch.cat(zoo.batches(steps, batch=BATCH)))
     loader = DataLoader(data, batch_size=BATCH // dp)
-    # Under pp, a sanity check before the first batch: the meta-built model is made whole, and takes the weights then
+    # Under pp, a sanity check before the first batch: its batch cuts the stages, each reading its own weights
     trainer.fit(module, loader, loader if plan.startswith("pp") and not export else None)
     ranks = [None] * DEVICES
     dist.all_gather_object(ranks, (module.read.bytes_read, first.kept, module.loss, module.val_loss))

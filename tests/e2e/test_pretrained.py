@@ -17,7 +17,7 @@ from tests.models import zoo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
-# Every plan: a pipeline stage loads after the cut (pp2 is validated before it, so it reads the whole model then)
+# Every plan: a pipeline stage loads after the cut (pp2's sanity check's batch cuts it)
 SLICED = {"tp2", "zero3", "pp2_1f1b_mb2", "zero3_tp2_pp2_1f1b_mb2"}
 
 
@@ -40,7 +40,7 @@ def test_loaded_by_slice_equals_from_pretrained(saved, results, name: str, plan:
         loss = float(reference(input_ids=ids, labels=ids).loss)
     losses = [rank[2] for rank in got["ranks"]]
     assert sum(losses) / len(losses) == pytest.approx(loss, rel=1e-5)
-    if plan.startswith("pp"):  # validated before the cut (the sanity check): already the loaded weights
+    if plan.startswith("pp"):  # the sanity check (its batch cut the stages): already the loaded weights
         val = [rank[3] for rank in got["ranks"]]
         assert sum(val) / len(val) == pytest.approx(loss, rel=1e-5)
     if plan in SLICED and not plan.startswith("pp"):

@@ -163,9 +163,14 @@ def test_fit_then_test_from_the_best_checkpoint_with_a_model_built_in_configure_
     # (its units gathered one at a time for their forward), tp its slices, pp its stage (cut at the first test batch);
     # measured 0.50, 0.67, 0.51, 0.17 at 8 ranks and zero2_tp2@4 0.67 (ZeRO-2's weights whole, tp's slices; its
     # flats not built to evaluate: the slices fit left are taken up as parameters). Before: made whole (1.0).
-    held = {key: float(out.with_name(out.name + ".held").read_text()) for key, (_, out) in _ran(request).items()}
+    shares = {key: out.with_name(out.name + ".held").read_text().split() for key, (_, out) in _ran(request).items()}
+    held = {key: float(test) for key, (test, _) in shares.items()}
     assert held["dp", 2] == 1.0 and held["zero3", 2] <= 0.55 and held["tp2", 2] <= 0.75, held
     assert held["pp2", 2] <= 0.55 and held["zero3_tp2_pp2", 8] <= 0.25 and held["zero2_tp2", 4] <= 0.75, held
+    # The fit's sanity check, before any training batch: under pp the stages are cut at its batch, the training step
+    # traced on its shapes (`PlanStrategy._before_cut`), each making its own (before: the whole model, 1.0)
+    sanity = {key: float(value) for key, (_, value) in shares.items()}
+    assert sanity["pp2", 2] <= 0.55 and sanity["zero3_tp2_pp2", 8] <= 0.25, sanity
 
 
 def test_each_rank_saves_its_slice_of_a_fit_and_plain_dcp_reads_it_whole(request):
