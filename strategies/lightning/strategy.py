@@ -510,8 +510,8 @@ class PlanStrategy(ParallelStrategy):
         if self._deferred is None or self.resolved_plan.pp == 1 or self.pipeline is not None or \
                 self._steps.cut_on_eval:
             return
-        if self._fitting and args and _splits(args[0], self.resolved_plan.microbatches):
-            self._steps.pipeline = self._build_pipeline(*args)
+        if self._fitting and len(args) > 1 and _splits(args[0], self.resolved_plan.microbatches):
+            self._steps.pipeline = self._build_pipeline(*args[:2])  # (a training step takes no dataloader_idx)
             return
         rank_zero_info("the model built on meta is made whole to be evaluated before the pipeline is cut: this "
                        f"batch does not split into mb{self.resolved_plan.microbatches} (num_sanity_val_steps=0 keeps "
