@@ -38,7 +38,6 @@ from strategies.files import atomic_write
 META = "meta.pt"
 METADATA = ".metadata"
 FOREIGN = "stratpack_foreign_layout"  # `load_rest`'s answer for a checkpoint not in Lightning's layout
-__all__ = ["MODEL", "optimizer_key"]  # (Lightning's layout's keys, `layout`: imported from here too)
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,11 @@ class Layout:
         if not self.by_name:
             return [{k: [self.name(n) for n in v] if k == "params" else v for k, v in g.items()
                      if f"{head}.{i}.{k}" in saved} for i, g in enumerate(groups)]
-        firsts = [self.name(g["params"][0]) for g in groups if g["params"]]  # (a group's hyperparameters: its own)
-        return {first: {k: v for k, v in g.items() if k != "params" and f"{head}.{first}.{k}" in saved}
-                for first, g in zip(firsts, (g for g in groups if g["params"]))}
+        by_first = {}
+        for g in (g for g in groups if g["params"]):
+            first = self.name(g["params"][0])  # (a group's hyperparameters: its first parameter's)
+            by_first[first] = {k: v for k, v in g.items() if k != "params" and f"{head}.{first}.{k}" in saved}
+        return by_first
 
     def read_groups(self, theirs: Any, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """What DCP read into `groups`' answer, one dict per param group of ``groups`` (by parameter: the values of

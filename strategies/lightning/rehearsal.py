@@ -148,7 +148,7 @@ class RehearsalStrategy(PlanStrategy):
             return super().load_state_by_slice(path, optimizer, strict, model, index)
         with self._window("resume"):
             if optimizer:  # (made by a step on zero gradients, as the real resume does)
-                make_optimizer_state(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))
+                make_optimizer_state(self._raw_optimizer())
             state = self.state_by_slice(optimizer, load=True)
             if not model:
                 del state[MODEL]

@@ -680,11 +680,9 @@ class PlanStrategy(ParallelStrategy):
         own), or to ``load``, every copy the rank has."""
         held = (lambda name: True) if load else (lambda name: all(t.holds_buffer(name) for t in self.techniques))
         flats = self._sliced_flats()
-        state = {MODEL: self._rank_state(flats, None, held)["model"]}
-        for i, raw in enumerate(self._raw_optimizers() if optimizer else []):
-            if index in (None, i):
-                state[optimizer_key(i)] = self._rank_state(flats, raw, held)["optim"]
-        return state
+        raws = [(i, raw) for i, raw in enumerate(self._raw_optimizers() if optimizer else []) if index in (None, i)]
+        states = [self._rank_state(flats, raw, held) for _, raw in raws] or [self._rank_state(flats, None, held)]
+        return {MODEL: states[0]["model"], **{optimizer_key(i): s["optim"] for (i, _), s in zip(raws, states)}}
 
     def _rank_state(self, flats: list, raw: Any = None, buffers: Any = None) -> dict[str, Any]:
         """`rank_state` of the module: ``flats``' shards, each technique placing its boxes and saying what it holds;
@@ -748,16 +746,16 @@ class PlanStrategy(ParallelStrategy):
         saved, layout = set(metadata.state_dict_metadata), self._layout(metadata, key)
         if optimizer and not layout.optimizer:
             raise CheckpointError(f"{path} holds weights and no optimizer state: read it with optimizer=False")
-        raw = self._raw_optimizer(index) if optimizer else None
-        if raw is not None and layout.stated(saved):
+        raw, stated = self._raw_optimizer(index) if optimizer else None, layout.stated(saved)
+        if raw is not None and stated:
             make_optimizer_state(raw)
-            self._drop_unsaved_state(raw, layout.stated(saved))
+            self._drop_unsaved_state(raw, stated)
         state = self.state_by_slice(optimizer, load=True, index=index)
         if not model:
             del state[MODEL]
         if raw is not None:
             groups = state[key].pop("param_groups")
-            if not layout.stated(saved):
+            if not stated:
                 state[key].pop("state")  # saved before a first step: the optimizer starts as it is
             count = layout.group_count(saved)
             if count is not None and count != len(raw.param_groups):
