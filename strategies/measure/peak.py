@@ -220,8 +220,10 @@ def _behind(p: Pieces, c: Chunk, r: Rules) -> dict[str, float]:
     peak within 1% (`zero3`@4, `zero3_tp2`@4), so nothing is added there (``behind_fresh``)."""
     if not c.in_flight:
         return {"behind_kept": 0.0, "behind_fresh": 0.0}
-    # the first block's activations are freed by then, but for its input (the second's output; all of it under ac)
-    freed = p.block - p.boundary
+    # the first block's activations are freed by then, but for its input (the second's output) where the block counts
+    # its outputs; under recompute (ac, sac) a block counts its input, which its backward frees, and the last chunk's
+    # final norm has let go of the last block's output (`Pieces.saved`'s boundary)
+    freed = (p.block + (p.boundary if c.last else 0.0)) if p.recompute else p.block - p.boundary
     return {"behind_kept": c.in_flight + r.flats - p.unit - p.gathers - freed, "behind_fresh": -r.flats - freed}
 
 
@@ -354,9 +356,10 @@ class _Walk:
             behind = chunk.behind_kept if kept else chunk.behind_fresh
             saved = self.saved + self.stash - (q.head if chunk.last else 0)
             self.consider(saved, self.held + start + behind, action)
-            if kept:  # ... and at that block's attention backward, its MLP's saved tensors freed
+            if kept:  # ... and at that block's attention backward, its MLP's saved tensors freed, its MLP's kept
+                # gradients moved out of .grad into its new flat
                 self.consider(saved - q.mlp_saved, self.held + q.zero3 + q.recompute + ahead + q.backward +
-                              q.attention + behind, action)
+                              q.attention + behind - chunk.mlp_grads, action)
         self.held += q.flats if reducing else 0
         self.saved -= chunk.saved
         self._embedding(action, chunk, ahead)

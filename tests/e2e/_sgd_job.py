@@ -57,6 +57,7 @@ BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
 POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero2", "zero3", "tp2_sp", "pp2_1f1b_mb4",
                                                       "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
           4: [], 8: [("zero3_tp2_pp2_zbv_mb4+bf16+policy", 1)]}  # (ZeRO-3's bf16 copies: W takes their gradients)
+POLICY[8] += [("zero3_tp2_pp2_zb1p_mb4+llama+bf16+policy", 1)]  # (the same through Hugging Face's nn.Linear layers)
 POLICY[2] += [("zero3+adamw+bf16+policy", 1), ("pp2_1f1b_mb4+adamw+bf16+policy", 1)]  # (against their own reference)
 POLICY[2] += [("zero3+llama+bf16+policy", 1)]  # a Hugging Face Llama: ZeRO-3's bf16 gather swaps its layers' weights
 # The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call
@@ -214,6 +215,21 @@ def strict_p2p(on: bool) -> Iterator[None]:
             os.environ[STRICT_ENV] = saved
 
 
+@contextlib.contextmanager
+def _counting_w() -> Iterator[list[int]]:
+    """How many weight gradients this rank's zero-bubble W made (B deferred to it): none where B made them all."""
+    from strategies.pipeline.weights import WeightStore
+
+    count, real = [0], WeightStore.weights
+
+    def weights(self, key):
+        count[0] += len(self.pending.get(key, ()))
+        return real(self, key)
+
+    with mock.patch.object(WeightStore, "weights", weights):
+        yield count
+
+
 def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> dict[str, torch.Tensor]:
     """``case``: a plan, then options after ``+``: ``deterministic`` (the strategy's ordered sums), ``bf16``
     (bf16-mixed), ``unshared`` (share_casts=False), ``policy`` (param_dtype=torch.bfloat16), ``plant_*``
@@ -244,7 +260,7 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
 
         monitor = StrategyMonitor(warmup_steps=0, store=False)
         trainer.callbacks.append(monitor)
-    with planted(plant), strict_p2p("gloo" not in options):
+    with planted(plant), strict_p2p("gloo" not in options), _counting_w() as deferred:
         trainer.fit(module, DataLoader(data(), batch_size=GLOBAL // dp // accumulate, shuffle=True, drop_last=True))
     first.remove()
     if extras is not None:
@@ -253,6 +269,9 @@ def fit(case: str, accumulate: int, world: int, extras: dict | None = None) -> d
         extras["logged"] = float(trainer.callback_metrics["train_loss"])
         extras["activations_peak"] = monitor.summary["memory_bytes"]["activations_peak"]
         extras["pipeline"] = monitor.summary.get("pipeline")
+        made = torch.tensor(deferred[0])  # over every rank: crowded CPU ranks run a W that follows its B inside it
+        torch.distributed.all_reduce(made)  # (`schedules.fused_weights`): under ZB-V at pp2 rank 0 defers none
+        extras["deferred"] = int(made)
     return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
