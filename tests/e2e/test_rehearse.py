@@ -148,8 +148,7 @@ def test_on_a_cpu_under_param_dtype_the_estimator_finds_the_peak_at_the_attentio
 
 
 @pytest.mark.parametrize("plan,tolerance", [("zero3_tp2_pp2_zb1p_mb2", 0.06), ("zero3_tp2_pp2_1f1b_ac", 0.05)])
-def test_zero3_under_param_dtype_defers_a_zero_bubble_ws_gradients_as_the_estimator_counts(tmp_path, plan: str,
-                                                                                         tolerance: float):
+def test_zero3_under_param_dtype_and_pp_peaks_as_the_estimator_counts(tmp_path, plan: str, tolerance: float):
     """ZeRO-3 gathers bf16 copies of its weights under the policy and computes with them in the parameters' place; a
     zero-bubble schedule's B must still leave those linears' weight gradients to W (`mixed_precision.standing_for`).
     It did not (the copy was not the parameter it waited for): B made every gradient itself, so the last stage held no
