@@ -472,7 +472,7 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
     plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
     grads, n = psi * grad_bytes, plan.data_ranks
-    reduce = in_flight = deep = 0.0
+    reduce = in_flight = deep = settled = 0.0
     behind = 0
     if n > 1 and plan.data.is_zero:
         flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
@@ -488,6 +488,13 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
         # ``behind``, the blocks before it still reduce: their full gradients, gloo's copies, their shards made.
         # With reductions larger than a block's activations that is the peak (bf16 activations, fp32 gradients).
         deep = 0.0 if held else behind * (flat + copy + flat / n)
+        # As its last flat is launched, every gradient is in a flat: the last min(IN_FLIGHT, blocks) still reducing,
+        # each with gloo's copy, the rest let go of but for their shards (``reduce``'s grads / n); beside them one unit
+        # gathered. `peak._Walk._gradients` counts there the flat filled and ``reduce``, the gradients kept (or made)
+        # and ZeRO-3's units with a prefetch: this is the difference, less those units (`peak._values`).
+        if behind:
+            kept = grads if (held or _plain_grads(plan)) else 0.0
+            settled = min(IN_FLIGHT, blocks) * (flat + copy) - (1 + behind) * flat - behind * copy - kept
     elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
         reduce = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
@@ -497,7 +504,7 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2 or plain
     return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if (held or plain) and keeps else 0.0,
                  reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0, in_flight=in_flight,
-                 deep=deep, deep_blocks=0 if held else behind)
+                 deep=deep, deep_blocks=0 if held else behind, settled=settled)
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,

@@ -111,6 +111,8 @@ class Chunk:
     #                           pp), held from the chunk's first forward to the step's end
     deep: float = 0.0  # ZeRO-3, gradients made in the reducing backward itself: what the blocks before still hold
     deep_blocks: int = 0  # while they reduce, at the attention backward of block ``deep_blocks`` (`estimate._chunk`)
+    settled: float = 0.0  # ZeRO-3, a chunk of 2+ blocks: at its reducing backward's end, what the walk's count there
+    #                       holds beyond the run's flats in flight (`estimate._chunk`; its units: `_values`)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class Rules:
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
 _PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh",
-              "deep_held", "deep_freed", "mlp_grads")
+              "deep_held", "deep_freed", "mlp_grads", "settled")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -205,6 +207,8 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
                 "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
                 "weights": c.weights, "deep_held": c.deep, "deep_freed": c.deep_blocks * p.block,
                 "mlp_grads": 2 * p.weight if c.grads else 0.0,
+                # one unit gathered there: neither the one prefetched nor the backend's buffer for it
+                "settled": c.settled - p.unit - p.gathers if c.in_flight else 0.0,
                 **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
@@ -289,6 +293,7 @@ class _Terms:
     deep_freed: int = 0  # third: `Chunk.deep`): what the blocks before hold while they reduce, and what they saved
     mlp_grads: int = 0  # a chunk whose gradients are kept (ZeRO-2/3 across microbatches): its block's MLP weights'
     #                    gradients, made in .grad by its attention backward
+    settled: int = 0  # a ZeRO-3 chunk's reducing backward's end (`Chunk.settled`)
     first: bool = False
     last: bool = False
 
@@ -425,9 +430,10 @@ class _Walk:
         kept = action.stage in self.seen
         if action is self.last_backward[action.stage]:
             # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
-            # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block.
+            # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block;
+            # ZeRO-3's block flats as they are then (`Chunk.settled`: the gradients all in flats, two reducing).
             self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.q.zero3 +
-                          (0 if kept else chunk.grads), action)
+                          (0 if kept else chunk.grads) + chunk.settled, action)
             self.held -= (chunk.grads if kept else 0) + (self.q.flats if action is self.reducing[-1] else 0)
         elif not kept:
             self.held += chunk.grads
