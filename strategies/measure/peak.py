@@ -163,7 +163,7 @@ class Rules:
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
 _PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh",
-              "deep_held", "deep_freed", "mlp_grads", "settled")
+              "deep_held", "deep_freed", "mlp_grads", "settled", "split_flats")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -209,6 +209,9 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
                 "mlp_grads": 2 * p.weight if c.grads else 0.0,
                 # one unit gathered there: neither the one prefetched nor the backend's buffer for it
                 "settled": c.settled - p.unit - p.gathers if c.in_flight else 0.0,
+                # ZeRO-2/3 under a split schedule: the flats its last B makes for what B finishes (biases, norms: in
+                # every block, so every flat), held until its last W fills them
+                "split_flats": c.grads if r.flats else 0.0,
                 **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
@@ -294,6 +297,7 @@ class _Terms:
     mlp_grads: int = 0  # a chunk whose gradients are kept (ZeRO-2/3 across microbatches): its block's MLP weights'
     #                    gradients, made in .grad by its attention backward
     settled: int = 0  # a ZeRO-3 chunk's reducing backward's end (`Chunk.settled`)
+    split_flats: int = 0  # the flats a split chunk's last B makes, full (`_Walk.input_backward`)
     first: bool = False
     last: bool = False
 
@@ -318,6 +322,11 @@ class _Walk:
         self.seen: set[int] = set()  # the stages a backward has run for
         self.forwarded: set[int] = set()  # the stages a forward has run for
         self.saved = self.held = self.stash = 0
+        # Split: each stage's last B (not fused) syncs what B finishes, making the flats (`_Walk.input_backward`)
+        self.last_input = {a.stage: a for a in actions if a.phase is Phase.BACKWARD and self.split
+                           and (a.stage, a.microbatch) not in fused}
+        self.flats_made: set[int] = set()  # the stages whose flats that B made
+        self.flats_held = False  # whether `q.flats` was added at the first reducing backward
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
 
@@ -366,6 +375,7 @@ class _Walk:
                 self.consider(saved - q.mlp_saved, self.held + q.zero3 + q.recompute + ahead + q.backward +
                               q.attention + behind - chunk.mlp_grads, action)
         self.held += q.flats if reducing else 0
+        self.flats_held = self.flats_held or reducing
         self.saved -= chunk.saved
         self._embedding(action, chunk, ahead)
         self._gradients(action, chunk, ahead)
@@ -384,6 +394,9 @@ class _Walk:
                       self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention, action)
         self.saved -= chunk.saved
         self.stash += chunk.stashed
+        if action is self.last_input.get(action.stage):  # seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5%
+            self.held += chunk.split_flats
+            self.flats_made.add(action.stage)
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
         self._embedding(action, chunk, ahead)
 
@@ -391,7 +404,8 @@ class _Walk:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
         reductions."""
         q = self.q
-        flat = q.flats if action is self.reducing[0] else 0
+        flat = q.flats if action is self.reducing[0] and action.stage not in self.flats_made else 0
+        self.flats_held = self.flats_held or bool(flat)
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.workspace + chunk.weights + flat, action)
         self.held += flat
         self.stash -= chunk.stashed
@@ -431,10 +445,13 @@ class _Walk:
         if action is self.last_backward[action.stage]:
             # Reducing, while what it kept is freed: the gradients (moved into the flats, or made there now) and
             # what the reduction itself holds, beside ZeRO-3's units still gathered for the chunk's first block;
-            # ZeRO-3's block flats as they are then (`Chunk.settled`: the gradients all in flats, two reducing).
+            # ZeRO-3's block flats as they are then (`Chunk.settled`: the gradients all in flats, two reducing),
+            # where a full backward made them block by block (a W makes them all at once, kept until it ends).
             self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.q.zero3 +
-                          (0 if kept else chunk.grads) + chunk.settled, action)
-            self.held -= (chunk.grads if kept else 0) + (self.q.flats if action is self.reducing[-1] else 0)
+                          (0 if kept else chunk.grads) + (chunk.settled if action.phase is Phase.BACKWARD else 0),
+                          action)
+            self.held -= (chunk.grads if kept else 0) + (chunk.split_flats if action.stage in self.flats_made else 0)
+            self.held -= self.q.flats if action is self.reducing[-1] and self.flats_held else 0
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)
