@@ -472,39 +472,45 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
     one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
     plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
     grads, n = psi * grad_bytes, plan.data_ranks
-    reduce = in_flight = deep = settled = 0.0
-    behind = 0
+    zero = {"reduce": 0.0}
     if n > 1 and plan.data.is_zero:
-        flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
-        # ZeRO-3's flats are a block each: as backward ends, the IN_FLIGHT last launched are still reducing, each
-        # holding its full gradient (and on gloo its copies), beside the shards already reduced
-        behind = min(IN_FLIGHT, max(blocks - 1, 0)) if plan.data.stage == 3 else 0
-        copy = (1 + 1 / n) * flat if backend == GLOO else 0.0
-        reduce = grads / n + behind * flat + max(behind, 1) * copy
-        # ... and from its second block on, the block before still reducing: its shard, and on gloo one copy of its
-        # flat (seen by tracking every storage through a step: `_behind`)
-        in_flight = flat / n + (flat if backend == GLOO else 0.0) if behind else 0.0
-        # Where the gradients are made in this backward (not ``held``), at the attention backward of its block
-        # ``behind``, the blocks before it still reduce: their full gradients, gloo's copies, their shards made.
-        # With reductions larger than a block's activations that is the peak (bf16 activations, fp32 gradients).
-        deep = 0.0 if held else behind * (flat + copy + flat / n)
-        # As its last flat is launched, every gradient is in a flat: the last min(IN_FLIGHT, blocks) still reducing,
-        # each with gloo's copy, the rest let go of but for their shards (``reduce``'s grads / n); beside them one unit
-        # gathered. `peak._Walk._gradients` counts there the flat filled and ``reduce``, the gradients kept (or made)
-        # and ZeRO-3's units with a prefetch: this is the difference, less those units (`peak._values`).
-        if behind:
-            kept = grads if (held or _plain_grads(plan)) else 0.0
-            settled = min(IN_FLIGHT, blocks) * (flat + copy) - (1 + behind) * flat - behind * copy - kept
+        zero = _zero_reduction(plan, grads, blocks, backend, held)
     elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
-        reduce = min(grads, BUCKET) / n
+        zero["reduce"] = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
-        reduce = 2 * grads
+        zero["reduce"] = 2 * grads
     # autograd's own .grad (`_plain_grads`) is made by the step's first backward, kept or not
     plain = _plain_grads(plan)
     keeps = plan.data is DataMode.NAIVE or plan.data.stage >= 2 or plain
     return Chunk(blocks, stage == 0, stage == stages - 1, grads=grads if (held or plain) and keeps else 0.0,
-                 reduce=reduce, weights=grads if plan.schedule.splits_backward else 0.0, in_flight=in_flight,
-                 deep=deep, deep_blocks=0 if held else behind, settled=settled)
+                 weights=grads if plan.schedule.splits_backward else 0.0, **zero)
+
+
+def _zero_reduction(plan: ParallelPlan, grads: float, blocks: int, backend: str, held: bool) -> dict[str, float]:
+    """`Chunk`'s terms for ZeRO's reduction of a chunk's ``grads`` bytes (`_chunk`)."""
+    n = plan.data_ranks
+    flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
+    # ZeRO-3's flats are a block each: as backward ends, the IN_FLIGHT last launched are still reducing, each
+    # holding its full gradient (and on gloo its copies), beside the shards already reduced
+    behind = min(IN_FLIGHT, max(blocks - 1, 0)) if plan.data.stage == 3 else 0
+    copy = (1 + 1 / n) * flat if backend == GLOO else 0.0
+    # ... and from its second block on, the block before still reducing: its shard, and on gloo one copy of its
+    # flat (seen by tracking every storage through a step: `_behind`)
+    in_flight = flat / n + (flat if backend == GLOO else 0.0) if behind else 0.0
+    # As its last flat is launched, every gradient is in a flat: the last min(IN_FLIGHT, blocks) still reducing,
+    # each with gloo's copy, the rest let go of but for their shards (``reduce``'s grads / n); beside them one unit
+    # gathered. `peak._Walk._gradients` counts there the flat filled and ``reduce``, the gradients kept (or made)
+    # and ZeRO-3's units with a prefetch: this is the difference, less those units (`peak._values`). ZeRO-2's
+    # buckets hold the kept gradients by then (the flats the walk counts).
+    kept = grads if (held or _plain_grads(plan)) else 0.0
+    settled = min(IN_FLIGHT, blocks) * (flat + copy) - (1 + behind) * flat - behind * copy - kept if behind else \
+        -kept if plan.data.stage == 2 else 0.0
+    # Where the gradients are made in this backward (not ``held``), at the attention backward of its block
+    # ``behind``, the blocks before it still reduce: their full gradients, gloo's copies, their shards made.
+    # With reductions larger than a block's activations that is the peak (bf16 activations, fp32 gradients).
+    return {"reduce": grads / n + behind * flat + max(behind, 1) * copy, "in_flight": in_flight,
+            "deep": 0.0 if held else behind * (flat + copy + flat / n), "deep_blocks": 0 if held else behind,
+            "settled": settled}
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,

@@ -142,8 +142,9 @@ def test_zero3s_reduction_in_flight_at_a_chunks_second_block_where_gradients_wer
         chunk = {0: Chunk(blocks=2, first=True, last=False, grads=grads, in_flight=in_flight)}
         return walk(pieces, chunk, step_actions(table, 1, 2), rules=rules).total
 
-    # Without it the peak is the reduction's end: the kept .grad, the flat, the units (4096 + 1024 + 2 * 64 + 64).
-    assert total(0) == 4096 + 1024 + 192
+    # Without it the peak is the reducing backward's first block's attention backward: microbatch 1's activations,
+    # the kept .grad, the flat made by then, the units and backward's working set (`_Walk._working`'s ``reduces``)
+    assert total(0) == (2 + 2 - 1) + 4096 + 1024 + 192 + 32
     # With it, B0.1's second block: microbatch 1's activations (2 blocks + the embedding's, less the output sent), the
     # kept .grad, the
     # working set (the units, backward's 32), the reduction in flight and the new flat, one unit and gloo's buffer
