@@ -386,16 +386,18 @@ class _Walk:
         freed but what W needs is kept (`Pieces.stashed`)."""
         q = self.q
         top = q.zero3 + q.recompute + ahead + q.backward + q.workspace
-        self._working(action, chunk, ahead, top)
+        # A stage's last B makes the flats as it goes, block by block (`zero3_pp2_zb1p_mb4`@4: -7.6% without them)
+        last = action is self.last_input.get(action.stage)
+        self._working(action, chunk, ahead, top, reduces=last)
         # Its last block: the blocks done have swapped what they saved for their stash (more under ac); at its first
         # matmul, and at its attention backward, its MLP's saved tensors swapped for about as much stash (under
         # autocast on a CPU the fused attention's workspace is the larger: bf16's products hold little)
         self.consider(self.saved + self.stash + chunk.swap, self.held + top, action)
-        self.consider(self.saved + self.stash + chunk.swap,
-                      self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention, action)
+        self.consider(self.saved + self.stash + chunk.swap, self.held + q.zero3 + q.recompute + ahead + q.backward +
+                      q.attention + (chunk.split_flats if last else 0), action)
         self.saved -= chunk.saved
         self.stash += chunk.stashed
-        if action is self.last_input.get(action.stage):  # seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5%
+        if last:  # seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5%
             self.held += chunk.split_flats
             self.flats_made.add(action.stage)
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
