@@ -28,7 +28,8 @@ micro-step (the accumulation window's micro-steps one after the other, the table
 Split backwards (the zero-bubble schedules): B frees the chunk's activations but keeps, per block, each linear's input
 and output gradient (`Pieces.stash`, 4 + 12/t: as much as a block saves without recompute, so ZB-H1 holds what 1F1B
 does; with recompute far more than the block's input) until its W, which makes the chunk's weight gradients at once
-and then reduces them as a full backward would.
+and then reduces them as a full backward would. Under ZeRO-2/3 a stage's last B reduces what B finishes (biases,
+norms), which makes every flat, block by block: they wait, full, for its last W.
 
 `walk` returns the largest total, its split into activations and temporaries, and the action it happens in.
 """
@@ -297,7 +298,7 @@ class _Terms:
     deep_freed: int = 0  # third: `Chunk.deep`): what the blocks before hold while they reduce, and what they saved
     mlp_grads: int = 0  # a chunk whose gradients are kept (ZeRO-2/3 across microbatches): its block's MLP weights'
     #                    gradients, made in .grad by its attention backward
-    settled: int = 0  # a ZeRO-3 chunk's reducing backward's end (`Chunk.settled`)
+    settled: int = 0  # a ZeRO-2/3 chunk's reducing backward's end (`Chunk.settled`)
     split_flats: int = 0  # the flats a split chunk's last B makes, full (`_Walk.input_backward`)
     first: bool = False
     last: bool = False
