@@ -327,8 +327,9 @@ class _Walk:
         # Split: each stage's last B (not fused) syncs what B finishes, making the flats (`_Walk.input_backward`)
         self.last_input = {a.stage: a for a in actions if a.phase is Phase.BACKWARD and self.split
                            and (a.stage, a.microbatch) not in fused}
-        self.flats_made: set[int] = set()  # the stages whose flats that B made
-        self.flats_held = False  # whether `q.flats` was added at the first reducing backward
+        # The first reducing backward makes `q.flats`, unless it is a W whose stage's last B made them
+        self.adds_flats = bool(self.reducing) and (self.reducing[0].phase is not Phase.WEIGHT
+                                                   or self.reducing[0].stage not in self.last_input)
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
 
@@ -377,7 +378,6 @@ class _Walk:
                 self.consider(saved - q.mlp_saved, self.held + q.zero3 + q.recompute + ahead + q.backward +
                               q.attention + behind - chunk.mlp_grads, action)
         self.held += q.flats if reducing else 0
-        self.flats_held = self.flats_held or reducing
         self.saved -= chunk.saved
         self._embedding(action, chunk, ahead)
         self._gradients(action, chunk, ahead)
@@ -400,7 +400,6 @@ class _Walk:
         self.stash += chunk.stashed
         if last:  # seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5%
             self.held += chunk.split_flats
-            self.flats_made.add(action.stage)
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
         self._embedding(action, chunk, ahead)
 
@@ -408,8 +407,7 @@ class _Walk:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
         reductions."""
         q = self.q
-        flat = q.flats if action is self.reducing[0] and action.stage not in self.flats_made else 0
-        self.flats_held = self.flats_held or bool(flat)
+        flat = q.flats if action is self.reducing[0] and self.adds_flats else 0
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.workspace + chunk.weights + flat, action)
         self.held += flat
         self.stash -= chunk.stashed
@@ -459,8 +457,8 @@ class _Walk:
             self.consider(self.saved + self.stash, self.held + ahead + chunk.reduce + self.q.zero3 +
                           (0 if kept else chunk.grads) + (chunk.settled if action.phase is Phase.BACKWARD else 0),
                           action)
-            self.held -= (chunk.grads if kept else 0) + (chunk.split_flats if action.stage in self.flats_made else 0)
-            self.held -= self.q.flats if action is self.reducing[-1] and self.flats_held else 0
+            self.held -= (chunk.grads if kept else 0) + (chunk.split_flats if action.stage in self.last_input else 0)
+            self.held -= self.q.flats if action is self.reducing[-1] and self.adds_flats else 0
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)
