@@ -198,18 +198,19 @@ def _real_like(value: Any) -> Any:
 
 
 def linear_workspace(tokens: int, fan_in: int, fan_out: int, threads: int | None = None,
-                     dtype: torch.dtype = torch.float32) -> float:
+                     dtype: torch.dtype = torch.float32, products: tuple[int, ...] = (0, 1, 2)) -> float:
     """The largest workspace (`op_workspace`) of a linear layer's three products: its forward (the input by the
     weight transposed), its input's gradient (the output's gradient by the weight) and its weight's gradient (the
-    output's gradient transposed by the input)."""
+    output's gradient transposed by the input); ``products``: of those, which (0, 1, 2 in that order)."""
     def mat(rows: int, cols: int, transposed: bool) -> torch.Tensor:
         t = torch.empty(cols, rows, dtype=dtype, device="meta")
         return t.t() if transposed else t.t().contiguous()
 
-    products = ((mat(tokens, fan_in, False), mat(fan_in, fan_out, True)),
-                (mat(tokens, fan_out, False), mat(fan_out, fan_in, False)),
-                (mat(fan_out, tokens, True), mat(tokens, fan_in, False)))
-    return max(op_workspace(_aten.mm.default, pair, None, threads) for pair in products)
+    pairs = ((mat(tokens, fan_in, False), mat(fan_in, fan_out, True)),
+             (mat(tokens, fan_out, False), mat(fan_out, fan_in, False)),
+             (mat(fan_out, tokens, True), mat(tokens, fan_in, False)))
+    chosen = [pair for i, pair in enumerate(pairs) if i in products]
+    return max(op_workspace(_aten.mm.default, pair, None, threads) for pair in chosen)
 
 
 def attention_workspace(batch: int, heads: int, seq: int, head_dim: int, threads: int | None = None,

@@ -44,11 +44,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from strategies.measure.peak import GLOO, Chunk, Peak, Pieces, Rules, Workspace, step_actions, walk
 from strategies.pipeline import messages, schedules
 from strategies.pipeline.cuts import partition
+from strategies.pipeline.schedules import Action, Phase
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGHT
 
@@ -466,15 +468,16 @@ def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, 
 
 
 def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, grad_bytes: float, backend: str,
-           held: bool) -> Chunk:
+           held: bool, flat: float | None = None) -> Chunk:
     """A chunk of ``psi`` local parameters: the gradients kept whole in ``param.grad`` across the step's backwards
     that are not its last (``held``: naive, ZeRO-2/3; `dp` and ZeRO-1 accumulate in their buffers), and what the last
     one's reduction holds beyond them: ZeRO's reduce-scatter output shard and, on gloo, a copy of its input flat
-    plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one."""
+    plus 1/N of it (measured; an all-reduce holds 1/N); naive's flat message, and the server's incoming one.
+    ``flat``: the bytes ZeRO-1/2's last backward reduces, where not the chunk's own (`_bucket_spans`)."""
     grads, n = psi * grad_bytes, plan.data_ranks
     zero = {"reduce": 0.0}
     if n > 1 and plan.data.is_zero:
-        zero = _zero_reduction(plan, grads, blocks, backend, held)
+        zero = _zero_reduction(plan, grads, blocks, backend, held, flat)
     elif n > 1 and plan.data is DataMode.DP and backend == GLOO:
         zero["reduce"] = min(grads, BUCKET) / n
     elif n > 1 and plan.data is DataMode.NAIVE:
@@ -486,10 +489,12 @@ def _chunk(plan: ParallelPlan, psi: int, blocks: int, stage: int, stages: int, g
                  weights=grads if plan.schedule.splits_backward else 0.0, **zero)
 
 
-def _zero_reduction(plan: ParallelPlan, grads: float, blocks: int, backend: str, held: bool) -> dict[str, float]:
-    """`Chunk`'s terms for ZeRO's reduction of a chunk's ``grads`` bytes (`_chunk`)."""
+def _zero_reduction(plan: ParallelPlan, grads: float, blocks: int, backend: str, held: bool,
+                    reduced: float | None = None) -> dict[str, float]:
+    """`Chunk`'s terms for ZeRO's reduction of a chunk's ``grads`` bytes (`_chunk`); ``reduced``: its flat's."""
     n = plan.data_ranks
-    flat = min(grads, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
+    reduced = grads if reduced is None else reduced
+    flat = min(reduced, BUCKET) if plan.data.stage < 3 else grads / max(blocks, 1)
     # ZeRO-3's flats are a block each: as backward ends, the IN_FLIGHT last launched are still reducing, each
     # holding its full gradient (and on gloo its copies), beside the shards already reduced
     behind = min(IN_FLIGHT, max(blocks - 1, 0)) if plan.data.stage == 3 else 0
@@ -508,17 +513,48 @@ def _zero_reduction(plan: ParallelPlan, grads: float, blocks: int, backend: str,
     # Where the gradients are made in this backward (not ``held``), at the attention backward of its block
     # ``behind``, the blocks before it still reduce: their full gradients, gloo's copies, their shards made.
     # With reductions larger than a block's activations that is the peak (bf16 activations, fp32 gradients).
-    return {"reduce": grads / n + behind * flat + max(behind, 1) * copy, "in_flight": in_flight,
+    return {"reduce": reduced / n + behind * flat + max(behind, 1) * copy, "in_flight": in_flight,
             "deep": 0.0 if held else behind * (flat + copy + flat / n), "deep_blocks": 0 if held else behind,
             "settled": settled}
 
 
+def _bucket_spans(plan: ParallelPlan, grads: dict[int, float], actions: Sequence[Action]) -> dict[int, float]:
+    """ZeRO-1/2 on a rank of several chunks (``grads``: bytes by stage) whose gradients fit in DDP's first bucket
+    and one more: the one flat that spans its chunks is reduced at the end of the last one's last backward, which
+    holds it whole (and its copies); the others reduce nothing (`zero1_pp2_interleaved_v2_mb4`@4: -5.8% per chunk).
+    Empty where each chunk reduces its own (any real size)."""
+    if plan.data.stage not in (1, 2) or plan.data_ranks == 1 or len(grads) < 2 or \
+            sum(grads.values()) > FIRST_BUCKET_BYTES + BUCKET:
+        return {}
+    last = [a.stage for a in actions if a.phase is not Phase.FORWARD][-1]
+    return {s: sum(grads.values()) if s == last else 0.0 for s in grads}
+
+
+def _flat_timing(shape: ModelShape, plan: ParallelPlan, grad_bytes: float, cast: bool,
+                 policy: bool) -> tuple[bool, bool, bool]:
+    """When a reducing backward makes ZeRO-2/3's flats (`peak.Rules`): (right after the first block's first matmul,
+    at its weight's gradient; weights' gradients held back to the backward's end; every gradient held back). ZeRO-2's
+    next bucket is made at the first gradient the first bucket cannot take: that matmul's weight's where it does not
+    fit (any real width; the bucket also has a bias or two norms' weights), else past the MLP. ZeRO-3's block flat
+    there too, but where a row-parallel bias is added outside the matmul (tp on a model with biases): its gradient
+    makes the flat before. Copies shared by the microbatches (autocast under pp: `mixed_precision`) hold back their
+    weights' gradients: autograd runs their backward, the oldest nodes, last; under the policy every parameter's."""
+    late = plan.pp > 1 and cast
+    if plan.data.stage == 2:
+        first = (shape.hidden * shape.mlp() / plan.tp + 2 * shape.hidden) * grad_bytes >= FIRST_BUCKET_BYTES
+    else:
+        first = plan.data.stage == 3 and not (plan.tp > 1 and not shape.llama)
+    return first and not late, late, late and policy
+
+
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
-           rounds: bool = False, early: bool = False) -> Rules:
+           rounds: bool = False, early: bool = False, timing: tuple[bool, bool, bool] = (False, False, False),
+           spans: bool = False) -> Rules:
     """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
     model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all); ``rounds``: every program grouped
     in rounds (a crowded host: `messages.crowded`); ``early``: every receive posted at the first
-    (`messages.posts_early`)."""
+    (`messages.posts_early`); ``timing``: when the flats are made (`_flat_timing`); ``spans``: one bucket after
+    the first spans the rank's chunks (`_bucket_spans`)."""
     n = plan.data_ranks
     naive = plan.data is DataMode.NAIVE and n > 1
     # naive's flat, one data rank's plain .grad and ZeRO-2/3's shards are the optimizer's .grad: the strategy frees
@@ -531,14 +567,18 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
     # in ZeRO-2's first block the first bucket, and the next if that block's gradients overflow it (its full size).
     flats = 0.0
     if n > 1 and plan.data.stage == 2:
-        overflow = sum(chunk_grads) / max(blocks, 1) > FIRST_BUCKET_BYTES
+        overflow = sum(chunk_grads) / max(blocks, 1) > FIRST_BUCKET_BYTES or spans
         flats = min(sum(chunk_grads), FIRST_BUCKET_BYTES + (BUCKET if overflow else 0))
     elif n > 1 and plan.data.stage == 3:
         flats = sum(chunk_grads) / max(blocks, 1)
     held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early, plan.group) \
         if plan.pp > 1 else None
-    return Rules(release=release, release_at_start=True, flats=flats,
-                 flats_early=min(flats, FIRST_BUCKET_BYTES) if plan.data.stage < 3 else 0.0,
+    first_bucket = min(flats, FIRST_BUCKET_BYTES) if plan.data.stage < 3 else 0.0
+    first, late, end = timing
+    return Rules(release=release, release_at_start=True, flats=flats, flats_early=first_bucket,
+                 flats_next=flats - first_bucket if first else 0.0,
+                 moves=(plan.data.stage == 2 and not late) or (plan.data.stage == 3 and first),
+                 flats_end=end and plan.data.stage == 2, spans=spans and plan.data.stage == 2,
                  early=held[rank] if held else ())
 
 
@@ -688,7 +728,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         # the step: `mixed_precision`); none where ZeRO-3 gathers them in half (the matmuls save views of the unit)
         cast_bytes = act_bytes if mixed and not (_policy(precision)[1] and plan.data.stage == 3) else 0
         peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, cast_bytes), backend,
-                          workspace, crowded)
+                          workspace, crowded, _policy(precision)[1])
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then; or
         # the optimizer's step, where every gradient is back, if that is more.
         step = optimizer_step_bytes(shape, plan, rank, states, weight_bytes, optimizer, backend)
@@ -739,7 +779,7 @@ def optimizer_step_bytes(shape: ModelShape, plan: ParallelPlan, rank: int, state
 
 def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[str, float], pieces: Pieces,
                stages: tuple[list[range], list[int]], sizes: tuple[float, float], backend: str, workspace: Workspace,
-               crowded: bool) -> Peak:
+               crowded: bool, policy: bool = False) -> Peak:
     """`peak.walk` of pipeline ``rank``'s step: its chunks of ``stages`` (blocks and parameters of each), its actions
     and the rules its data mode and messages follow; ``sizes``: bytes of a gradient and of autocast's copy of a weight
     (0 without autocast); the rest `estimate`'s arguments."""
@@ -754,15 +794,16 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     # Under pp the copy is made once per step and shared by the microbatches (`mixed_precision`); without, each
     # forward's is freed by its backward.
     copies = {s: cast_bytes * (len(ranges[s]) * matmuls + (head if s == len(ranges) - 1 else 0)) for s in mine}
-    chunks = {s: dataclasses.replace(_chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend,
-                                            held), **{"shared_cast" if plan.pp > 1 else "cast": copies[s]})
-              for s in mine}
     table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual,
                              plan.group)[rank] if plan.pp > 1 else None
     actions = step_actions(table, shape.accumulate, plan.microbatches or 1)
+    flat = _bucket_spans(plan, {s: per_stage[s] * grad_bytes for s in mine}, actions)
+    chunks = {s: dataclasses.replace(_chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend,
+                                            held, flat.get(s)), **{"shared_cast" if plan.pp > 1 else "cast": copies[s]})
+              for s in mine}
     rounds, early = crowded and backend == GLOO, messages.posts_early(backend == GLOO)
     rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
-                   rounds, early)
+                   rounds, early, _flat_timing(shape, plan, grad_bytes, cast_bytes > 0, policy), bool(flat))
     if table is not None and schedules.is_split([table]):  # W's the runner merges into their B (each micro-step)
         fused = schedules.fused_weights(table, schedules.reducing(table), _placement(plan), rounds)
         step = plan.microbatches or 1

@@ -87,11 +87,12 @@ class Pieces:
 @dataclass(frozen=True)
 class Workspace:
     """What the kernels hold while they run beyond their outputs (`calibrate`, measured on a CPU; nothing on a GPU
-    here): a backward's matmul's, at its block's first (``matmul``), and the fused attention's, at the first
-    block's attention backward, when that block's MLP has freed what it saved (``attention``)."""
+    here): a backward's matmul's, at its block's first (``matmul``), the fused attention's, at the first block's
+    attention backward, when that block's MLP has freed what it saved (``attention``), and a W's (``weights``)."""
 
     matmul: float = 0.0
     attention: float = 0.0
+    weights: float = 0.0  # a split backward's W, whose products are the weights' gradients alone
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,17 @@ class Rules:
     flats: float = 0.0  # ZeRO-2/3: the full-gradient flat made at the start of the rank's first reducing backward,
     #                     beside the gradients not yet moved into it (freed once the last one has reduced) ...
     flats_early: float = 0.0  # ... of which made before the block's first matmul (ZeRO-2's first bucket, which
-    #                            starts at the chunk's last parameters); the rest after it, its input gradient freed
-    #                            (ZeRO-2's next buckets, ZeRO-3's flat: its block's), made at a weight's gradient
+    #                            starts at the chunk's last parameters) ...
+    flats_next: float = 0.0  # ... and right after it, at its weight's gradient (ZeRO-2's next bucket; ZeRO-3's block
+    #                          flat), where that gradient makes it (`estimate._flat_timing`); else ZeRO-3's at the top,
+    #                          less the MLP's input gradient gone by then, ZeRO-2's past the MLP (the attention's)
+    moves: bool = False  # ZeRO-2/3: a kept gradient moves out of .grad into its flat at its weight's gradient in the
+    #                      reducing backward; not where autograd holds the weights' gradients back to its end
+    #                      (copies shared by the microbatches: `estimate._flat_timing`) ...
+    flats_end: bool = False  # ... and where it holds back every parameter's (the policy's), which makes ZeRO-2's
+    #                          buckets only then, each beside the kept gradients it takes
+    spans: bool = False  # ZeRO-2's ``flats``: one bucket over all of the rank's chunks (`estimate._bucket_spans`), made
+    #                      once, by the first action that makes any (a split stage's last B, or a reducing backward)
     early: tuple[int, ...] = ()  # programs in rounds (`pipeline.messages`) receive ahead of use: per action, the
     #                              messages held for later ones
     fused: frozenset[tuple[int, int]] = frozenset()  # (stage, microbatch) whose W runs inside its B, as one full
@@ -165,7 +175,7 @@ class Rules:
 # Each quantity is named once, as a field of `_Terms`, and valued once, in `_values`: `_GLOBAL` is the fields that are
 # not a chunk's (`_PER_CHUNK`), in their order.
 _PER_CHUNK = ("saved", "shared", "stashed", "swap", "grads", "reduce", "weights", "behind_kept", "behind_fresh",
-              "deep_held", "deep_freed", "mlp_grads", "settled", "split_flats")
+              "deep_held", "deep_freed", "mlp_grads", "moved", "settled", "split_flats")
 _WIDTH = 32  # bits per coefficient in a packed row (`_unpack` reads them as 4 bytes): counts stay far below 2**31
 _COMPILED: dict[tuple, tuple] = {}
 
@@ -197,10 +207,15 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
     named = {"boundary": p.boundary, "recompute": p.recompute, "head": p.head, "logits": p.logits,
              "loss": p.logits if p.loss is None else p.loss, "backward": p.backward, "weight": p.weight,
              "vocab_grad": p.vocab_grad, "workspace": workspace.matmul, "attention": workspace.attention,
+             "w_workspace": workspace.weights,
              "mlp_saved": p.mlp_saved, "zero3": 2 * p.unit + p.gathers,
              "head_zero3": p.head_unit + p.unit + p.gathers, "release": r.release,
              "release_start": r.release if r.release_at_start else 0.0, "flats": r.flats,
-             "flats_top": r.flats_early + max(r.flats - r.flats_early - p.mlp_grad, 0.0)}
+             "flats_top": 0.0 if r.flats_end or (r.flats_next and not r.flats_early) else r.flats_early or
+             max(r.flats - p.mlp_grad, 0.0),
+             "flats_next": r.flats_next - p.mlp_grad if r.flats_next else 0.0,
+             "flats_mid": 0.0 if r.flats_end else r.flats, "flats_end": r.flats if r.flats_end else 0.0,
+             "span_flats": r.flats if r.spans else 0.0}
     out = [named[name] for name in _GLOBAL]
     for s in sorted(chunks):
         c = chunks[s]
@@ -209,11 +224,12 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
                 "swap": (c.blocks - 1) * max(p.stash - p.block, 0.0), "grads": c.grads, "reduce": c.reduce,
                 "weights": c.weights, "deep_held": c.deep, "deep_freed": c.deep_blocks * p.block,
                 "mlp_grads": 2 * p.weight if c.grads else 0.0,
+                "moved": p.weight if c.grads and r.moves else 0.0,
                 # one unit gathered there: neither the one prefetched nor the backend's buffer for it
                 "settled": c.settled - (p.unit + p.gathers if c.in_flight else 0.0),
                 # ZeRO-2/3 under a split schedule: the flats its last B makes for what B finishes (biases, norms: in
                 # every block, so every flat), held until its last W fills them
-                "split_flats": c.grads if r.flats else 0.0,
+                "split_flats": c.grads if r.flats and not r.spans else 0.0,
                 **_behind(p, c, r)}
         out += [mine[name] for name in _PER_CHUNK]
     return np.array(out, dtype=float)
@@ -277,14 +293,19 @@ class _Terms:
     vocab_grad: int = 0
     workspace: int = 0
     attention: int = 0
+    w_workspace: int = 0  # a W's matmuls' (`Workspace.weights`)
     mlp_saved: int = 0
     zero3: int = 0
     head_zero3: int = 0  # ZeRO-3's units at the loss: the output layer's and a block's
     release: int = 0
     release_start: int = 0  # what is released before the first action: ``release`` or nothing
     flats: int = 0
-    flats_top: int = 0  # what the flats add to their backward's top: those made before the block's first matmul, and
-    #                     of the rest what the MLP's input gradient, gone by then, does not cover
+    flats_top: int = 0  # what the flats add to their backward's top (`Rules.flats_early`, ``flats_next``)
+    flats_next: int = 0  # those made right after the top's matmul (`Rules.flats_next`), less that matmul's saved input
+    #                      (the MLP's widest, an input gradient's size), freed by its weight's gradient
+    flats_mid: int = 0  # the flats at the first block's attention backward, where kept gradients reduce ...
+    flats_end: int = 0  # ... or at its end, where they are made there (`Rules.flats_end`)
+    span_flats: int = 0  # the flats where one bucket spans the rank's chunks (`Rules.spans`)
     saved: int = 0  # a chunk's activations saved per microbatch (`Pieces.saved`, and `Chunk.cast`)
     shared: int = 0  # what it holds once from its first forward on (`Chunk.shared_cast`)
     stashed: int = 0  # what its B keeps for W (`Pieces.stashed`)
@@ -298,6 +319,7 @@ class _Terms:
     deep_freed: int = 0  # third: `Chunk.deep`): what the blocks before hold while they reduce, and what they saved
     mlp_grads: int = 0  # a chunk whose gradients are kept (ZeRO-2/3 across microbatches): its block's MLP weights'
     #                    gradients, made in .grad by its attention backward
+    moved: int = 0  # a kept gradient of its MLP's, moved out of .grad into its flat (`Rules.moves`)
     settled: int = 0  # a ZeRO-2/3 chunk's reducing backward's end (`Chunk.settled`)
     split_flats: int = 0  # the flats a split chunk's last B makes, full (`_Walk.input_backward`)
     first: bool = False
@@ -330,6 +352,12 @@ class _Walk:
         # The first reducing backward makes `q.flats`, unless it is a W whose stage's last B made them
         self.adds_flats = bool(self.reducing) and (self.reducing[0].phase is not Phase.WEIGHT
                                                    or self.reducing[0].stage not in self.last_input)
+        # One bucket spanning the chunks (`Rules.spans`) is made by a split stage's last B where one comes first
+        order = {id(a): i for i, a in enumerate(actions)}
+        makers = sorted(self.last_input.values(), key=lambda a: order[id(a)])
+        self.span_at = makers[0] if makers and (not self.adds_flats or
+                                                order[id(makers[0])] < order[id(self.reducing[0])]) else None
+        self.spanned = False  # ... and is held from then on
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
 
@@ -362,12 +390,15 @@ class _Walk:
     def backward(self, action: Action, chunk: _Terms, ahead: int) -> None:
         q, reducing = self.q, action is self.reducing[0]
         # The block's first matmul: the library's workspace, a weight's gradient beside the working set; ZeRO-2's
-        # first flat is made before it (at the first gradient of the chunk's last parameters), ZeRO-3's right after
-        # it, for that gradient, when the MLP's input gradient is gone.
+        # first flat is made before it (at the first gradient of the chunk's last parameters). The next ones (ZeRO-2's
+        # next bucket, ZeRO-3's block flat: `Rules.flats_next`) right after it, its workspace and input freed, and
+        # held through the MLP's last matmul, where the first matmul's kept gradient has moved into them
+        # (`zero2_pp2_1f1b_mb4`@4, last stage: +7.5% with them at the top).
         start = q.zero3 + q.recompute + ahead + q.backward + q.workspace + q.weight
         top = start + (q.flats_top if reducing else 0)
+        after = (top - q.workspace + q.flats_next, top + q.flats_next - chunk.moved) if reducing else ()
         self._working(action, chunk, ahead, top, reducing and action.stage not in self.seen,
-                      action is not self.last_backward[action.stage], reducing)
+                      action is not self.last_backward[action.stage], reducing, after)
         if action is self.last_backward[action.stage]:
             kept = action.stage in self.seen
             behind = chunk.behind_kept if kept else chunk.behind_fresh
@@ -377,8 +408,10 @@ class _Walk:
                 # gradients moved out of .grad into its new flat
                 self.consider(saved - q.mlp_saved, self.held + q.zero3 + q.recompute + ahead + q.backward +
                               q.attention + behind - chunk.mlp_grads, action)
-        self.held += q.flats if reducing else 0
+        self.held += q.flats - (q.span_flats if self.span_at else 0) if reducing else 0
         self.saved -= chunk.saved
+        if reducing:  # its end, where the flats wait for it: made beside every kept gradient
+            self.consider(self.saved + self.stash, self.held - q.flats + q.flats_end + ahead + q.zero3, action)
         self._embedding(action, chunk, ahead)
         self._gradients(action, chunk, ahead)
 
@@ -394,12 +427,13 @@ class _Walk:
         # matmul, and at its attention backward, its MLP's saved tensors swapped for about as much stash (under
         # autocast on a CPU the fused attention's workspace is the larger: bf16's products hold little)
         self.consider(self.saved + self.stash + chunk.swap, self.held + top, action)
+        made = (chunk.split_flats + (q.span_flats if action is self.span_at else 0)) if last else 0
         self.consider(self.saved + self.stash + chunk.swap, self.held + q.zero3 + q.recompute + ahead + q.backward +
-                      q.attention + (chunk.split_flats if last else 0), action)
+                      q.attention + made, action)
         self.saved -= chunk.saved
         self.stash += chunk.stashed
-        if last:  # seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5%
-            self.held += chunk.split_flats
+        self.held += made  # (seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5% without)
+        self.spanned = self.spanned or action is self.span_at
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
         self._embedding(action, chunk, ahead)
 
@@ -407,37 +441,43 @@ class _Walk:
         """W: the weights' gradients from the stash, all made before autograd accumulates them, then the
         reductions."""
         q = self.q
-        flat = q.flats if action is self.reducing[0] and self.adds_flats else 0
-        self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.workspace + chunk.weights + flat, action)
+        flat = q.flats - (q.span_flats if self.span_at else 0) if action is self.reducing[0] and self.adds_flats else 0
+        self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.w_workspace + chunk.weights + flat,
+                      action)
         self.held += flat
+        self._gradients(action, chunk, ahead)  # (its stash is let go of as it returns, after the reductions start)
         self.stash -= chunk.stashed
-        self._gradients(action, chunk, ahead)
 
     def _working(self, action: Action, chunk: _Terms, ahead: int, top: int, fresh: bool = False,
-                 keeps: bool = False, reduces: bool = False) -> None:
+                 keeps: bool = False, reduces: bool = False, after: tuple[int, ...] = ()) -> None:
         """A backward's start: ``top`` beside the activations; the last chunk's loss gradient first. Then its first
         block's attention backward and, where it reduces gradients made there (``fresh``; kept ones are moved into
         the flats: `_behind`), that of its block IN_FLIGHT (`Chunk.deep`), the flat filling beside those reducing.
         ``keeps``: a full backward whose gradients stay in .grad (not the chunk's last): its MLP's are made by then.
         ``reduces``: where it reduces gradients kept from the backwards before, the flat is made by then too, beside
         them (ZeRO-2's buckets, ZeRO-3's block: `zero2_pp2_1f1b_mb4`@4's last stage read -8.4% under bf16-mixed
-        without it)."""
+        without it), less the MLP's kept gradients moved into it by then, and not again where one bucket spanning
+        the chunks is held already (`Rules.spans`). ``after``: later points of the first block's MLP, the temporaries
+        beside the same activations."""
         q = self.q
         self.released = q.release
         if chunk.last:  # the loss's gradient (two logits-sized tensors) beside ZeRO-3's units (the head's, the last
             # block's prefetched), then the last block's, its head freed
             self.consider(self.saved + self.stash, self.held + ahead + q.head_zero3 + 2 * q.logits, action)
             self.consider(self.saved + self.stash, self.held + ahead + q.head_zero3 + q.logits + q.vocab_grad, action)
-            self.consider(self.saved + self.stash - q.head, self.held + top, action)
+            saved = self.saved + self.stash - q.head
         else:
-            self.consider(self.saved + self.stash, self.held + top, action)
+            saved = self.saved + self.stash
+        for temporaries in (top, *after):
+            self.consider(saved, self.held + temporaries, action)
         # The first block's attention backward: its MLP's saved tensors freed, the fused kernel's workspace beside
         # (and the flat the block's gradients fill, made by then, where this backward reduces)
         saved = self.saved + self.stash - (q.head if chunk.last else 0) - q.mlp_saved
         attention = self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention + (q.flats if fresh else 0)
         self.consider(saved, attention + (chunk.mlp_grads if keeps else 0), action)
         if reduces and not fresh:
-            self.consider(saved, attention + q.flats, action)
+            self.consider(saved, attention + q.flats_mid - (q.span_flats if self.spanned else 0) - 2 * chunk.moved,
+                          action)
         if fresh:
             self.consider(saved - chunk.deep_freed, attention + chunk.deep_held, action)
 
@@ -458,7 +498,8 @@ class _Walk:
                           (0 if kept else chunk.grads) + (chunk.settled if action.phase is Phase.BACKWARD else 0),
                           action)
             self.held -= (chunk.grads if kept else 0) + (chunk.split_flats if action.stage in self.last_input else 0)
-            self.held -= self.q.flats if action is self.reducing[-1] and self.adds_flats else 0
+            if action is self.reducing[-1]:  # the rank's flats made by the first that did
+                self.held -= self.q.flats if self.adds_flats else self.q.span_flats if self.span_at else 0
         elif not kept:
             self.held += chunk.grads
         self.seen.add(action.stage)

@@ -81,9 +81,10 @@ def device_memory(accelerator: str, ranks_per_host: int) -> float:
 
 
 def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, precision: str) -> Workspace:
-    """What a block's kernels hold while they run (`calibrate`): the MLP's linear (4h/t columns) and the fused
-    attention (h/t of the heads, the rank's share of the sequence) at a microbatch's tokens, in the dtype
-    ``precision`` computes in, with the threads each rank gets (Lightning: the cores over the ranks, at least one)."""
+    """What a block's kernels hold while they run (`calibrate`): the MLP's linear (4h/t columns), the fused attention
+    (h/t of the heads, the rank's share of the sequence) and under pp a W's products, at a microbatch's tokens, in the
+    dtype ``precision`` computes in, with the threads each rank gets (Lightning: the cores over the ranks, at least
+    one)."""
     import os
 
     import torch
@@ -95,9 +96,13 @@ def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, preci
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else \
         torch.float32
     seq = max(1, shape.seq // plan.cp)
-    return Workspace(linear_workspace(samples * seq, shape.hidden, 4 * shape.hidden // plan.tp, threads, dtype),
+    tokens, wide = samples * seq, 4 * shape.hidden // plan.tp
+    # a zero-bubble W's products are the weights' gradients alone: the MLP's two (MKL packs some layouts, not others)
+    weights = max(linear_workspace(tokens, shape.hidden, wide, threads, dtype, (2,)),
+                  linear_workspace(tokens, wide, shape.hidden, threads, dtype, (2,))) if plan.pp > 1 else 0.0
+    return Workspace(linear_workspace(tokens, shape.hidden, wide, threads, dtype),
                      attention_workspace(samples, max(1, shape.heads // plan.tp), seq, shape.hidden // shape.heads,
-                                         threads, dtype) if shape.flash_attention else 0.0)
+                                         threads, dtype) if shape.flash_attention else 0.0, weights)
 
 
 def model_shape(module, batch, accumulate: int = 1) -> ModelShape | None:

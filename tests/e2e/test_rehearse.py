@@ -123,8 +123,9 @@ def test_under_bf16_weights_a_rehearsal_sends_and_holds_what_the_real_run_does(t
     compare_with_rehearsals(tmp_path, real, plan, world, ((),), BF16_RUN)
 
 
-POLICY_CPU = ("--steps", "2", "--batch-size", "8", "--seq-len", "256", "--n-layer", "4", "--n-embd", "256", "--n-head",
-              "4", "--precision", "bf16-mixed", "--param-dtype", "bf16", "--optimizer", "sgd", "--target", "cpu")
+POLICY_FP32 = ("--steps", "2", "--batch-size", "8", "--seq-len", "256", "--n-layer", "4", "--n-embd", "256", "--n-head",
+               "4", "--optimizer", "sgd", "--target", "cpu")
+POLICY_CPU = (*POLICY_FP32, "--precision", "bf16-mixed", "--param-dtype", "bf16")
 
 
 @pytest.mark.parametrize("plan,world", [("dp", 2), ("zero2", 2), ("zero3", 4),
@@ -147,13 +148,21 @@ def test_on_a_cpu_under_param_dtype_the_estimator_finds_the_peak_at_the_attentio
         assert r["device_peak"] == pytest.approx(predicted, rel=0.03), (r["device_peak"] / 2**20, predicted / 2**20)
 
 
+# The estimator's ZeRO-under-pp cases: the run of each (the heap tests' size or the policy test's, under the policy or
+# in float32)
+SIZES = {"heap": BF16_RUN, "policy": POLICY_CPU, "heap-fp32": RUN, "policy-fp32": POLICY_FP32}
+
+
 @pytest.mark.parametrize("plan,world,size,tolerance", [("zero3_tp2_pp2_zb1p_mb2", 8, "heap", 0.06),
                                                        ("zero3_tp2_pp2_1f1b_ac", 8, "heap", 0.05),
                                                        ("zero3_pp2_1f1b_mb4_ac", 4, "policy", 0.05),
                                                        ("zero3_pp2_zb1p_mb4", 4, "policy", 0.05),
-                                                       ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05)])
-def test_zero3_under_param_dtype_and_pp_peaks_as_the_estimator_counts(tmp_path, plan: str, world: int, size: str,
-                                                                     tolerance: float):
+                                                       ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05),
+                                                       ("zero2_pp2_dualpipev_mb4", 4, "policy", 0.05),
+                                                       ("zero1_pp2_interleaved_v2_mb4", 4, "policy", 0.05),
+                                                       ("zero2_tp2_sp", 4, "policy-fp32", 0.05),
+                                                       ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05)])
+def test_zero_under_pp_peaks_as_the_estimator_counts(tmp_path, plan: str, world: int, size: str, tolerance: float):
     """ZeRO-3 gathers bf16 copies of its weights under the policy and computes with them in the parameters' place; a
     zero-bubble schedule's B must still leave those linears' weight gradients to W (`mixed_precision.standing_for`).
     It did not (the copy was not the parameter it waited for): B made every gradient itself, so the last stage held no
@@ -168,9 +177,18 @@ def test_zero3_under_param_dtype_and_pp_peaks_as_the_estimator_counts(tmp_path, 
     their flats: +16.8% / +15.7%, planted; -0.3% / -1.5% now). Under ZB-H1 there the last stage's last B makes every
     flat (for the biases and norms B finishes) and holds them through the W's after it (`peak._Walk.input_backward`:
     counted from the W, -13.5%, planted; +3.0% now). ZeRO-2's buckets the same at the reducing backward's end (the
-    kept gradients moved into them: +18.3%, planted; +2.6% / +4.2% now)."""
-    run = BF16_RUN if size == "heap" else POLICY_CPU
-    for r in rehearse(tmp_path, plan, world, run, ranks=(0, world // 2)):
+    kept gradients moved into them: +18.3%, planted; +2.6% / +4.2% now).
+
+    When the flats are made (`estimate._flat_timing`, 30 November, third stop): under the policy and pp every
+    parameter computes from a copy made once per step, whose backward autograd runs last, so a reducing backward makes
+    ZeRO-2's buckets at its end, not at its first block (DualPipeV's first stage: +9.1% with them there, planted;
+    +2.2% now); a rank's chunks that fit in one bucket reduce it once, at the last one's end (interleaved ZeRO-1's
+    last stage: -7.7% with a reduction per chunk, planted; -1.6% now); ZeRO-2's next bucket is made after the block's
+    first matmul, its workspace freed, or past the MLP where that matmul's weight fits in the first (tp2_sp in
+    float32: +8.0% with it at the matmul, planted; +1.8% now); a zero-bubble W's products, the weights' gradients
+    alone, hold MKL's workspace only in some layouts (`predict._cpu_workspace`; its last stage +5.7% with the
+    forward's, planted; +0.8% now)."""
+    for r in rehearse(tmp_path, plan, world, SIZES[size], ranks=(0, world // 2)):
         predicted = sum(v for k, v in r["predicted"]["memory"][r["rank"]].items() if k != "host")
         record_figure("zero3_policy_estimate", plan=plan, rank=r["rank"], rehearsed=r["device_peak"],
                       predicted=predicted)
