@@ -46,6 +46,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from strategies.measure.peak import GLOO, Chunk, Peak, Pieces, Rules, Workspace, step_actions, walk
 from strategies.pipeline import messages, schedules
@@ -523,33 +524,38 @@ def _bucket_spans(plan: ParallelPlan, grads: dict[int, float], actions: Sequence
     and one more: the one flat that spans its chunks is reduced at the end of the last one's last backward, which
     holds it whole (and its copies); the others reduce nothing (`zero1_pp2_interleaved_v2_mb4`@4: -5.8% per chunk).
     Empty where each chunk reduces its own (any real size)."""
-    if plan.data.stage not in (1, 2) or plan.data_ranks == 1 or len(grads) < 2 or \
+    backwards = [a.stage for a in actions if a.phase is not Phase.FORWARD]
+    if plan.data.stage not in (1, 2) or plan.data_ranks == 1 or len(grads) < 2 or not backwards or \
             sum(grads.values()) > FIRST_BUCKET_BYTES + BUCKET:
         return {}
-    last = [a.stage for a in actions if a.phase is not Phase.FORWARD][-1]
-    return {s: sum(grads.values()) if s == last else 0.0 for s in grads}
+    return {s: sum(grads.values()) if s == backwards[-1] else 0.0 for s in grads}
 
 
-def _flat_timing(shape: ModelShape, plan: ParallelPlan, grad_bytes: float, cast: bool,
-                 policy: bool) -> tuple[bool, bool, bool]:
-    """When a reducing backward makes ZeRO-2/3's flats (`peak.Rules`): (right after the first block's first matmul,
-    at its weight's gradient; weights' gradients held back to the backward's end; every gradient held back). ZeRO-2's
-    next bucket is made at the first gradient the first bucket cannot take: that matmul's weight's where it does not
-    fit (any real width; the bucket also has a bias or two norms' weights), else past the MLP. ZeRO-3's block flat
-    there too, but where a row-parallel bias is added outside the matmul (tp on a model with biases): its gradient
-    makes the flat before. Copies shared by the microbatches (autocast under pp: `mixed_precision`) hold back their
-    weights' gradients: autograd runs their backward, the oldest nodes, last; under the policy every parameter's."""
+class FlatTiming(NamedTuple):
+    """When a reducing backward makes ZeRO-2/3's flats (`_flat_timing`, `peak.Rules`)."""
+
+    after_first: bool = False  # right after the first block's first matmul, at its weight's gradient
+    late: bool = False  # the weights' gradients held back to the backward's end ...
+    end: bool = False  # ... and every parameter's
+
+
+def _flat_timing(shape: ModelShape, plan: ParallelPlan, grad_bytes: float, cast: bool, policy: bool) -> FlatTiming:
+    """When a reducing backward makes ZeRO-2/3's flats (`FlatTiming`). ZeRO-2's next bucket is made at the first
+    gradient the first bucket cannot take: the first matmul's weight's where it does not fit (any real width; the
+    bucket also has a bias or two norms' weights), else past the MLP. ZeRO-3's block flat there too, but where a
+    row-parallel bias is added outside the matmul (tp on a model with biases): its gradient makes the flat before.
+    Copies shared by the microbatches (autocast under pp: `mixed_precision`) hold back their weights' gradients:
+    autograd runs their backward, the oldest nodes, last; under the policy every parameter's."""
     late = plan.pp > 1 and cast
     if plan.data.stage == 2:
         first = (shape.hidden * shape.mlp() / plan.tp + 2 * shape.hidden) * grad_bytes >= FIRST_BUCKET_BYTES
     else:
         first = plan.data.stage == 3 and not (plan.tp > 1 and not shape.llama)
-    return first and not late, late, late and policy
+    return FlatTiming(first and not late, late, late and policy)
 
 
 def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads: list[float], blocks: int,
-           rounds: bool = False, early: bool = False, timing: tuple[bool, bool, bool] = (False, False, False),
-           spans: bool = False) -> Rules:
+           rounds: bool = False, early: bool = False, timing: FlatTiming = FlatTiming(), spans: bool = False) -> Rules:
     """How ``plan``'s step frees and keeps gradients and messages (`peak.Rules`) on pipeline ``rank``, with these
     model ``states`` and chunks (their gradients' bytes; ``blocks`` blocks in all); ``rounds``: every program grouped
     in rounds (a crowded host: `messages.crowded`); ``early``: every receive posted at the first
@@ -574,12 +580,11 @@ def _rules(plan: ParallelPlan, rank: int, states: dict[str, float], chunk_grads:
     held = _held_ahead(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual, rounds, early, plan.group) \
         if plan.pp > 1 else None
     first_bucket = min(flats, FIRST_BUCKET_BYTES) if plan.data.stage < 3 else 0.0
-    first, late, end = timing
+    zero2 = plan.data.stage == 2
     return Rules(release=release, release_at_start=True, flats=flats, flats_early=first_bucket,
-                 flats_next=flats - first_bucket if first else 0.0,
-                 moves=(plan.data.stage == 2 and not late) or (plan.data.stage == 3 and first),
-                 flats_end=end and plan.data.stage == 2, spans=spans and plan.data.stage == 2,
-                 early=held[rank] if held else ())
+                 flats_next=flats - first_bucket if timing.after_first else 0.0,
+                 moves=(zero2 and not timing.late) or (plan.data.stage == 3 and timing.after_first),
+                 flats_end=zero2 and timing.end, spans=zero2 and spans, early=held[rank] if held else ())
 
 
 def _plain_grads(plan: ParallelPlan) -> bool:

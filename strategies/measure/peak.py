@@ -211,7 +211,8 @@ def _values(pieces: Pieces, chunks: dict[int, Chunk], workspace: Workspace, rule
              "mlp_saved": p.mlp_saved, "zero3": 2 * p.unit + p.gathers,
              "head_zero3": p.head_unit + p.unit + p.gathers, "release": r.release,
              "release_start": r.release if r.release_at_start else 0.0, "flats": r.flats,
-             "flats_top": 0.0 if r.flats_end or (r.flats_next and not r.flats_early) else r.flats_early or
+             # at the top: ZeRO-2's first bucket; ZeRO-3's block flat where nothing makes it later (`Rules`)
+             "flats_top": 0.0 if r.flats_end else r.flats_early if r.flats_early else 0.0 if r.flats_next else
              max(r.flats - p.mlp_grad, 0.0),
              "flats_next": r.flats_next - p.mlp_grad if r.flats_next else 0.0,
              "flats_mid": 0.0 if r.flats_end else r.flats, "flats_end": r.flats if r.flats_end else 0.0,
