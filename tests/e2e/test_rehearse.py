@@ -153,16 +153,43 @@ def test_on_a_cpu_under_param_dtype_the_estimator_finds_the_peak_at_the_attentio
 SIZES = {"heap": BF16_RUN, "policy": POLICY_CPU, "heap-fp32": RUN, "policy-fp32": POLICY_FP32}
 
 
-@pytest.mark.parametrize("plan,world,size,tolerance", [("zero3_tp2_pp2_zb1p_mb2", 8, "heap", 0.06),
-                                                       ("zero3_tp2_pp2_1f1b_ac", 8, "heap", 0.05),
-                                                       ("zero3_pp2_1f1b_mb4_ac", 4, "policy", 0.05),
-                                                       ("zero3_pp2_zb1p_mb4", 4, "policy", 0.05),
-                                                       ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05),
-                                                       ("zero2_pp2_dualpipev_mb4", 4, "policy", 0.05),
-                                                       ("zero1_pp2_interleaved_v2_mb4", 4, "policy", 0.05),
-                                                       ("zero2_tp2_sp", 4, "policy-fp32", 0.05),
-                                                       ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05)])
-def test_zero_under_pp_peaks_as_the_estimator_counts(tmp_path, plan: str, world: int, size: str, tolerance: float):
+ZERO_PP = [("zero3_tp2_pp2_zb1p_mb2", 8, "heap", 0.06), ("zero3_tp2_pp2_1f1b_ac", 8, "heap", 0.05),
+           ("zero3_pp2_1f1b_mb4_ac", 4, "policy", 0.05), ("zero3_pp2_zb1p_mb4", 4, "policy", 0.05),
+           ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05), ("zero2_pp2_dualpipev_mb4", 4, "policy", 0.05),
+           ("zero1_pp2_interleaved_v2_mb4", 4, "policy", 0.05), ("zero2_tp2_sp", 4, "policy-fp32", 0.05),
+           ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05)]
+# (one process rehearses them all: `stratpack rehearse` in a process of its own starts Python twice, its second start
+# in the heap's environment, about 7 s a case)
+_ONE_PROCESS = """import json, sys
+from strategies.cli import main
+for out, job in json.loads(sys.argv[1]):
+    try:
+        main(["rehearse", *job])
+    except BaseException as err:  # (a case that fails says why in its own test)
+        open(out + ".error", "w").write(repr(err))
+"""
+
+
+@pytest.fixture(scope="module")
+def zero_pp_rehearsals(tmp_path_factory) -> dict:
+    """Each `ZERO_PP` case's two ranks (each stage's first) rehearsed, by case, in one process."""
+    from strategies.cli.train import HEAP_ENV
+
+    folder = tmp_path_factory.mktemp("zero-pp")
+    outs = {(plan, size): str(folder / f"{plan}-{size}.json") for plan, _, size, _ in ZERO_PP}
+    jobs = [(outs[plan, size], [plan, "--world-size", str(world), "--rank", f"0,{world // 2}", "--out",
+                                outs[plan, size], "--runs-dir", str(folder / "runs"), *COMMON, *SIZES[size]])
+            for plan, world, size, _ in ZERO_PP]
+    proc = lane.run([python.core(), "-c", _ONE_PROCESS, json.dumps(jobs)], timeout=900,
+                    env={**os.environ, **HEAP_ENV})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("pipeline programs: checked") == 2 * sum("pp" in plan for plan, *_ in ZERO_PP)  # a rank
+    return outs
+
+
+@pytest.mark.parametrize("plan,world,size,tolerance", ZERO_PP)
+def test_zero_under_pp_peaks_as_the_estimator_counts(zero_pp_rehearsals, plan: str, world: int, size: str,
+                                                    tolerance: float):
     """ZeRO-3 gathers bf16 copies of its weights under the policy and computes with them in the parameters' place; a
     zero-bubble schedule's B must still leave those linears' weight gradients to W (`mixed_precision.standing_for`).
     It did not (the copy was not the parameter it waited for): B made every gradient itself, so the last stage held no
@@ -188,7 +215,9 @@ def test_zero_under_pp_peaks_as_the_estimator_counts(tmp_path, plan: str, world:
     float32: +8.0% with it at the matmul, planted; +1.8% now); a zero-bubble W's products, the weights' gradients
     alone, hold MKL's workspace only in some layouts (`predict._cpu_workspace`; its last stage +5.7% with the
     forward's, planted; +0.8% now)."""
-    for r in rehearse(tmp_path, plan, world, SIZES[size], ranks=(0, world // 2)):
+    out = zero_pp_rehearsals[(plan, size)]
+    assert not os.path.exists(out + ".error"), open(out + ".error").read()
+    for r in json.loads(open(out).read()):
         predicted = sum(v for k, v in r["predicted"]["memory"][r["rank"]].items() if k != "host")
         record_figure("zero3_policy_estimate", plan=plan, rank=r["rank"], rehearsed=r["device_peak"],
                       predicted=predicted)
