@@ -19,6 +19,7 @@ from functools import partial
 import pytest
 
 from dashboard import data
+from strategies.cli.train import HEAP_ENV
 from strategies.plan import ParallelPlan
 from tests import lane, python
 from tests.helpers import COMMON, REAL_3D, REAL_3D_RUN, record_figure, train_demo
@@ -40,7 +41,7 @@ def rehearse(tmp_path, plan: str, world: int, run: tuple[str, ...] = RUN, ranks:
     ranks = ",".join(str(r) for r in ranks or range(world))
     cmd = [python.for_args(run), "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", ranks,
            "--out", str(out), "--runs-dir", str(tmp_path / "runs"), *COMMON, *run]
-    proc = lane.run(cmd, timeout=600, env=dict(os.environ))
+    proc = lane.run(cmd, timeout=600, env={**os.environ, **HEAP_ENV})  # (no second start: `rehearse.command`)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "pipeline programs: checked" in proc.stdout or "pp" not in plan
     return json.loads(out.read_text())
@@ -158,8 +159,7 @@ ZERO_PP = [("zero3_tp2_pp2_zb1p_mb2", 8, "heap", 0.06), ("zero3_tp2_pp2_1f1b_ac"
            ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05), ("zero2_pp2_dualpipev_mb4", 4, "policy", 0.05),
            ("zero1_pp2_interleaved_v2_mb4", 4, "policy", 0.05), ("zero2_tp2_sp", 4, "policy-fp32", 0.05),
            ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05)]
-# (one process rehearses them all: `stratpack rehearse` in a process of its own starts Python twice, its second start
-# in the heap's environment, about 7 s a case)
+# (one process rehearses them all: a process each cost about 7 s a case)
 _ONE_PROCESS = """import json, sys
 from strategies.cli import main
 for out, job in json.loads(sys.argv[1]):
@@ -173,8 +173,6 @@ for out, job in json.loads(sys.argv[1]):
 @pytest.fixture(scope="module")
 def zero_pp_rehearsals(tmp_path_factory) -> dict:
     """Each `ZERO_PP` case's two ranks (each stage's first) rehearsed, by case, in one process."""
-    from strategies.cli.train import HEAP_ENV
-
     folder = tmp_path_factory.mktemp("zero-pp")
     outs = {(plan, size): str(folder / f"{plan}-{size}.json") for plan, _, size, _ in ZERO_PP}
     jobs = [(outs[plan, size], [plan, "--world-size", str(world), "--rank", f"0,{world // 2}", "--out",
@@ -310,7 +308,7 @@ def _llama(factory, plan: str, world: int, rank: int, batch: int) -> dict:
     cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", str(rank),
            "--batch-size", str(batch), "--out", str(out), "--runs-dir", str(folder / "runs"), "--wandb", "off",
            *LLAMA]
-    proc = lane.run(cmd, timeout=600, env=dict(os.environ))
+    proc = lane.run(cmd, timeout=600, env={**os.environ, **HEAP_ENV})  # (no second start: `rehearse.command`)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (r,) = json.loads(out.read_text())
     return r
