@@ -802,12 +802,13 @@ def _rank_peak(shape: ModelShape, plan: ParallelPlan, rank: int, states: dict[st
     table = schedules.shared(plan.schedule.value, plan.pp, plan.microbatches, plan.virtual,
                              plan.group)[rank] if plan.pp > 1 else None
     actions = step_actions(table, shape.accumulate, plan.microbatches or 1)
-    flat = _bucket_spans(plan, {s: per_stage[s] * grad_bytes for s in mine}, actions)
+    grads = {s: per_stage[s] * grad_bytes for s in mine}
+    flat = _bucket_spans(plan, grads, actions)
     chunks = {s: dataclasses.replace(_chunk(plan, per_stage[s], len(ranges[s]), s, len(ranges), grad_bytes, backend,
                                             held, flat.get(s)), **{"shared_cast" if plan.pp > 1 else "cast": copies[s]})
               for s in mine}
     rounds, early = crowded and backend == GLOO, messages.posts_early(backend == GLOO)
-    rules = _rules(plan, rank, states, [per_stage[s] * grad_bytes for s in mine], sum(len(ranges[s]) for s in mine),
+    rules = _rules(plan, rank, states, list(grads.values()), sum(len(ranges[s]) for s in mine),
                    rounds, early, _flat_timing(shape, plan, grad_bytes, cast_bytes > 0, policy), bool(flat))
     if table is not None and schedules.is_split([table]):  # W's the runner merges into their B (each micro-step)
         fused = schedules.fused_weights(table, schedules.reducing(table), _placement(plan), rounds)

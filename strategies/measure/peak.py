@@ -354,11 +354,10 @@ class _Walk:
         self.adds_flats = bool(self.reducing) and (self.reducing[0].phase is not Phase.WEIGHT
                                                    or self.reducing[0].stage not in self.last_input)
         # One bucket spanning the chunks (`Rules.spans`) is made by a split stage's last B where one comes first
-        order = {id(a): i for i, a in enumerate(actions)}
-        makers = sorted(self.last_input.values(), key=lambda a: order[id(a)])
+        self.order = {id(a): i for i, a in enumerate(actions)}
+        makers = sorted(self.last_input.values(), key=lambda a: self.order[id(a)])
         self.span_at = makers[0] if makers and (not self.adds_flats or
-                                                order[id(makers[0])] < order[id(self.reducing[0])]) else None
-        self.spanned = False  # ... and is held from then on
+                                                self.order[id(makers[0])] < self.order[id(self.reducing[0])]) else None
         self.released = q.release_start
         self.rows: dict[tuple[int, int, int], Action] = {}
 
@@ -434,7 +433,6 @@ class _Walk:
         self.saved -= chunk.saved
         self.stash += chunk.stashed
         self.held += made  # (seen on `zero3_pp2_zb1p_mb4`@4: a W after it -13.5% without)
-        self.spanned = self.spanned or action is self.span_at
         self.consider(self.saved + self.stash, self.held + ahead + q.zero3 + q.backward, action)
         self._embedding(action, chunk, ahead)
 
@@ -476,9 +474,9 @@ class _Walk:
         saved = self.saved + self.stash - (q.head if chunk.last else 0) - q.mlp_saved
         attention = self.held + q.zero3 + q.recompute + ahead + q.backward + q.attention + (q.flats if fresh else 0)
         self.consider(saved, attention + (chunk.mlp_grads if keeps else 0), action)
-        if reduces and not fresh:
-            self.consider(saved, attention + q.flats_mid - (q.span_flats if self.spanned else 0) - 2 * chunk.moved,
-                          action)
+        if reduces and not fresh:  # (a spanning bucket made by an action before is held already)
+            spanned = self.span_at is not None and self.order[id(self.span_at)] < self.order[id(action)]
+            self.consider(saved, attention + q.flats_mid - (q.span_flats if spanned else 0) - 2 * chunk.moved, action)
         if fresh:
             self.consider(saved - chunk.deep_freed, attention + chunk.deep_held, action)
 
