@@ -10,6 +10,7 @@ A plan is a set of ``_``-separated tokens, in any order, each at most once::
     gpipe | 1f1b | interleaved, v<N>, mb<N>   pipeline schedule, virtual stages, microbatches
     mbg<N>                  interleaved: microbatches each chunk takes in turn (Megatron's group size; default pp)
     sp                      sequence parallel (with tp): norms see 1/tp of the sequence
+    async                   async TP (with sp): tp's gathers and reduce-scatters in pieces, each beside a matmul
     vp                      vocab parallel (with tp): the output layer and the loss split over the vocabulary
     ac                      activation checkpointing
     offload                 CPU offload of ZeRO's master weights and optimizer states
@@ -76,7 +77,7 @@ _MODE_WITH_DEGREE = re.compile(r"^(naive|zero1|zero2|zero3)([0-9]+)$")
 MAX_DEGREE = 2**31 - 1  # ranks, stages and microbatches are 32-bit counts in torch.distributed
 VALID_TOKENS = (
     "naive, dp, zero1, zero2, zero3, dp<N>, tp<N>, pp<N>, cp<N>, ep<N>, gpipe, 1f1b, interleaved, zb1p, zbv, "
-    "dualpipev, v<N>, mb<N>, mbg<N>, sp, vp, ac, ac<N>, sac, offload"
+    "dualpipev, v<N>, mb<N>, mbg<N>, sp, async, vp, ac, ac<N>, sac, offload"
 )
 
 
@@ -113,6 +114,10 @@ class ParallelPlan:
     sp: bool = False
     """Sequence parallel (needs tp): norms and dropout see 1/tp of the sequence; each tensor-parallel
     all-reduce becomes an all-gather before and a reduce-scatter after the split layers."""
+    async_tp: bool = False
+    """Async tensor parallel (the token ``async``, needs sp; torchtitan's async TP, Megatron's tp_comm_overlap): each
+    sequence-parallel all-gather and reduce-scatter cut along the sequence into pieces, each in flight while the matmul
+    of the piece before computes (`tensor_parallel.overlap`). The same values and bytes; only the order of the work."""
     vp: bool = False
     """Vocab parallel (needs tp): the output layer (and its embedding) split over the vocabulary, the loss computed
     from the pieces, so that no rank holds the (batch, sequence, vocab) logits."""
@@ -168,7 +173,21 @@ class ParallelPlan:
             )
         self._check_data_mode()
 
+    def _check_async(self) -> None:
+        if not self.sp:
+            raise ValueError("async overlaps sequence parallel's all-gathers and reduce-scatters with the matmuls they "
+                             f"feed: it needs sp (e.g. 'tp{self.tp}_sp_async')")
+        if self.schedule.splits_backward:
+            raise ValueError(f"async with {self.schedule.value}: async computes a tensor-parallel layer's weight "
+                             "gradients in its own backward, where the zero-bubble schedules defer them to W; use "
+                             "1f1b, interleaved or gpipe with async, or drop async")
+        if self.cp > 1:
+            raise ValueError(f"async with cp{self.cp}: not built or tested with context parallel's ring attention; "
+                             "drop async (the all-gathers then run whole) or cp")
+
     def _check_data_mode(self) -> None:
+        if self.async_tp:
+            self._check_async()
         if self.ac_every > 1 and not self.ac:
             raise ValueError(f"ac_every={self.ac_every} needs ac=True (the token 'ac{self.ac_every}' sets both)")
         if self.ac and self.sac:
@@ -237,6 +256,8 @@ class ParallelPlan:
             parts.append(f"tp{self.tp}")
         if self.sp:
             parts.append("sp")
+        if self.async_tp:
+            parts.append("async")
         if self.vp:
             parts.append("vp")
         if self.cp > 1:
@@ -348,6 +369,8 @@ def _parse_token(text: str, token: str, put) -> None:
         put("schedule", PipelineSchedule(token), token)
     elif token in ("sp", "vp", "ac", "sac", "offload"):
         put(token, True, token)
+    elif token == "async":
+        put("async_tp", True, token)
     elif match := _DEGREE.match(token):
         name = match.group(1)
         field = {"v": "virtual", "mb": "microbatches", "mbg": "group", "ac": "ac_every"}.get(name, name)

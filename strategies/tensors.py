@@ -96,6 +96,13 @@ class MetaAutocast(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes a matmul on ``x`` in, or None. A rehearsal's meta tensors follow the host's autocast,
+    as `MetaAutocast` makes F.linear do (autocast has no meta device)."""
+    host = x.device.type if x.device.type != "meta" else "cpu"
+    return torch.get_autocast_dtype(host) if torch.is_autocast_enabled(host) else None
+
+
 def meta_cast(tree: Any, dtype: torch.dtype) -> Any:
     """Every meta float in ``tree`` in ``dtype``; a weight's copy once per step where autocast's cache would keep it
     (`mixed_precision.shared_cast`)."""

@@ -46,6 +46,10 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
     the data-parallel ranks (dp x cp) starts from the same weights. ``deferred``: the model was built on meta, and
     tensor parallel makes each layer it splits (the rest is made later, `gradient_sync`)."""
     techniques: list[Technique] = []
+    if plan.async_tp and options.compile:
+        raise ValueError("async cuts tp's collectives into pieces in eager autograd functions, which torch.compile'd "
+                         "blocks would break into graphs around every piece: use compile=False with async, or drop "
+                         "async (torchtitan's async TP is a compiler pass on CUDA, not built here)")
     if plan.cp > 1:  # first: it finds the attention by its projections, which tensor parallel replaces
         techniques.append(ContextParallel(model, mesh.cp))
     if plan.tp > 1:
@@ -53,7 +57,8 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
         if plan.vp and not any(isinstance(style, VocabHead) for style in rules.values()):
             rules = {**vocab_plan(model, plan.tp), **rules}
         with outside_all(techniques):  # its set-up proof runs the modules as one process (no ring SDPA)
-            techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred))
+            techniques.append(TensorParallel(model, rules, mesh.tp, sequence_parallel=plan.sp, materialise=deferred,
+                                            overlap=plan.async_tp))
     broadcast_module(model, mesh.data)  # before the pipeline: its placeholders are not weights to send
     if plan.ep > 1:  # after the broadcast (each ep rank keeps its own experts) and tensor parallel's set-up proof
         techniques.append(ExpertParallel(model, mesh.ep, sharded=plan.data.is_zero, data=mesh.data,

@@ -54,6 +54,7 @@ from strategies.pipeline.cuts import partition
 from strategies.pipeline.schedules import Action, Phase
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGHT
+from strategies.tensor_parallel.overlap import pieces
 
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
 FAMILIES = ("gpt", "llama")  # `ModelShape.family`
@@ -415,12 +416,21 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   recompute=whole + saved.unkept - block if plan.sac else whole - boundary if plan.ac else 0.0,
                   embedding=boundary, head=saved.norm_extra + u + logits, logits=logits, loss=loss,
                   # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
-                  backward=boundary + (u if plan.sp else 0.0) + f * u / t, weight=h * shape.mlp() / t * weight_bytes,
-                  mlp_grad=f * u / t, mlp_saved=saved.mlp,
+                  backward=boundary + (u if plan.sp else 0.0) + f * u / t + _async_pieces(plan, s, u, f),
+                  weight=h * shape.mlp() / t * weight_bytes, mlp_grad=f * u / t, mlp_saved=saved.mlp,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
                   head_unit=shape.output_layer(_vocab_split(plan)) * gathered if unit else 0.0,
                   vocab_grad=shape.output_layer(_vocab_split(plan), bias=False) * weight_bytes,  # (the weights' dtype)
                   stash=saved.stash if plan.schedule.splits_backward else 0.0)
+
+
+def _async_pieces(plan: ParallelPlan, seq: float, u: float, f: float) -> float:
+    """What async TP's row layer holds beside sp's in its backward (`tensor_parallel.overlap`): two pieces of the
+    output's gradient in flight (the one used, the next) and one piece's input gradient before it is put in place."""
+    if not plan.async_tp:
+        return 0.0
+    k = pieces(max(int(seq // plan.tp), 1), plan.tp)
+    return (2 * u + f * u / plan.tp) / k
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from strategies.measure.estimate import (
 from strategies.measure.peak import Workspace
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.runs.schema import MEMORY_CATEGORIES
+from strategies.tensor_parallel.overlap import pieces
 
 if TYPE_CHECKING:
     from strategies.measure.calibrate import Calibration
@@ -124,12 +125,18 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
     for axis in ("dp", "tp", "pp"):
         parts[f"{axis} comm"] = 0.0
+    pieced = 0.0  # async TP's gathers and reduce-scatters, by pieces beside the matmuls
     for key, nbytes in est.comm.items():  # the data group's reduction partly hidden behind backward; the ring's not
         axis = _axis_of(key)
         ranks = plan.expert_data_ranks if key.endswith("/edp") else {"dp": plan.data_ranks, "tp": plan.tp,
                                                                       "ep": plan.ep}.get(axis, 2)
         seconds = hw.seconds(key, nbytes, calls.get(key, 1), ranks)
+        if plan.async_tp and key in ASYNC_KEYS:
+            pieced += seconds
+            continue
         parts[f"{axis} comm"] = parts.get(f"{axis} comm", 0.0) + seconds * (1 - hidden if axis == "dp" else 1)
+    parts["tp comm"] += async_exposed(pieced, async_pieces(shape, plan), parts["compute"] + parts["recompute"],
+                                      hw.overlap > 0)
     # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
     # compute (a stage waits for its neighbour's whole microbatch, collectives included).
     busy = parts["compute"] + parts["recompute"] + parts["tp comm"]
@@ -137,6 +144,33 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
     if plan.offload:
         parts["offload"] = max(m["host"] for m in est.memory) / hw.host_bandwidth
     return parts
+
+
+ASYNC_KEYS = ("all_gather/tp", "reduce_scatter/tp")  # what async TP cuts into pieces (`tensor_parallel.overlap`)
+
+
+def async_pieces(shape: ModelShape, plan: ParallelPlan) -> int:
+    """The pieces async TP cuts a rank's part of each sequence into (as the layers do)."""
+    return pieces(max(int(shape.seq / plan.cp / plan.tp), 1), plan.tp)
+
+
+# What a collective hidden beside a matmul still costs, as a share of its time: its kernels take SMs and memory
+# bandwidth from the matmul beside it, and a piece's matmul runs less efficiently than the whole one. Fitted to
+# torchtitan's published async TP gains on 256 and 64 H100s (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md:
+# Llama 3.1 70B FSDP 32 x TP 8, full AC, 1.09x; 8B FSDP 8 x TP 8, op SAC, 1.10x, bf16): 0.46 fits the first, 0.64
+# the second; at 0.55 the model gives 1.075x and 1.13x (docs/published-runs.md). Without it, 1.18x and 1.33x.
+ASYNC_COST = 0.55
+
+
+def async_exposed(seconds: float, k: int, matmuls: float, overlaps: bool) -> float:
+    """The seconds of async TP's collectives (``seconds``, in ``k`` pieces each) the step pays for: each layer's
+    first gather piece or last reduce-scatter piece (1/k), `ASYNC_COST` of the rest, and what the rest takes beyond
+    the matmuls beside it. Where the collectives run on the cores that compute (``overlaps`` False: CPU ranks), all
+    of it."""
+    if not overlaps:
+        return seconds
+    beside = seconds * (1 - 1 / k)
+    return seconds / k + ASYNC_COST * beside + max(0.0, beside - matmuls)
 
 
 # sac makes again every second matmul (Llama's k, o and up projections: 37% of a block's matmul FLOPs; the demo's two
@@ -194,6 +228,7 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
     # gathered for every microbatch's forward and again for its backward (but the last one, kept), and
     # reduce-scattered once, from its own flat.
     units = blocks + (4 if plan.pp == 1 else 2)
+    k = async_pieces(shape, plan) if plan.async_tp else 1  # async TP: each block's collective in k pieces
     data = plan.data_axis  # dp, or dp x cp
     calls = {f"all_reduce/{data}": buckets, f"reduce_scatter/{data}": units if plan.data.stage == 3 else buckets,
              f"send/{data}": plan.data_ranks - 1,
@@ -201,8 +236,8 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
              # sp: each block's two gathers and two scatters forward, and their conjugates backward; entering and
              # leaving the sequence split one gather each (forward at the end, backward at the start)
              "all_reduce/tp": (4 + plan.recomputed) * blocks * m,
-             "all_gather/tp": ((4 + 2 * plan.recomputed) * blocks + (2 if plan.pp == 1 else 1)) * m,
-             "reduce_scatter/tp": (4 + plan.recomputed) * blocks * m,
+             "all_gather/tp": ((4 + 2 * plan.recomputed) * blocks * k + (2 if plan.pp == 1 else 1)) * m,
+             "reduce_scatter/tp": (4 + plan.recomputed) * blocks * k * m,
              # A pipeline's sends overlap the other stages' work: one hop per microbatch and chunk is on the
              # critical path, and the fill and the drain's hops, 2(pp-1)
              "send/pp": m * plan.chunks + 2 * (plan.pp - 1)}
@@ -226,13 +261,24 @@ def candidates(shape: ModelShape, gpus: int) -> list[str]:
         for cp in (c for c in (1, 2, 4, 8) if (gpus // tp) % c == 0 and shape.seq % (2 * c) == 0):
             rest = gpus // tp // cp
             for pp in (p for p in range(1, rest + 1) if rest % p == 0 and p <= shape.layers):
-                for ep in _expert_degrees(shape, rest // pp * cp):
-                    model = ([f"tp{tp}"] + ([] if ep > 1 else _sequence_and_vocab(shape, tp)) if tp > 1 else []) + (
-                        [f"cp{cp}"] if cp > 1 else []) + ([f"ep{ep}"] if ep > 1 else []) + (
+                for ep, tensor in ((e, t) for e in _expert_degrees(shape, rest // pp * cp)
+                                   for t in _tensor_tokens(shape, tp, e, cp)):
+                    model = tensor + ([f"cp{cp}"] if cp > 1 else []) + ([f"ep{ep}"] if ep > 1 else []) + (
                         [f"pp{pp}", f"mb{4 * pp}"] if pp > 1 else [])
                     out += [_candidate(data, model, ac, offload) for data in ("dp", "zero1", "zero2", "zero3")
                             for ac in ("", "_sac", "_ac") for offload in (("", "_offload") if data != "dp" else ("",))]
     return out
+
+
+def _tensor_tokens(shape: ModelShape, tp: int, ep: int, cp: int) -> list[list[str]]:
+    """The tp tokens to try: none without tp; tp alone with experts split (ep); else sequence parallel and the
+    vocabulary split (`_sequence_and_vocab`), and without cp the same with async TP."""
+    if tp == 1:
+        return [[]]
+    if ep > 1:
+        return [[f"tp{tp}"]]
+    plain = [f"tp{tp}", *_sequence_and_vocab(shape, tp)]
+    return [plain] if cp > 1 else [plain, plain[:2] + ["async"] + plain[2:]]
 
 
 def _sequence_and_vocab(shape: ModelShape, tp: int) -> list[str]:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strategies.mixed_precision import shared_cast, standing_for
+from strategies.tensors import autocast_dtype as _autocast_dtype
 from strategies.tensors import storage_id
 
 _ORIGINAL_LINEAR = F.linear
@@ -113,13 +114,6 @@ def _sharing(store: WeightStore):
             weight = shared_cast(weight, dtype)  # (autocast then casts the input alone, as it would)
         return _ORIGINAL_LINEAR(input, weight, bias)
     return shared_linear
-
-
-def _autocast_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype autocast computes a matmul on ``x`` in, or None. A rehearsal's meta tensors follow the host's autocast,
-    as `tensors.MetaAutocast` makes F.linear do (autocast has no meta device)."""
-    host = x.device.type if x.device.type != "meta" else "cpu"
-    return torch.get_autocast_dtype(host) if torch.is_autocast_enabled(host) else None
 
 
 class _Linear(torch.autograd.Function):

@@ -28,6 +28,7 @@ from torch import nn
 
 from strategies import comm
 from strategies.comm import Axis
+from strategies.tensor_parallel.overlap import PROBE, gather_project, project, project_scatter
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -189,10 +190,6 @@ def is_conv1d(layer: nn.Module) -> bool:
             and tuple(weight.shape) == (getattr(layer, "nx", None), getattr(layer, "nf", None)))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    return F.linear(x, weight.t() if transposed else weight, bias)
-
-
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split along its columns, A = [A_1, ..., A_p]: rank i computes Y_i = X A_i + b_i.
 
@@ -202,7 +199,8 @@ class ColumnParallelLinear(nn.Module):
     ``chunks`` > 1 (or a tuple of block sizes) splits each column block separately: a fused [q | k | v]
     projection keeps a [q_i | k_i | v_i] layout on each rank, so every rank holds whole heads.
     ``transposed``: the weight is kept as the user's layer stored it, ``(in, out)`` for a ``Conv1D``, so that its
-    state keeps the single-process layout.
+    state keeps the single-process layout. With ``sequence_parallel = "async"`` the gather runs by pieces beside the
+    matmul (`overlap`); a module that gathers for its layers that way leaves each its output in ``ready``.
     """
 
     autocast_casts = ("weight", "bias")  # (`mixed_precision.ParamDtype`: both reach the matmul)
@@ -211,7 +209,8 @@ class ColumnParallelLinear(nn.Module):
                  transposed: bool = False):
         super().__init__()
         self.axis, self.gather_output, self.transposed = axis, gather_output, transposed
-        self.sequence_parallel = False
+        self.sequence_parallel: bool | str = False
+        self.ready: tuple[torch.Tensor, torch.Tensor] | None = None  # (gathered input, this layer's output on it)
         self.blocks = (weight.shape[1 if transposed else 0] * axis.size,)  # full sizes of the column blocks
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -230,13 +229,21 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel == "gathered":  # the module above gathered the sequence (`SequenceParallel`)
-            pass
-        elif self.sequence_parallel:
-            x = gather_sequence(x, self.axis)
+        if x is PROBE:  # (`overlap.gather_project`: the weights this call computes with, after the hooks)
+            return self.weight, self.bias
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] is x:  # computed beside the module's gather (async)
+            y = ready[1]
+        elif self.sequence_parallel == "async":
+            y = gather_project(x, [self], self.axis)[1]
         else:
-            x = copy_to_tp(x, self.axis)
-        y = _linear(x, self.weight, self.bias, self.transposed)
+            if self.sequence_parallel == "gathered":  # the module above gathered the sequence (`SequenceParallel`)
+                pass
+            elif self.sequence_parallel:
+                x = gather_sequence(x, self.axis)
+            else:
+                x = copy_to_tp(x, self.axis)
+            y = project(x, self.weight, self.bias, self.transposed)
         return gather_from_tp(y, self.axis) if self.gather_output else y
 
 
@@ -245,14 +252,15 @@ class RowParallelLinear(nn.Module):
     columns: rank i computes X_i A_i; the partial sums are all-reduced forward (g), identity backward; the
     bias is added once, after the sum. With ``sequence_parallel`` g is `scatter_sequence`: each rank gets
     the summed output for its 1/p of the sequence (and the bias's gradient is then a partial sum).
-    ``transposed`` as for `ColumnParallelLinear`."""
+    ``transposed`` as for `ColumnParallelLinear`. With ``sequence_parallel = "async"`` the reduce-scatter runs by
+    pieces beside the matmul (`overlap`)."""
 
     autocast_casts = ("weight",)  # (`mixed_precision.ParamDtype`: the bias is added after the reduction)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, axis: Axis, transposed: bool = False):
         super().__init__()
         self.axis, self.transposed = axis, transposed
-        self.sequence_parallel = False
+        self.sequence_parallel: bool | str = False
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
@@ -265,8 +273,11 @@ class RowParallelLinear(nn.Module):
         return cls(cols, bias.detach().clone() if bias is not None else None, axis, transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, None, self.transposed)
-        y = scatter_sequence(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
+        if self.sequence_parallel == "async" and self.axis.size > 1:
+            y = project_scatter(x, self.weight, self.axis, self.transposed)
+        else:
+            y = project(x, self.weight, None, self.transposed)
+            y = scatter_sequence(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
         return y + self.bias if self.bias is not None else y
 
 

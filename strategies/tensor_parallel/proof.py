@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from strategies.comm import Axis
-from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _linear, linear_parts
+from strategies.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, linear_parts
+from strategies.tensor_parallel.overlap import project
 
 RTOL = 1e-6  # of the largest output element; float64 gives ~1e-15, a forward cast to float32 inside ~1e-7
 BATCH, TOKENS = 2, 4
@@ -162,7 +163,7 @@ class _RowSum(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         key, self.calls = (self.name, self.calls), self.calls + 1
-        partial = _linear(x, self.layer.weight, None, self.layer.transposed)
+        partial = project(x, self.layer.weight, None, self.layer.transposed)
         if self.sums is None:
             self.rows.setdefault(key, []).append(partial)
             total = partial

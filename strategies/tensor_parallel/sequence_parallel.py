@@ -10,6 +10,11 @@ What changes for the replicated parameters inside the region (norms, a row-paral
 now sees only its slice of the sequence, so its gradient is a partial sum over that slice. The full
 gradient is their sum over the tensor-parallel ranks: `reduce_partial_grads`, once per optimizer step
 (after data-parallel sync: both are sums, so the order does not matter).
+
+With ``overlap`` (the plan's ``async``) each gather and reduce-scatter runs by pieces beside the matmuls it feeds
+(`overlap`): a module that gathers for its column layers computes their outputs beside its gather and leaves each
+layer its output (``ready``), which the layer returns when the module's forward calls it on the gathered input; a
+layer the forward calls on anything else computes as without async (the outputs made beside the gather then unused).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from strategies.tensor_parallel.layers import (
     gather_sequence,
     leave_sequence_parallel,
 )
+from strategies.tensor_parallel.overlap import gather_project
 
 
 def find_region(module: nn.Module, layer_names: list[str]) -> tuple[str, nn.ModuleList | nn.Sequential]:
@@ -67,8 +73,9 @@ def _gathering_modules(module: nn.Module, found: dict, region_name: str) -> set[
 class SequenceParallel:
     """Turns sequence parallel on for the tensor-parallel layers ``found`` (name -> style) of ``module``."""
 
-    def __init__(self, module: nn.Module, found: dict, split_param_ids: set[int], axis: Axis, dim: int = 1):
-        self.axis, self.dim = axis, dim
+    def __init__(self, module: nn.Module, found: dict, split_param_ids: set[int], axis: Axis, dim: int = 1,
+                 overlap: bool = False):
+        self.axis, self.dim, self.overlap = axis, dim, overlap
         self.region_name, region = find_region(module, list(found))
         self.layers = [module.get_submodule(n) for n in found]
         blocks = list(region)
@@ -76,9 +83,14 @@ class SequenceParallel:
         for name in found:
             layer = module.get_submodule(name)
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                layer.sequence_parallel = True
+                layer.sequence_parallel = "async" if overlap else True
             if isinstance(layer, ColumnParallelLinear) and name.rpartition(".")[0] in gathering:
                 layer.sequence_parallel = "gathered"
+        # each gathering module's column layers, which compute beside its gather under overlap
+        self.columns = {id(module.get_submodule(g)): [module.get_submodule(n) for n in found
+                                                      if n.rpartition(".")[0] == g
+                                                      and isinstance(module.get_submodule(n), ColumnParallelLinear)]
+                        for g in gathering}
         # Replicated parameters inside the region: their gradients are partial sums over the sequence.
         self.partial = [p for block in blocks for p in block.parameters()
                         if p.requires_grad and id(p) not in split_param_ids]
@@ -87,6 +99,8 @@ class SequenceParallel:
             blocks[-1].register_forward_hook(self._leave),
             *(module.get_submodule(name).register_forward_pre_hook(self._gather, with_kwargs=True)
               for name in gathering),
+            *(module.get_submodule(name).register_forward_hook(self._unready, always_call=True)
+              for name in (gathering if overlap else ())),
         ]
 
     def _enter(self, block: nn.Module, args: tuple) -> tuple:
@@ -98,11 +112,24 @@ class SequenceParallel:
         # The attention (or MLP) module gets the whole sequence, as without sequence parallel: its forward may read
         # the sequence length from its input (Llama's does), and its column layers share one all-gather.
         if args and isinstance(args[0], torch.Tensor):
-            return (gather_sequence(args[0], self.axis, self.dim), *args[1:]), kwargs
+            return (self._gathered(m, args[0]), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            return args, {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"], self.axis, self.dim)}
+            return args, {**kwargs, "hidden_states": self._gathered(m, kwargs["hidden_states"])}
         raise TypeError(f"sequence parallel needs the hidden states as the first argument (or hidden_states=) of "
                         f"{type(m).__name__}, which holds split layers")
+
+    def _gathered(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.overlap or self.axis.size == 1:
+            return gather_sequence(x, self.axis, self.dim)
+        layers = self.columns[id(m)]
+        gathered, *outputs = gather_project(x, layers, self.axis)
+        for layer, y in zip(layers, outputs):
+            layer.ready = (gathered, y)
+        return gathered
+
+    def _unready(self, m: nn.Module, args: tuple, output) -> None:
+        for layer in self.columns[id(m)]:  # outputs the forward did not ask for: not kept past it
+            layer.ready = None
 
     def _leave(self, block: nn.Module, args: tuple, output):
         if isinstance(output, torch.Tensor):
@@ -134,4 +161,6 @@ class SequenceParallel:
         for layer in self.layers:
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 layer.sequence_parallel = False
+            if isinstance(layer, ColumnParallelLinear):
+                layer.ready = None
 

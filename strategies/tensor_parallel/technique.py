@@ -18,17 +18,18 @@ from strategies.tensor_parallel.sequence_parallel import SequenceParallel
 
 class TensorParallel(Technique):
     """The layers ``plan`` names (`plans.apply_plan`) split over ``axis``; with ``sequence_parallel``, the blocks
-    between them see 1/tp of the sequence (`SequenceParallel`)."""
+    between them see 1/tp of the sequence (`SequenceParallel`), with ``overlap`` its collectives by pieces beside the
+    matmuls (the plan's ``async``)."""
 
     def __init__(self, module: nn.Module, plan: dict[str, Style], axis: Axis, sequence_parallel: bool = False,
-                 materialise: Deferred | None = None):
+                 materialise: Deferred | None = None, overlap: bool = False):
         self.module, self.axis = module, axis
         self.layers = apply_plan(module, plan, axis, materialise)  # split the full layers: name -> style
         self.splits = param_splits(module, self.layers)  # split parameter name (every name of a tied one) -> cut
         # The vocabulary layers sit outside the blocks, where the sequence is whole again: not sequence parallel.
         in_blocks = {n: s for n, s in self.layers.items() if isinstance(s, (Colwise, Rowwise))}
-        self.sequence_parallel = SequenceParallel(module, in_blocks, set(split_params(module, self.layers)), axis) \
-            if sequence_parallel else None
+        self.sequence_parallel = SequenceParallel(module, in_blocks, set(split_params(module, self.layers)), axis,
+                                                  overlap=overlap) if sequence_parallel else None
 
     def place_box(self, name: str, box: Any) -> Any:
         from strategies.checkpoint.slices import TensorSlices

@@ -42,11 +42,16 @@ SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1), ("pp2_mb4_ac2", 1)]
 # The interleaved schedule in groups of microbatches per chunk (`mbg<N>`): three microbatches, not a multiple of pp,
 # in one group; six in groups of four (a last group of two)
 GROUPED = [("pp2_interleaved_v2_mb3_mbg3", 1), ("pp2_interleaved_v2_mb6_mbg4", 1)]
-CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2] + SELECTIVE + GROUPED,
+# Async TP (`tensor_parallel.overlap`): sp's collectives by pieces beside the matmuls, accumulating, on Hugging Face
+# Llama (q, k, v and gate, up computed beside their module's gather), and in the 3D plan torchtitan runs (ZeRO-3, full
+# recompute) with a pipeline
+ASYNC = {2: [("tp2_sp_async", 3), ("tp2_sp_async+llama", 1)], 8: [("zero3_tp2_sp_async_pp2_mb4_ac", 1)]}
+CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2] + SELECTIVE + GROUPED
+         + ASYNC[2],
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]
          + [(f"{m}+deterministic", 3) for m in ("dp", "zero1", "zero2", "zero3")] + CONTEXT[4],
          8: [("zero3_tp2_pp2_mb4", 3), ("zero2_tp2_pp2_interleaved_v2_mb4", 1), ("dp_tp2_pp2_zb1p_mb4", 3),
-             ("zero3_tp2_pp2_zbv_mb4", 1), ("zero1_tp2_pp2_dualpipev_mb4", 3)]}
+             ("zero3_tp2_pp2_zbv_mb4", 1), ("zero1_tp2_pp2_dualpipev_mb4", 3)] + ASYNC[8]}
 # bf16-mixed against a bf16-mixed single process (`test_sgd_matrix`: tolerance from the measured spread), and the
 # same runs with an error planted in the pack, which that tolerance must catch: ZeRO's reduce-scatter summing where
 # it averages (x dp), and the pipeline dropping one microbatch's gradient (1 of 4).
@@ -54,10 +59,11 @@ BF16 = [("zero2+bf16", 1), ("zero3+bf16", 1), ("pp2_mb4+bf16", 1),
         ("zero2+bf16+plant_sum", 1), ("pp2_mb4+bf16+plant_drop", 1)]
 # The strategy's param_dtype (`mixed_precision.ParamDtype`: every module computes with bf16 copies of its weights, the
 # residual stream in bf16) against a single process under the same policy (`test_sgd_matrix`: its own tolerance)
-POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero2", "zero3", "tp2_sp", "pp2_1f1b_mb4",
-                                                      "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
+POLICY = {2: [(f"{plan}+bf16+policy", 1) for plan in ("dp", "zero1", "zero2", "zero3", "tp2_sp", "tp2_sp_async",
+                                                      "pp2_1f1b_mb4", "pp2_interleaved_v2_mb4", "pp2_zbv_mb4")],
           4: [], 8: [("zero3_tp2_pp2_zbv_mb4+bf16+policy", 1)]}  # (ZeRO-3's bf16 copies: W takes their gradients)
 POLICY[8] += [("zero3_tp2_pp2_zb1p_mb4+llama+bf16+policy", 1)]  # (the same through Hugging Face's nn.Linear layers)
+POLICY[8] += [("zero3_tp2_sp_async_pp2_mb4+llama+bf16+policy", 1)]  # (async: q, k, v on ZeRO-3's bf16 copies)
 POLICY[2] += [("zero3+adamw+bf16+policy", 1), ("pp2_1f1b_mb4+adamw+bf16+policy", 1)]  # (against their own reference)
 POLICY[2] += [("zero3+llama+bf16+policy", 1)]  # a Hugging Face Llama: ZeRO-3's bf16 gather swaps its layers' weights
 # The weights' half copies made once per step (`mixed_precision`) against Lightning's cast at every call
@@ -68,8 +74,8 @@ SHARED = [(f"{plan}+bf16{how}", 1) for plan in ("pp2_mb4", "pp2_zbv_mb4") for ho
 # strict p2p off, the program users run on gloo (a step's receives posted together). Each fit also returns its
 # collectives' bytes (the formulas: `test_sgd_matrix`) and the loss it logged.
 ADAMW = {2: [("dp+adamw", 1), ("naive+adamw", 3), ("zero2+adamw", 3), ("zero3+adamw", 3), ("zero2_offload+adamw", 1),
-             ("tp2+adamw", 1), ("tp2_sp+adamw", 3), ("zero3_ac+adamw", 1), ("pp2_gpipe_mb4+adamw", 1),
-             ("pp2_1f1b_mb4+adamw+gloo", 1), ("pp2_interleaved_v2_mb4+adamw+gloo", 1), ("pp2_mb4+adamw", 3),
+             ("tp2+adamw", 1), ("tp2_sp+adamw", 3), ("tp2_sp_async+adamw", 1), ("zero3_ac+adamw", 1),
+             ("pp2_gpipe_mb4+adamw", 1), ("pp2_1f1b_mb4+adamw+gloo", 1), ("pp2_interleaved_v2_mb4+adamw+gloo", 1), ("pp2_mb4+adamw", 3),
              ("pp2_gpipe_mb4_ac+adamw", 1)],
          4: [("dp_tp2+adamw", 3), ("dp_pp2+adamw", 1), ("pp4_1f1b_mb8+adamw+gloo", 1), ("naive_pp2+adamw", 1)],
          8: []}

@@ -105,7 +105,7 @@ def holds_and_sends_what_the_real_rank_did(r: dict, real: dict) -> None:
 
 
 BF16_RUN = (*RUN, "--precision", "bf16-mixed", "--param-dtype", "bf16")
-BF16_CASES = [pytest.param("zero3", 4, id="zero3@4"),
+BF16_CASES = [pytest.param("zero3", 4, id="zero3@4"), pytest.param("tp2_sp_async", 2, id="tp2_sp_async@2"),
               pytest.param("tp2_pp2", 4, marks=pytest.mark.matrix, id="tp2_pp2@4"),
               pytest.param("zero3_tp2_pp2", 8, marks=pytest.mark.matrix, id="zero3_tp2_pp2@8")]
 
@@ -158,7 +158,7 @@ ZERO_PP = [("zero3_tp2_pp2_zb1p_mb2", 8, "heap", 0.06), ("zero3_tp2_pp2_1f1b_ac"
            ("zero3_pp2_1f1b_mb4_ac", 4, "policy", 0.05), ("zero3_pp2_zb1p_mb4", 4, "policy", 0.05),
            ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05), ("zero2_pp2_dualpipev_mb4", 4, "policy", 0.05),
            ("zero1_pp2_interleaved_v2_mb4", 4, "policy", 0.05), ("zero2_tp2_sp", 4, "policy-fp32", 0.05),
-           ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05)]
+           ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05), ("zero3_tp2_sp_async_pp2_1f1b_mb4_ac", 8, "heap", 0.05)]
 # (one process rehearses them all: a process each cost about 7 s a case)
 _ONE_PROCESS = """import json, sys
 from strategies.cli import main
@@ -212,7 +212,11 @@ def test_zero_under_pp_peaks_as_the_estimator_counts(zero_pp_rehearsals, plan: s
     first matmul, its workspace freed, or past the MLP where that matmul's weight fits in the first (tp2_sp in
     float32: +8.0% with it at the matmul, planted; +1.8% now); a zero-bubble W's products, the weights' gradients
     alone, hold MKL's workspace only in some layouts (`predict._cpu_workspace`; its last stage +5.7% with the
-    forward's, planted; +0.8% now)."""
+    forward's, planted; +0.8% now).
+
+    Async TP (`tensor_parallel.overlap`, 30 November, fourth stop) under ZeRO-3, 1F1B and recompute: +1.2% / +2.0%
+    (its row layers' backward holds two pieces of the output's gradient and one of the input's beside sp's whole
+    ones: `estimate._async_pieces`)."""
     out = zero_pp_rehearsals[(plan, size)]
     assert not os.path.exists(out + ".error"), open(out + ".error").read()
     for r in json.loads(open(out).read()):

@@ -18,6 +18,7 @@ EXAMPLES = [
     "zero3_offload",
     "dp4",
     "zero3_dp4",
+    "zero3_tp8_sp_async_vp_ac",
     "naive_dp2",
 ]
 
@@ -228,6 +229,14 @@ def test_1f1b_needs_at_least_pp_microbatches(text):
 def test_sequence_parallel_needs_tp(text):
     with pytest.raises(ValueError, match=r"sp \(sequence parallel\).*needs tp<N> with N > 1 \(e.g. 'tp2_sp'\)"):
         ParallelPlan.parse(text)
+
+
+@pytest.mark.parametrize("text, says", [("tp2_async", "it needs sp (e.g. 'tp2_sp_async')"),
+                                        ("tp2_sp_async_pp2_zbv", "defer them to W"),
+                                        ("tp2_sp_async_pp2_dualpipev", "defer them to W"),
+                                        ("tp2_sp_async_cp2", "context parallel")])
+def test_async_tp_needs_sp_and_refuses_what_it_does_not_compose_with(text, says):
+    assert says in parse_error(text)
 
 
 @pytest.mark.parametrize("text", ["dp_offload", "naive_offload", "offload"])
