@@ -75,8 +75,8 @@ SHARED = [(f"{plan}+bf16{how}", 1) for plan in ("pp2_mb4", "pp2_zbv_mb4") for ho
 # collectives' bytes (the formulas: `test_sgd_matrix`) and the loss it logged.
 ADAMW = {2: [("dp+adamw", 1), ("naive+adamw", 3), ("zero2+adamw", 3), ("zero3+adamw", 3), ("zero2_offload+adamw", 1),
              ("tp2+adamw", 1), ("tp2_sp+adamw", 3), ("tp2_sp_async+adamw", 1), ("zero3_ac+adamw", 1),
-             ("pp2_gpipe_mb4+adamw", 1), ("pp2_1f1b_mb4+adamw+gloo", 1), ("pp2_interleaved_v2_mb4+adamw+gloo", 1), ("pp2_mb4+adamw", 3),
-             ("pp2_gpipe_mb4_ac+adamw", 1)],
+             ("pp2_gpipe_mb4+adamw", 1), ("pp2_1f1b_mb4+adamw+gloo", 1), ("pp2_interleaved_v2_mb4+adamw+gloo", 1),
+             ("pp2_mb4+adamw", 3), ("pp2_gpipe_mb4_ac+adamw", 1)],
          4: [("dp_tp2+adamw", 3), ("dp_pp2+adamw", 1), ("pp4_1f1b_mb8+adamw+gloo", 1), ("naive_pp2+adamw", 1)],
          8: []}
 # What the Trainer tests read off these fits (`test_trainer`): activation checkpointing against `dp+adamw`; the
