@@ -31,12 +31,14 @@ PAIRS = {
     "zero3-fsdp2": ("zero3", "fsdp2"),
     "zero3-fsdp2-bf16": ("zero3_bf16", "fsdp2_bf16"),  # both under param_dtype=bf16, reduce_dtype=fp32
     "tp": ("tp", "dtensor_tp"),
+    "tp-async": ("tp_sp_async", "tp_sp"),  # async TP against our own sp's whole collectives, the same session
     **{f"pp-{s}": (f"pp_{s}", f"torch_pp_{s}") for s in PIPELINE_SCHEDULES},
     "ep": ("ep", "deepspeed_moe"),  # the demo GPT's MoE (--experts; default 2 per rank), experts over every rank
 }
 
 # Every rank works on the same batch: tensor-parallel peers, and pipeline stages (one batch flows through).
-TENSOR_PARALLEL = ("tp", "dtensor_tp", *(f"{side}pp_{s}" for side in ("", "torch_") for s in PIPELINE_SCHEDULES))
+TENSOR_PARALLEL = ("tp", "dtensor_tp", "tp_sp", "tp_sp_async",
+                   *(f"{side}pp_{s}" for side in ("", "torch_") for s in PIPELINE_SCHEDULES))
 MEMORY_STEPS = 3  # the optimizer states exist from the first step on; the peak is reached by the second
 MEMORY_RUNS = 3  # the backward's peak moves by a few hundred KiB with the timing of async frees: median of 3
 

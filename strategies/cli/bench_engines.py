@@ -95,6 +95,34 @@ def ours_tensor_parallel(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: 
     return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload)
 
 
+def ours_sequence_parallel(overlap: bool) -> Callable[..., Step]:
+    """Tensor parallel with sequence parallel over every rank; ``overlap``: its collectives by pieces beside the
+    matmuls (async TP, `tensor_parallel.overlap`)."""
+    def build(workload: Any, model: nn.Module, cfg: Any, opt_kwargs: dict) -> Step:
+        from strategies.tensor_parallel import apply_plan, detect_plan
+        from strategies.tensor_parallel.plans import split_params
+        from strategies.tensor_parallel.sequence_parallel import SequenceParallel
+
+        axis = _world_axis("tp")
+        found = apply_plan(model, detect_plan(model), axis)
+        seq = SequenceParallel(model, found, set(split_params(model, found)), axis, overlap=overlap)
+        return _plain(model, torch.optim.AdamW(model.parameters(), **opt_kwargs), workload, _PartialSums(seq))
+    return build
+
+
+class _PartialSums:
+    """The norms' partial gradients summed over tp before the step (what the technique's `finish_backward` does)."""
+
+    def __init__(self, seq: Any) -> None:
+        self.seq = seq
+
+    def finish(self) -> None:
+        self.seq.reduce_partial_grads()
+
+    def after_step(self) -> None:
+        pass
+
+
 def ours_pipeline(schedule: str) -> Callable[..., Step]:
     """Our pipeline engine in a plain loop: the step function is the loss. Cut after one traced forward of the
     first microbatch, as the Lightning strategy cuts it (`lightning.assemble.traced_pipeline`)."""
@@ -139,6 +167,8 @@ def plan_of(impl: str, world_size: int) -> str:
     base = impl.removeprefix("torch_")
     if base.startswith("pp_"):
         return pipeline_plan(base[3:], world_size)
+    if base in ("tp_sp", "tp_sp_async"):
+        return f"tp{world_size}_sp" + ("_async" if base.endswith("async") else "")
     twin = PEERS.get(impl, impl)
     return f"{twin}{world_size}" if twin in ("tp", "ep") else twin
 
@@ -295,6 +325,7 @@ def torch_pipeline(schedule: str) -> Callable[..., Step]:
 ENGINES: dict[str, Callable[..., Step]] = {
     "dp": ours_data_parallel(0), "zero1": ours_data_parallel(1), "zero2": ours_data_parallel(2),
     "zero3": ours_data_parallel(3), "tp": ours_tensor_parallel,
+    "tp_sp": ours_sequence_parallel(False), "tp_sp_async": ours_sequence_parallel(True),
     "zero3_bf16": ours_zero3_bf16, "fsdp2_bf16": fsdp2_bf16,
     "torch_ddp": torch_ddp, "fsdp2": fsdp2, "dtensor_tp": dtensor_tp, "deepspeed1": deepspeed_zero(1),
     "deepspeed2": deepspeed_zero(2), "deepspeed3": deepspeed_zero(3), "ep": ours_expert_parallel,

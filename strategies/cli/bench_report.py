@@ -11,6 +11,7 @@ from typing import Any
 # How each implementation is shown.
 NAMES = {
     "dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "tp": "tp", "pp_1f1b": "pp 1F1B",
+    "tp_sp": "tp + sp", "tp_sp_async": "tp + sp, async",
     "pp_gpipe": "pp GPipe", "pp_interleaved": "pp interleaved", "torch_ddp": "torch DDP",
     "deepspeed1": "DeepSpeed ZeRO-1", "deepspeed2": "DeepSpeed ZeRO-2", "deepspeed3": "DeepSpeed ZeRO-3",
     "deepspeed_moe": "DeepSpeed-MoE",
