@@ -53,8 +53,7 @@ from strategies.pipeline import messages, schedules
 from strategies.pipeline.cuts import partition
 from strategies.pipeline.schedules import Action, Phase
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
-from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGHT
-from strategies.tensor_parallel.overlap import pieces
+from strategies.sizes import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, IN_FLIGHT, pieces
 
 # Lightning's precision -> bytes per parameter of weights, gradients, Adam's state, and per activation element.
 FAMILIES = ("gpt", "llama")  # `ModelShape.family`

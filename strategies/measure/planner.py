@@ -24,7 +24,7 @@ from strategies.measure.estimate import (
 from strategies.measure.peak import Workspace
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.runs.schema import MEMORY_CATEGORIES
-from strategies.tensor_parallel.overlap import pieces
+from strategies.sizes import pieces
 
 if TYPE_CHECKING:
     from strategies.measure.calibrate import Calibration

@@ -33,18 +33,10 @@ import torch.nn.functional as F
 from strategies import comm
 from strategies.comm import Axis
 from strategies.mixed_precision import shared_cast
+from strategies.sizes import pieces
 from strategies.tensors import autocast_dtype
 
 PROBE = object()  # a column layer called with it returns the (weight, bias) its forward would compute with
-
-
-PIECES = 4  # the least pieces: each piece's buffers are 1/k of a layer's gathered input or output
-
-
-def pieces(local: int, tp: int) -> int:
-    """How many pieces a rank's ``local`` rows of the sequence are cut into: tp (a ring's steps, as torchtitan's) and
-    at least `PIECES`, or the most below that which divide them."""
-    return next(k for k in range(min(max(tp, PIECES), local), 0, -1) if local % k == 0)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:

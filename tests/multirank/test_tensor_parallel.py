@@ -27,6 +27,7 @@ from strategies.comm import Axis, CommStats
 from strategies.data_parallel import BucketedDataParallel
 from strategies.mesh import ParallelMesh
 from strategies.plan import ParallelPlan
+from strategies.sizes import pieces
 from strategies.tensor_parallel import layers as tp_layers
 from strategies.tensor_parallel import overlap
 from strategies.tensor_parallel.families import detect_plan
@@ -391,7 +392,7 @@ def test_llama_style_model_gradients_match(sp: bool | str):
         assert max(float((grads[k] - whole[1][k]).abs().max()) for k in grads) < 1e-7  # (observed 3.7e-9)
         # each block's 5 gathers (attention's, gate's, up's; o's and down's backward) and 5 reduce-scatters in k
         # pieces (4: the 4 rows each rank holds); the region's entry and exit gather whole
-        k = overlap.pieces(4, 2)
+        k = pieces(4, 2)
         for kind in ("all_gather/tp", "reduce_scatter/tp"):
             assert comm[kind][1] == whole[3][kind][1]
             assert comm[kind][0] == whole[3][kind][0] + 2 * 5 * (k - 1), (kind, comm[kind], whole[3][kind])
