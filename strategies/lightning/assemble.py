@@ -46,10 +46,6 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
     the data-parallel ranks (dp x cp) starts from the same weights. ``deferred``: the model was built on meta, and
     tensor parallel makes each layer it splits (the rest is made later, `gradient_sync`)."""
     techniques: list[Technique] = []
-    if plan.async_tp and options.compile:
-        raise ValueError("async cuts tp's collectives into pieces in eager autograd functions, which torch.compile'd "
-                         "blocks would break into graphs around every piece: use compile=False with async, or drop "
-                         "async (torchtitan's async TP is a compiler pass on CUDA, not built here)")
     if plan.cp > 1:  # first: it finds the attention by its projections, which tensor parallel replaces
         techniques.append(ContextParallel(model, mesh.cp))
     if plan.tp > 1:
@@ -70,6 +66,14 @@ def model_techniques(model: nn.Module, plan: ParallelPlan, mesh: ParallelMesh, o
     if compiled is not None:
         techniques.append(compiled)
     return techniques
+
+
+def check_options(plan: ParallelPlan, options: PlanOptions) -> None:
+    """What a plan refuses of the strategy's options, when the strategy is made (in the main process)."""
+    if plan.async_tp and options.compile:
+        raise ValueError(f"plan '{plan}': async cuts tp's collectives into pieces in eager autograd functions, which "
+                         "torch.compile'd blocks would break into graphs around every piece: use compile=False with "
+                         "async, or drop async (torchtitan's async TP is a compiler pass on CUDA, not built here)")
 
 
 def check_precision(precision_plugin: Any, plan: ParallelPlan) -> None:

@@ -114,6 +114,7 @@ class PlanStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self.plan = plan if isinstance(plan, ParallelPlan) else ParallelPlan.parse(plan)
         self.options = PlanOptions(**options)
+        assemble.check_options(self.plan, self.options)
         self._process_group_backend = self.options.process_group_backend
         self._num_nodes = 1
         self.resolved_plan: ParallelPlan | None = None

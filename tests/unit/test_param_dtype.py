@@ -83,3 +83,9 @@ def test_param_dtype_without_its_mixed_precision_or_with_compile_is_refused(tmp_
         _fit(tmp_path, "bf16-mixed", param_dtype=torch.bfloat16, compile=True)
     with pytest.raises(ValueError, match="reduce_dtype must be None or torch.float32"):
         PlanStrategy("dp", reduce_dtype=torch.bfloat16)
+
+
+def test_async_tp_with_compile_is_refused_when_the_strategy_is_made():
+    with pytest.raises(ValueError, match="'tp2_sp_async': async cuts tp's collectives.*use compile=False"):
+        PlanStrategy("tp2_sp_async", compile=True)
+    PlanStrategy("tp2_sp_async")  # (without compile: made)
