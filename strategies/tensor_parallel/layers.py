@@ -234,7 +234,7 @@ class ColumnParallelLinear(nn.Module):
         ready, self.ready = self.ready, None
         if ready is not None and ready[0] is x:  # computed beside the module's gather (async)
             y = ready[1]
-        elif self.sequence_parallel == "async":
+        elif self.sequence_parallel == "async" and self.axis.size > 1:
             y = gather_project(x, [self], self.axis)[1]
         else:
             if self.sequence_parallel == "gathered":  # the module above gathered the sequence (`SequenceParallel`)

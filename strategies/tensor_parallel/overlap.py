@@ -52,7 +52,7 @@ def _weight_grad(x2d: torch.Tensor, g2d: torch.Tensor, transposed: bool) -> torc
     return x2d.t() @ g2d if transposed else g2d.t() @ x2d
 
 
-def _check(x: torch.Tensor, axis: Axis) -> None:
+def _check(x: torch.Tensor) -> None:
     if x.dim() != 3:
         raise ValueError(f"async tensor parallel cuts hidden states shaped (batch, sequence, features) along the "
                          f"sequence, but a split layer got shape {tuple(x.shape)}; drop 'async' for this model")
@@ -70,7 +70,7 @@ def gather_project(x: torch.Tensor, layers: list[Any], axis: Axis) -> tuple[torc
     """``x`` (this rank's piece of the sequence) gathered whole, and each column layer's output on it, computed piece
     by piece beside the gathers: ``(gathered, y_1, ..., y_n)``. Each layer is asked for the weights its own forward
     would use (`PROBE`: its hooks run, so a half copy another technique swaps in is the one used)."""
-    _check(x, axis)
+    _check(x)
     flat = _cast([layer(PROBE) for layer in layers], autocast_dtype(x))
     transposed = tuple(bool(layer.transposed) for layer in layers)
     return _GatherProject.apply(x, axis, pieces(x.shape[1], axis.size), transposed, *flat)
@@ -79,7 +79,7 @@ def gather_project(x: torch.Tensor, layers: list[Any], axis: Axis) -> tuple[torc
 def project_scatter(x: torch.Tensor, weight: torch.Tensor, axis: Axis, transposed: bool) -> torch.Tensor:
     """A row layer's ``x A`` summed over the tp ranks, this rank keeping its 1/t of the sequence: by pieces, each
     piece's reduce-scatter in flight beside the next piece's matmul."""
-    _check(x, axis)
+    _check(x)
     if x.shape[1] % axis.size:
         raise ValueError(f"sequence parallel splits the sequence (dim 1, length {x.shape[1]}) over tp = {axis.size} "
                          "ranks, and it does not divide; use a sequence length that divides by tp, or drop 'sp'")
