@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from strategies.mixed_precision import uncached
 from strategies.technique import Technique
+from strategies.tensor_parallel.overlap import piece_at
 from strategies.tensors import meta_autocast_again
 
 
@@ -43,16 +44,23 @@ def _selective():
     the rest again (torchtitan's op-level policy: Llama's q, v, gate and down projections kept, k, o and up made
     again). Counted apart in the forward and in the recompute, so that both take the same ops."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+    decided: dict[bool, dict[int, CheckpointPolicy]] = {False: {}, True: {}}  # async TP's layers, at their 1st piece
     mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op not in _kept_ops():
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if op in mm:
-            matmuls[ctx.is_recompute] += 1
-            if matmuls[ctx.is_recompute] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        if op not in mm:
+            return CheckpointPolicy.MUST_SAVE
+        at = piece_at()  # (a layer cut into pieces by async TP counts once, as its one matmul without it)
+        if at is not None and at[0] > 0:
+            return decided[ctx.is_recompute][at[1]]
+        matmuls[ctx.is_recompute] += 1
+        choice = CheckpointPolicy.PREFER_RECOMPUTE if matmuls[ctx.is_recompute] % 2 == 0 else \
+            CheckpointPolicy.MUST_SAVE
+        if at is not None:
+            decided[ctx.is_recompute][at[1]] = choice
+        return choice
 
     return create_selective_checkpoint_contexts(policy)
 

@@ -164,13 +164,15 @@ ASYNC_COST = 0.55
 
 def async_exposed(seconds: float, k: int, matmuls: float, overlaps: bool) -> float:
     """The seconds of async TP's collectives (``seconds``, in ``k`` pieces each) the step pays for: each layer's
-    first gather piece or last reduce-scatter piece (1/k), `ASYNC_COST` of the rest, and what the rest takes beyond
-    the matmuls beside it. Where the collectives run on the cores that compute (``overlaps`` False: CPU ranks), all
-    of it."""
+    first gather piece or last reduce-scatter piece (1/k); of the rest, `ASYNC_COST` of what the matmuls beside it
+    hide, and all of what they cannot. Where the collectives run on the cores that compute (``overlaps`` False: CPU
+    ranks), all of it. Approximations, both optimistic where tp's collectives outlast the compute: ``matmuls`` is the
+    step's compute and recompute (not only the split linears'), and the gathers entering and leaving the blocks
+    (whole, one or two a microbatch against four a block) are counted among the pieces."""
     if not overlaps:
         return seconds
     beside = seconds * (1 - 1 / k)
-    return seconds / k + ASYNC_COST * beside + max(0.0, beside - matmuls)
+    return seconds / k + ASYNC_COST * min(beside, matmuls) + max(0.0, beside - matmuls)
 
 
 # sac makes again every second matmul (Llama's k, o and up projections: 37% of a block's matmul FLOPs; the demo's two

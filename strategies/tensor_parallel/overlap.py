@@ -25,6 +25,8 @@ matmuls' dtype, for every column layer of the module.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +39,23 @@ from strategies.sizes import pieces
 from strategies.tensors import autocast_dtype
 
 PROBE = object()  # a column layer called with it returns the (weight, bias) its forward would compute with
+_AT: list[tuple[int, int] | None] = [None]  # (piece, layer of the call) whose matmul runs now: `piece_at`
+
+
+def piece_at() -> tuple[int, int] | None:
+    """Which piece and which of the call's layers the matmul running now computes, or None outside async TP's
+    pieces: selective recompute (`activation_checkpoint`) decides once per layer, at its first piece, so that it
+    keeps the layers it keeps without async."""
+    return _AT[0]
+
+
+@contextlib.contextmanager
+def _piece(c: int, i: int) -> Iterator[None]:
+    _AT[0] = (c, i)
+    try:
+        yield
+    finally:
+        _AT[0] = None
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -108,9 +127,13 @@ class _GatherProject(torch.autograd.Function):
         weights, biases = params[0::2], params[1::2]
         (b, local, h), t, m = x.shape, axis.size, x.shape[1] // k
         dtype = weights[0].dtype
-        full = torch.empty((b, t, k, m, h), dtype=x.dtype, device=x.device)
-        outs = [torch.empty((b, t, k, m, w.shape[1] if tr else w.shape[0]), dtype=dtype, device=x.device)
+        # (made whole and written through views: outputs that are not views, so that a forward may change them in
+        # place, as it may change F.linear's)
+        whole = torch.empty((b, t * local, h), dtype=x.dtype, device=x.device)
+        full = whole.view(b, t, k, m, h)
+        made = [torch.empty((b, t * local, w.shape[1] if tr else w.shape[0]), dtype=dtype, device=x.device)
                 for w, tr in zip(weights, transposed)]
+        outs = [y.view(b, t, k, m, -1) for y in made]
         ahead = _gather_piece(x, 0, m, axis)
         for c in range(k):
             buf, handle, _ = ahead
@@ -119,12 +142,12 @@ class _GatherProject(torch.autograd.Function):
             handle.wait()
             full[:, :, c] = buf.transpose(0, 1)
             a = buf.to(dtype)
-            for w, bias, out, tr in zip(weights, biases, outs, transposed):
-                out[:, :, c] = project(a, w, bias, tr).transpose(0, 1)
-        full = full.view(b, t * local, h)
-        ctx.save_for_backward(full if full.dtype == dtype else full.to(dtype), *params)
+            for i, (w, bias, out, tr) in enumerate(zip(weights, biases, outs, transposed)):
+                with _piece(c, i):
+                    out[:, :, c] = project(a, w, bias, tr).transpose(0, 1)
+        ctx.save_for_backward(whole if whole.dtype == dtype else whole.to(dtype), *params)
         ctx.axis, ctx.k, ctx.transposed, ctx.x_dtype = axis, k, transposed, x.dtype
-        return (full, *(out.view(b, t * local, -1) for out in outs))
+        return (whole, *made)
 
     @staticmethod
     def backward(ctx: Any, g_full: torch.Tensor | None, *g_outs: torch.Tensor | None):
@@ -136,11 +159,15 @@ class _GatherProject(torch.autograd.Function):
         pieces5 = [g.reshape(b, t, k, m, -1) if g is not None else None for g in (g_full, *g_outs)]
         shards, held = [], []
         for c in range(k):  # the input's gradient, piece by piece, each reduce-scattered while the next is made
-            acc = pieces5[0][:, :, c].transpose(0, 1).contiguous() if pieces5[0] is not None else None
+            # (a copy: the incoming gradient's piece is a view where b = 1 and k = 1, which the sums below change)
+            acc = pieces5[0][:, :, c].transpose(0, 1).clone(memory_format=torch.contiguous_format) \
+                if pieces5[0] is not None else None
             for g, w, tr in zip(pieces5[1:], weights, transposed):
-                if g is not None:
+                if g is not None:  # (a product is a tensor of its own: summed into in place)
                     part = _input_grad(g[:, :, c].transpose(0, 1), w, tr)
                     acc = part.to(ctx.x_dtype) if acc is None else acc.add_(part)
+            if acc is None:  # (no gradient came back at all)
+                acc = torch.zeros((t, b, m, h), dtype=ctx.x_dtype, device=saved.device)
             shard = torch.empty((b, m, h), dtype=ctx.x_dtype, device=saved.device)
             handle = comm.reduce_scatter(shard.view(-1), acc.view(-1), axis, async_op=True)
             if held:  # the piece before has had this piece's products to travel
@@ -169,7 +196,8 @@ class _ProjectScatter(torch.autograd.Function):
         x5 = x.view(b, t, k, m, n)
         shards, held = [], []
         for c in range(k):
-            part = project(x5[:, :, c].transpose(0, 1), weight, None, transposed)  # (t, b, m, out): partial sums
+            with _piece(c, 0):  # (t, b, m, out): partial sums
+                part = project(x5[:, :, c].transpose(0, 1), weight, None, transposed)
             shard = torch.empty((b, m, part.shape[-1]), dtype=part.dtype, device=x.device)
             handle = comm.reduce_scatter(shard.view(-1), part.view(-1), axis, async_op=True)
             if held:  # the piece before has had this piece's matmul to travel

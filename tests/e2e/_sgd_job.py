@@ -43,9 +43,10 @@ SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1), ("pp2_mb4_ac2", 1)]
 # in one group; six in groups of four (a last group of two)
 GROUPED = [("pp2_interleaved_v2_mb3_mbg3", 1), ("pp2_interleaved_v2_mb6_mbg4", 1)]
 # Async TP (`tensor_parallel.overlap`): sp's collectives by pieces beside the matmuls, accumulating, on Hugging Face
-# Llama (q, k, v and gate, up computed beside their module's gather), and in the 3D plan torchtitan runs (ZeRO-3, full
-# recompute) with a pipeline
-ASYNC = {2: [("tp2_sp_async", 3), ("tp2_sp_async+llama", 1)], 8: [("zero3_tp2_sp_async_pp2_mb4_ac", 1)]}
+# Llama (q, k, v and gate, up computed beside their module's gather), under selective recompute, and in the 3D plan
+# torchtitan runs (ZeRO-3, full recompute) with a pipeline
+ASYNC = {2: [("tp2_sp_async", 3), ("tp2_sp_async+llama", 1), ("tp2_sp_async_sac", 1)],
+         8: [("zero3_tp2_sp_async_pp2_mb4_ac", 1)]}
 CASES = {2: [(m, a) for m in MODES + MODELS + ZERO_BUBBLE for a in (1, 3)] + CONTEXT[2] + SELECTIVE + GROUPED
          + ASYNC[2],
          4: [(f"{m}_{p}", a) for m in ("zero2",) for p in MODELS for a in (1, 3)]

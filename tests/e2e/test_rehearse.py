@@ -158,7 +158,8 @@ ZERO_PP = [("zero3_tp2_pp2_zb1p_mb2", 8, "heap", 0.06), ("zero3_tp2_pp2_1f1b_ac"
            ("zero3_pp2_1f1b_mb4_ac", 4, "policy", 0.05), ("zero3_pp2_zb1p_mb4", 4, "policy", 0.05),
            ("zero2_pp2_1f1b_mb4", 4, "policy", 0.05), ("zero2_pp2_dualpipev_mb4", 4, "policy", 0.05),
            ("zero1_pp2_interleaved_v2_mb4", 4, "policy", 0.05), ("zero2_tp2_sp", 4, "policy-fp32", 0.05),
-           ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05), ("zero3_tp2_sp_async_pp2_1f1b_mb4_ac", 8, "heap", 0.05)]
+           ("zero2_pp2_zb1p_mb4", 4, "heap-fp32", 0.05), ("zero3_tp2_sp_async_pp2_1f1b_mb4_ac", 8, "heap", 0.05),
+           ("tp2_sp_async_sac", 2, "heap-fp32", 0.05)]
 # (one process rehearses them all: a process each cost about 7 s a case)
 _ONE_PROCESS = """import json, sys
 from strategies.cli import main
@@ -216,7 +217,8 @@ def test_zero_under_pp_peaks_as_the_estimator_counts(zero_pp_rehearsals, plan: s
 
     Async TP (`tensor_parallel.overlap`, 30 November, fourth stop) under ZeRO-3, 1F1B and recompute: +1.2% / +2.0%
     (its row layers' backward holds two pieces of the output's gradient and one of the input's beside sp's whole
-    ones: `estimate._async_pieces`)."""
+    ones: `estimate._async_pieces`). Under ``sac`` +0.2%: a layer cut into pieces is kept or made again whole, as
+    without async (`overlap.piece_at`; planted, each piece's matmul counted as one: +7.4%, fails)."""
     out = zero_pp_rehearsals[(plan, size)]
     assert not os.path.exists(out + ".error"), open(out + ".error").read()
     for r in json.loads(open(out).read()):

@@ -314,6 +314,7 @@ class _Attention(nn.Module):
 
     def forward(self, x):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q.mul_(1.0)  # in place, as a model may change a projection's output (async's outputs must allow it)
         b, t = q.shape[:2]  # from the projection: under sequence parallel x holds 1/tp of the sequence
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
