@@ -117,7 +117,8 @@ class ParallelPlan:
     async_tp: bool = False
     """Async tensor parallel (the token ``async``, needs sp; torchtitan's async TP, Megatron's tp_comm_overlap): each
     sequence-parallel all-gather and reduce-scatter cut along the sequence into pieces, each in flight while the matmul
-    of the piece before computes (`tensor_parallel.overlap`). The same values and bytes; only the order of the work."""
+    of the piece before computes (`tensor_parallel.overlap`). The same bytes in more calls; the same products, their
+    sums to float rounding."""
     vp: bool = False
     """Vocab parallel (needs tp): the output layer (and its embedding) split over the vocabulary, the loss computed
     from the pieces, so that no rank holds the (batch, sequence, vocab) logits."""

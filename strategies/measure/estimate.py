@@ -415,7 +415,7 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   recompute=whole + saved.unkept - block if plan.sac else whole - boundary if plan.ac else 0.0,
                   embedding=boundary, head=saved.norm_extra + u + logits, logits=logits, loss=loss,
                   # incoming gradient (gathered whole under sp), the MLP's input gradient; one weight's gradient
-                  backward=boundary + (u if plan.sp else 0.0) + f * u / t + _async_pieces(plan, s, u, f),
+                  backward=boundary + (u if plan.sp else 0.0) + f * u / t + _async_piece_bytes(plan, s, u, f),
                   weight=h * shape.mlp() / t * weight_bytes, mlp_grad=f * u / t, mlp_saved=saved.mlp,
                   unit=unit, gathers=unit if backend == GLOO else 0.0,
                   head_unit=shape.output_layer(_vocab_split(plan)) * gathered if unit else 0.0,
@@ -423,13 +423,15 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
                   stash=saved.stash if plan.schedule.splits_backward else 0.0)
 
 
-def _async_pieces(plan: ParallelPlan, seq: float, u: float, f: float) -> float:
+def async_pieces(seq: float, plan: ParallelPlan) -> int:
+    """The pieces async TP cuts a rank's part of each sequence into (``seq``: a cp rank's), as the layers do."""
+    return pieces(max(int(seq // plan.tp), 1), plan.tp)
+
+
+def _async_piece_bytes(plan: ParallelPlan, seq: float, u: float, f: float) -> float:
     """What async TP's row layer holds beside sp's in its backward (`tensor_parallel.overlap`): two pieces of the
     output's gradient in flight (the one used, the next) and one piece's input gradient before it is put in place."""
-    if not plan.async_tp:
-        return 0.0
-    k = pieces(max(int(seq // plan.tp), 1), plan.tp)
-    return (2 * u + f * u / plan.tp) / k
+    return (2 * u + f * u / plan.tp) / async_pieces(seq, plan) if plan.async_tp else 0.0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from strategies.measure.estimate import (
     DEFAULT_PRECISION,
     Estimate,
     ModelShape,
+    async_pieces,
     estimate,
     stage_blocks,
     stage_flops,
@@ -24,7 +25,6 @@ from strategies.measure.estimate import (
 from strategies.measure.peak import Workspace
 from strategies.plan import DataMode, ParallelPlan, PipelineSchedule
 from strategies.runs.schema import MEMORY_CATEGORIES
-from strategies.sizes import pieces
 
 if TYPE_CHECKING:
     from strategies.measure.calibrate import Calibration
@@ -135,8 +135,8 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
             pieced += seconds
             continue
         parts[f"{axis} comm"] = parts.get(f"{axis} comm", 0.0) + seconds * (1 - hidden if axis == "dp" else 1)
-    parts["tp comm"] += async_exposed(pieced, async_pieces(shape, plan), parts["compute"] + parts["recompute"],
-                                      hw.overlap > 0)
+    parts["tp comm"] += async_exposed(pieced, async_pieces(shape.seq / plan.cp, plan),
+                                      parts["compute"] + parts["recompute"], hw.overlap > 0)
     # The bubble is idle time in proportion to a stage's busy time, which holds its tp collectives as well as its
     # compute (a stage waits for its neighbour's whole microbatch, collectives included).
     busy = parts["compute"] + parts["recompute"] + parts["tp comm"]
@@ -147,11 +147,6 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
 
 
 ASYNC_KEYS = ("all_gather/tp", "reduce_scatter/tp")  # what async TP cuts into pieces (`tensor_parallel.overlap`)
-
-
-def async_pieces(shape: ModelShape, plan: ParallelPlan) -> int:
-    """The pieces async TP cuts a rank's part of each sequence into (as the layers do)."""
-    return pieces(max(int(shape.seq / plan.cp / plan.tp), 1), plan.tp)
 
 
 # What a collective hidden beside a matmul still costs, as a share of its time: its kernels take SMs and memory
@@ -230,7 +225,7 @@ def collective_calls(shape: ModelShape, plan: ParallelPlan, est: Estimate) -> di
     # gathered for every microbatch's forward and again for its backward (but the last one, kept), and
     # reduce-scattered once, from its own flat.
     units = blocks + (4 if plan.pp == 1 else 2)
-    k = async_pieces(shape, plan) if plan.async_tp else 1  # async TP: each block's collective in k pieces
+    k = async_pieces(shape.seq / plan.cp, plan) if plan.async_tp else 1  # async TP: a block's collectives in pieces
     data = plan.data_axis  # dp, or dp x cp
     calls = {f"all_reduce/{data}": buckets, f"reduce_scatter/{data}": units if plan.data.stage == 3 else buckets,
              f"send/{data}": plan.data_ranks - 1,

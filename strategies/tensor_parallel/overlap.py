@@ -117,6 +117,34 @@ def _gather_piece(x: torch.Tensor, c: int, m: int, axis: Axis) -> tuple[torch.Te
     return buf, comm.all_gather(buf.view(-1), piece.view(-1), axis, async_op=True), piece
 
 
+def _gathered(x: torch.Tensor, k: int, m: int, axis: Axis) -> Iterator[torch.Tensor]:
+    """The k pieces of ``x`` gathered (`_gather_piece`), in order: the next one in flight while the caller uses this
+    one."""
+    ahead = _gather_piece(x, 0, m, axis)
+    for c in range(k):
+        buf, handle, _ = ahead  # (the piece sent held until its gather is waited for)
+        if c + 1 < k:
+            ahead = _gather_piece(x, c + 1, m, axis)
+        handle.wait()
+        yield buf
+
+
+def _scatter_piece(part: torch.Tensor, axis: Axis, held: list) -> torch.Tensor:
+    """``part`` (``(t, b, m, h)``) summed over the ranks, this rank's ``(b, m, h)`` kept, in flight; the piece before,
+    which has had this one's products to travel, waited for. ``held``: the one in flight (the last: `_drain`)."""
+    shard = torch.empty(part.shape[1:], dtype=part.dtype, device=part.device)
+    handle = comm.reduce_scatter(shard.view(-1), part.view(-1), axis, async_op=True)
+    if held:
+        held.pop()[1].wait()
+    held.append((part, handle))
+    return shard
+
+
+def _drain(held: list) -> None:
+    if held:
+        held.pop()[1].wait()
+
+
 class _GatherProject(torch.autograd.Function):
     """The column layers' all-gather by pieces, their matmuls beside it (`gather_project`)."""
 
@@ -134,12 +162,7 @@ class _GatherProject(torch.autograd.Function):
         made = [torch.empty((b, t * local, w.shape[1] if tr else w.shape[0]), dtype=dtype, device=x.device)
                 for w, tr in zip(weights, transposed)]
         outs = [y.view(b, t, k, m, -1) for y in made]
-        ahead = _gather_piece(x, 0, m, axis)
-        for c in range(k):
-            buf, handle, _ = ahead
-            if c + 1 < k:  # the next piece travels while this one is multiplied
-                ahead = _gather_piece(x, c + 1, m, axis)
-            handle.wait()
+        for c, buf in enumerate(_gathered(x, k, m, axis)):  # the next piece travels while this one is multiplied
             full[:, :, c] = buf.transpose(0, 1)
             a = buf.to(dtype)
             for i, (w, bias, out, tr) in enumerate(zip(weights, biases, outs, transposed)):
@@ -168,12 +191,7 @@ class _GatherProject(torch.autograd.Function):
                     acc = part.to(ctx.x_dtype) if acc is None else acc.add_(part)
             if acc is None:  # (no gradient came back at all)
                 acc = torch.zeros((t, b, m, h), dtype=ctx.x_dtype, device=saved.device)
-            shard = torch.empty((b, m, h), dtype=ctx.x_dtype, device=saved.device)
-            handle = comm.reduce_scatter(shard.view(-1), acc.view(-1), axis, async_op=True)
-            if held:  # the piece before has had this piece's products to travel
-                held.pop()[1].wait()
-            held.append((acc, handle))
-            shards.append(shard)
+            shards.append(_scatter_piece(acc, axis, held))
         grads: list[torch.Tensor | None] = []  # the weights' gradients, while the last pieces travel
         x2d = saved.reshape(-1, h)
         for i, (g, bias, tr) in enumerate(zip(g_outs, biases, transposed)):
@@ -181,7 +199,7 @@ class _GatherProject(torch.autograd.Function):
             g2d = g.reshape(-1, g.shape[-1]) if g is not None else None
             grads.append(_weight_grad(x2d, g2d, tr) if g2d is not None and need_w else None)
             grads.append(g2d.sum(0) if g2d is not None and bias is not None and need_b else None)
-        held.pop()[1].wait()
+        _drain(held)
         return (torch.cat(shards, dim=1), None, None, None, *grads)
 
 
@@ -198,13 +216,8 @@ class _ProjectScatter(torch.autograd.Function):
         for c in range(k):
             with _piece(c, 0):  # (t, b, m, out): partial sums
                 part = project(x5[:, :, c].transpose(0, 1), weight, None, transposed)
-            shard = torch.empty((b, m, part.shape[-1]), dtype=part.dtype, device=x.device)
-            handle = comm.reduce_scatter(shard.view(-1), part.view(-1), axis, async_op=True)
-            if held:  # the piece before has had this piece's matmul to travel
-                held.pop()[1].wait()
-            held.append((part, handle))
-            shards.append(shard)
-        held.pop()[1].wait()
+            shards.append(_scatter_piece(part, axis, held))
+        _drain(held)
         ctx.save_for_backward(x, weight)
         ctx.axis, ctx.k, ctx.transposed = axis, k, transposed
         return torch.cat(shards, dim=1)
@@ -217,16 +230,10 @@ class _ProjectScatter(torch.autograd.Function):
         m = s // t // k
         dx = torch.empty((b, t, k, m, n), dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         g_full = torch.empty((b, t, k, m, g.shape[-1]), dtype=g.dtype, device=g.device)
-        ahead = _gather_piece(g, 0, m, axis)
-        for c in range(k):  # the input's gradient by piece, each as the next piece of the output's gradient arrives
-            buf, handle, _ = ahead
-            if c + 1 < k:
-                ahead = _gather_piece(g, c + 1, m, axis)
-            handle.wait()
+        for c, buf in enumerate(_gathered(g, k, m, axis)):  # the input's gradient by piece, as the next arrives
             g_full[:, :, c] = buf.transpose(0, 1)
             if dx is not None:
                 dx[:, :, c] = _input_grad(buf, weight, transposed).transpose(0, 1)
-            del buf
         dw = _weight_grad(x.reshape(-1, n), g_full.view(-1, g.shape[-1]), transposed) \
             if ctx.needs_input_grad[1] else None
         return (dx.view(b, s, n) if dx is not None else None), dw, None, None, None

@@ -217,7 +217,7 @@ def test_zero_under_pp_peaks_as_the_estimator_counts(zero_pp_rehearsals, plan: s
 
     Async TP (`tensor_parallel.overlap`, 30 November, fourth stop) under ZeRO-3, 1F1B and recompute: +1.2% / +2.0%
     (its row layers' backward holds two pieces of the output's gradient and one of the input's beside sp's whole
-    ones: `estimate._async_pieces`). Under ``sac`` +0.2%: a layer cut into pieces is kept or made again whole, as
+    ones: `estimate._async_piece_bytes`). Under ``sac`` +0.2%: a layer cut into pieces is kept or made again whole, as
     without async (`overlap.piece_at`; planted, each piece's matmul counted as one: +7.4%, fails)."""
     out = zero_pp_rehearsals[(plan, size)]
     assert not os.path.exists(out + ".error"), open(out + ".error").read()
