@@ -78,17 +78,20 @@ def page_planner() -> None:
     memory = col[2].number_input("GiB per GPU", 1.0, 1024.0, 80.0)
     batch = col[3].number_input("Global batch (samples)", 1, 65536, 64)
     from strategies.measure.estimate import ModelShape  # torch: only on this page
-    from strategies.measure.planner import GiB, Hardware, rank_plans
+    from strategies.measure.planner import GiB, Hardware, by_layout, rank_plans
 
     shape = ModelShape.from_params(params * 1e9)
     ranked = rank_plans(shape, Hardware(gpus=int(gpus), memory=memory * GiB), int(batch))
     fits = [r for r in ranked if r.fits]
+    layouts = by_layout(fits or ranked)
     st.caption(f"{shape.layers} layers x {shape.hidden} wide, {shape.heads} heads, sequence {shape.seq}; "
-               f"bf16-mixed (fp32 weights and gradients), Adam; {len(fits)} of {len(ranked)} plans fit")
+               f"bf16-mixed (fp32 weights and gradients), Adam; {len(fits)} of {len(ranked)} plans fit. A row per "
+               "layout at its fastest data mode and offload (least memory among ties), the others under 'also'")
     best = fits[0] if fits else None
     rows = [{"plan": r.label, "fits": r.fits, "GiB/GPU": round(r.estimate.peak() / GiB, 1),
              "step s": round(r.seconds, 2), "bubble": round(r.estimate.bubble, 3),
-             "why": r.explain(shape, best).split(": ", 1)[-1]} for r in (fits or ranked)[:25]]
+             "why": r.explain(shape, best).split(": ", 1)[-1], "also": row.also().removeprefix("; also ")}
+            for row in layouts[:25] for r in (row.shown,)]
     st.dataframe(rows, width="stretch")
 
 

@@ -76,7 +76,7 @@ def command(args: argparse.Namespace) -> int:
 
 def _rank_plans(args: argparse.Namespace) -> int:
     from strategies.measure.estimate import layout, with_param_dtype
-    from strategies.measure.planner import GiB, rank_plans
+    from strategies.measure.planner import GiB, by_layout, rank_plans
 
     try:
         shape, model = _shape(args)
@@ -97,21 +97,29 @@ def _rank_plans(args: argparse.Namespace) -> int:
           f"(plans may fill {hw.usable:.0%}, set-up included: the model built in configure_model, each rank making its "
           f"slice); {args.precision} precision{f' with param_dtype {args.param_dtype}' if args.param_dtype else ''} "
           "with Adam")
-    cal = hw.calibration
-    links = (f"this machine's links as calibrated (all_reduce over {cal.world}: {hw.tp_bandwidth / 1e9:.2f} GB/s, "
-             f"{cal.link('all_reduce', cal.world)[0] * 1e3:.2f} ms a call)" if cal else
-             f"tp at {hw.tp_bandwidth / 1e9:.0f} GB/s, dp/pp at {hw.dp_bandwidth / 1e9:.0f} GB/s")
-    print(f"{len(fits)} of {len(ranked)} plans fit. Predicted step time = compute + bubble + recompute + exposed "
-          f"communication at {hw.flops / 1e12:.3g} TFLOP/s per rank, {links} (a model to rank by, not a promise):")
+    rows = by_layout(fits or ranked)
+    print(f"{len(fits)} of {len(ranked)} plans fit, in {len(rows) if fits else 0} layouts. Predicted step time = "
+          f"compute + bubble + recompute + exposed communication at {_links(hw)} (a model to rank by, not a promise). "
+          "A row per layout (axes, schedule, recompute) at its fastest data mode and offload, least memory among "
+          "ties; its other variants after 'also':")
     best = fits[0] if fits else None
-    for r in (fits or ranked)[: args.top]:
-        print("  " + r.explain(shape, best))
+    for row in rows[: args.top]:
+        print("  " + row.shown.explain(shape, best) + row.also())
     if not fits:
         print("none fits: more GPUs, more memory per GPU, or a smaller batch", file=sys.stderr)
         return 1
     if args.rehearse:
-        return _rehearse_top(args, shape, fits[:3], batch)
+        return _rehearse_top(args, shape, [row.shown for row in rows[:3]], batch)
     return 0
+
+
+def _links(hw: Any) -> str:
+    """The FLOP/s and links the step times assume: the defaults' (or ``--hardware``'s), or this machine's."""
+    cal = hw.calibration
+    links = (f"this machine's links as calibrated (all_reduce over {cal.world}: {hw.tp_bandwidth / 1e9:.2f} GB/s, "
+             f"{cal.link('all_reduce', cal.world)[0] * 1e3:.2f} ms a call)" if cal else
+             f"tp at {hw.tp_bandwidth / 1e9:.0f} GB/s, dp/pp at {hw.dp_bandwidth / 1e9:.0f} GB/s")
+    return f"{hw.flops / 1e12:.3g} TFLOP/s per rank, {links}"
 
 
 def _shape(args: argparse.Namespace) -> tuple[Any, str]:

@@ -312,7 +312,55 @@ def rank_plans(shape: ModelShape, hw: Hardware, global_batch: int, precision: st
         # (`estimate.setup_peaks`); a model built whole on every rank needs `Estimate.setup_whole`.
         ranked.append(Ranked(label, chosen.estimate, sum(chosen.parts.values()), chosen.parts,
                              chosen.estimate.setup_peak() <= hw.usable * hw.memory))
-    return sorted(ranked, key=lambda r: (not r.fits, r.seconds))
+    # Ties on time (a layout's dp, zero1 and zero2 often move the same bytes): the one holding least first.
+    return sorted(ranked, key=lambda r: (not r.fits, r.seconds, r.estimate.peak()))
+
+
+@dataclass
+class Layout:
+    """A layout (its axes, schedule and recompute) with the variants ranked of it: its data mode (dp, ZeRO 1-3) and
+    offload, which trade memory for little or no time. ``shown`` is the first of them in the ranking (the fastest,
+    least memory among ties), ``others`` the rest in order."""
+
+    shown: Ranked
+    others: list[Ranked]
+
+    def also(self) -> str:
+        """The other variants, those with the same time and memory together: ``; also zero2 (+0.00s, 61.1 GiB),
+        zero1/zero2 offload (+0.38s, 58.7 GiB)``; empty where there are none."""
+        alike: dict[tuple[str, str], list[str]] = {}
+        for r in self.others:
+            plan = ParallelPlan.parse(r.label)
+            figures = (f"{r.seconds - self.shown.seconds:+.2f}s", f"{r.estimate.peak() / GiB:.1f} GiB")
+            alike.setdefault(figures, []).append(plan.data.value + (" offload" if plan.offload else ""))
+        if not alike:
+            return ""
+        return "; also " + ", ".join(f"{_names(names)} ({s}, {m})" for (s, m), names in alike.items())
+
+
+def _names(variants: list[str]) -> str:
+    """``zero1 offload``, ``zero2 offload`` as ``zero1/zero2 offload``; others joined by a slash."""
+    if len(variants) > 1 and all(v.endswith(" offload") for v in variants):
+        return "/".join(v.removesuffix(" offload") for v in variants) + " offload"
+    return "/".join(variants)
+
+
+def layout_of(label: str) -> str:
+    """``label`` without its data mode and offload: what its variants (`Layout`) share."""
+    return str(dataclasses.replace(ParallelPlan.parse(label), data=DataMode.DP, offload=False))
+
+
+def by_layout(ranked: list[Ranked]) -> list[Layout]:
+    """``ranked`` (`rank_plans`' order) a row per layout, in the order of each layout's first variant: a list a person
+    reads for its distinct choices, where the plans ranked can hold one layout's five variants in a row."""
+    rows: dict[str, Layout] = {}
+    for r in ranked:
+        key = layout_of(r.label)
+        if key in rows:
+            rows[key].others.append(r)
+        else:
+            rows[key] = Layout(r, [])
+    return list(rows.values())
 
 
 # The schedules `choose_schedule` weighs, where the plan and the model allow them.

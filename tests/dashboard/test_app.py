@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from dashboard import charts, data  # noqa: E402
 from strategies import runs as runstore  # noqa: E402
+from strategies.measure.planner import layout_of  # noqa: E402
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 
@@ -93,6 +94,7 @@ def test_planner_page_ranks_plans(store):
     at = _app("Planner")
     table = at.dataframe[0].value
     assert len(table) > 0 and table["fits"].iloc[0]
+    assert table["plan"].map(layout_of).is_unique and "also" in table  # a row per layout, its variants beside it
 
 
 def test_empty_store_says_what_to_do(tmp_path, monkeypatch):

@@ -7,13 +7,14 @@ tests/multirank/test_zero.py, and every 3D plan's rank-0 states and bytes per co
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from demos.gpt import GPT, GPTConfig
 from strategies.cli import main as cli_main
 from strategies.measure.estimate import ModelShape, estimate, model_states, stage_params
-from strategies.measure.planner import GiB, Hardware, rank_plans
+from strategies.measure.planner import GiB, Hardware, by_layout, layout_of, rank_plans
 from strategies.plan import ParallelPlan
 
 
@@ -137,14 +138,28 @@ def test_ranking_puts_plans_that_fit_first_and_explains_each():
     worst = ranked[-1]
     assert not worst.fits and "does not fit" in worst.explain(shape, fits[0])
     assert not any(r.fits for r in rank_plans(shape, Hardware(gpus=1, memory=16 * GiB), global_batch=8))
+    # A row per layout: every plan once, its variants (data mode, offload) behind the fastest, least memory on a tie
+    rows = by_layout(fits)
+    assert sorted(r.label for row in rows for r in (row.shown, *row.others)) == sorted(r.label for r in fits)
+    assert len({layout_of(row.shown.label) for row in rows}) == len(rows) < len(fits) / 2
+    key = lambda r: (r.seconds, r.estimate.peak())  # noqa: E731
+    assert all(layout_of(r.label) == layout_of(row.shown.label) and key(r) >= key(row.shown)
+               for row in rows for r in row.others)
+    row, tie = next((row, r) for row in rows for r in row.others  # e.g. zero2_pp4_zbv_mb16's dp: more memory
+                    if r.seconds == row.shown.seconds and r.estimate.peak() > row.shown.estimate.peak())
+    name = ParallelPlan.parse(tie.label).data.value
+    assert f"{name} (+0.00s, {tie.estimate.peak() / GiB:.1f} GiB)" in row.also()
+    assert all(bool(r.also()) == bool(r.others) for r in rows)
 
 
 def test_cli_plan_ranks_plans_for_a_model(capsys):
     assert cli_main(["plan", "--params", "7e9", "--gpus", "8", "--gpu-mem", "80", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "of 140 plans fit" in out or "plans fit" in out
+    counts = re.search(r"(\d+) of (\d+) plans fit, in (\d+) layouts", out)
+    assert counts and 3 <= int(counts[3]) < int(counts[1]) <= int(counts[2])
     lines = [line for line in out.splitlines() if line.startswith("  ")]
     assert len(lines) == 3 and "GiB/GPU (top:" in lines[0] and "fastest predicted" in lines[0]
+    assert len({layout_of(line.split()[0]) for line in lines}) == 3 and "layouts" in out  # a row per layout
     assert cli_main(["plan", "--params", "70e9", "--gpus", "1", "--gpu-mem", "16"]) == 1
 
 
