@@ -298,6 +298,12 @@ def stage_flops(shape: ModelShape, plan: ParallelPlan) -> list[float]:
     return [n * block + (head if rank == _last_rank(plan) else 0) for rank, n in enumerate(stage_blocks(shape, plan))]
 
 
+def attention_share(shape: ModelShape) -> float:
+    """Of a block's FLOPs (`stage_flops`' block), attention's scores and their product with the values."""
+    scores = 12 * shape.hidden * shape.seq
+    return scores / ((6 * shape.active() - 6 * shape.vocab * shape.hidden) / shape.layers + scores)
+
+
 def stage_experts(shape: ModelShape, plan: ParallelPlan) -> list[int]:
     """Of `stage_params`, the experts' (1/ep of each of its blocks' experts), per pipeline rank."""
     return [blocks * expert_share(shape, plan) for blocks in stage_blocks(shape, plan)]
@@ -470,7 +476,10 @@ def _block_saved(shape: ModelShape, plan: ParallelPlan, bsh: float, act: float, 
     # (row-parallel, whole: a partial sum), the demo's qkv and fc (split); fused attention's output and row statistic
     # split. Of those, ``whole`` does not hold the row-parallel one's.
     kept, rows = ((1 + g + f), 1) if shape.llama else ((3 + f), 0)
-    attention = (u + 4 * bsh * shape.heads / shape.hidden) / t if shape.flash_attention else 0.0
+    # Under cp attention is the ring's (`context_parallel.ring`): its own kernel, of batched matmuls sac does not
+    # keep, so its output is made again with the ring's messages (a rehearsal of Llama 3 70B's zero1_cp2_pp32_dualpipev
+    # sac on rank 0: 8% under the estimate when counted kept)
+    attention = (u + 4 * bsh * shape.heads / shape.hidden) / t if shape.flash_attention and plan.cp == 1 else 0.0
     # The MLP's share: its norm's input, its column-parallel inputs' copy (the demo's fc; Llama's gate and up under
     # autocast), and its inner outputs (the demo's fc and GELU; Llama's gate, up, SiLU and their product)
     mlp = norm / (t if plan.sp else 1) + ((2 if shape.llama else 1) if mixed else 1) * u + \
@@ -744,7 +753,7 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
         # the step: `mixed_precision`); none where ZeRO-3 gathers them in half (the matmuls save views of the unit)
         cast_bytes = act_bytes if mixed and not (_policy(precision)[1] and plan.data.stage == 3) else 0
         peak = _rank_peak(shape, plan, rank, states, pieces, (ranges, per_stage), (grad_bytes, cast_bytes), backend,
-                          workspace, crowded, _policy(precision)[1])
+                          _kernels(shape, plan, workspace), crowded, _policy(precision)[1])
         # What the rank holds at its peak: the gradients kept between steps less what the step had freed by then; or
         # the optimizer's step, where every gradient is back, if that is more.
         step = optimizer_step_bytes(shape, plan, rank, states, weight_bytes, optimizer, backend)
@@ -763,6 +772,20 @@ def estimate(shape: ModelShape, plan: ParallelPlan | str, world_size: int, preci
     return Estimate(str(plan), memory, comm, bubble, per_rank,
                     peak_at=where, states=between, setup=setup_peaks(shape, plan, memory, precision, True),
                     setup_whole=setup_peaks(shape, plan, memory, precision, False))
+
+
+def ring_workspace(shape: ModelShape, plan: ParallelPlan) -> float:
+    """What ring attention's backward holds beyond its inputs and accumulators (`context_parallel.ring`): its kernel
+    makes a (chunk x chunk) float32 matrix per query head for one pair of chunks at a time, the probabilities, the
+    gradient through them and their product with the probabilities alive together."""
+    b = shape.batch / shape.accumulate / (plan.microbatches or 1)
+    chunk = shape.seq / plan.cp / 2
+    return 3 * b * shape.heads / plan.tp * chunk * chunk * 4
+
+
+def _kernels(shape: ModelShape, plan: ParallelPlan, workspace: Workspace) -> Workspace:
+    """``workspace`` with, under cp, the ring's kernel in place of the fused attention's (`ring_workspace`)."""
+    return dataclasses.replace(workspace, attention=ring_workspace(shape, plan)) if plan.cp > 1 else workspace
 
 
 def _mixed_pieces(shape: ModelShape, plan: ParallelPlan, precision: str, act_bytes: int, weight_bytes: int,

@@ -18,6 +18,7 @@ from strategies.measure.estimate import (
     Estimate,
     ModelShape,
     async_pieces,
+    attention_share,
     estimate,
     stage_blocks,
     stage_flops,
@@ -120,7 +121,8 @@ def step_time(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware
         # matmuls + attention scores, at the pace of the busiest pipeline rank: every rank waits for it each microbatch
         work = stage_flops(shape, plan)
         compute = max(work) * plan.pp * tokens / hw.gpus / hw.flops
-        parts = {"compute": compute, "recompute": compute / 3 * recompute_time_share(plan)}  # ac: one more forward
+        # ac: one more forward
+        parts = {"compute": compute, "recompute": compute / 3 * recompute_time_share(plan, shape)}
     calls = collective_calls(shape, plan, est)
     hidden = 0.0 if plan.data is DataMode.NAIVE else hw.overlap
     for axis in ("dp", "tp", "pp"):
@@ -177,10 +179,13 @@ def async_exposed(seconds: float, k: int, matmuls: float, overlaps: bool) -> flo
 SELECTIVE_SHARE = 0.4
 
 
-def recompute_time_share(plan: ParallelPlan) -> float:
+def recompute_time_share(plan: ParallelPlan, shape: ModelShape) -> float:
     """The share of the blocks' forward made again in backward: all of it under ``ac``, 1/N under ``ac<N>``,
-    `SELECTIVE_SHARE` under ``sac``, none without."""
-    return SELECTIVE_SHARE if plan.sac else plan.recomputed
+    `SELECTIVE_SHARE` under ``sac``, none without. Under ``sac`` with cp attention as well: the ring's kernel is not
+    one sac keeps (`estimate._block_saved`), so it runs again, its messages too."""
+    if not plan.sac:
+        return plan.recomputed
+    return SELECTIVE_SHARE + (attention_share(shape) if plan.cp > 1 else 0.0)
 
 
 def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Hardware) -> dict[str, float]:
@@ -208,7 +213,7 @@ def costed_compute(shape: ModelShape, est: Estimate, plan: ParallelPlan, hw: Har
     # Recompute: what checkpointing measured per block (its forward again, and the checkpoint's own work), the block's
     # forward share where it was not measured.
     again = blocks * (c.recompute[0] + c.recompute[1] * tokens) if any(c.recompute) else block * c.forward
-    return {"compute": micro * stage, "recompute": micro * again * recompute_time_share(plan),
+    return {"compute": micro * stage, "recompute": micro * again * recompute_time_share(plan, shape),
             "optimizer": tensors * c.optimizer[0] + elements * c.optimizer[1], "loop": c.loop + broadcast}
 
 

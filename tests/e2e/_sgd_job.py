@@ -36,9 +36,10 @@ ZERO_BUBBLE = ("pp2_zb1p_mb4", "pp2_zbv_mb4", "pp2_dualpipev_mb4")  # B and W sp
 CONTEXT = {2: [("cp2", 1), ("cp2", 3), ("cp2+llama", 1)],
            4: [("cp4", 1), ("dp_cp2", 3), ("zero3_cp2", 1), ("tp2_cp2", 1), ("cp2_pp2_mb4", 1)]}
 CONTEXT[4] += [(f"{plan}+llama", accumulate) for plan, accumulate in CONTEXT[4]]
-# Selective recompute (`sac`) under tp with sp (its collectives made again) and under the pipeline (its trace); one
-# block in two (`ac2`) under the pipeline (blocks 0 and 2 recomputed: the first of each stage's two).
-SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1), ("pp2_mb4_ac2", 1)]
+# Selective recompute (`sac`) under tp with sp (its collectives made again), under the pipeline (its trace) and under
+# cp (the ring, no kernel sac keeps, run again with its messages); one block in two (`ac2`) under the pipeline (blocks
+# 0 and 2 recomputed: the first of each stage's two).
+SELECTIVE = [("tp2_sp_sac", 1), ("pp2_mb4_sac", 1), ("pp2_mb4_ac2", 1), ("cp2_sac+llama", 1)]
 # The interleaved schedule in groups of microbatches per chunk (`mbg<N>`): three microbatches, not a multiple of pp,
 # in one group; six in groups of four (a last group of two)
 GROUPED = [("pp2_interleaved_v2_mb3_mbg3", 1), ("pp2_interleaved_v2_mb6_mbg4", 1)]

@@ -275,26 +275,37 @@ def test_under_autocast_tp_sends_what_the_estimator_predicts(tmp_path_factory, p
     assert sent == r["predicted"]["comm"], plan
 
 
-LLAMA = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--workload", "llama3-8b", "--n-layer", "4",
-         "--seq-len", "256", "--optimizer", "adamw")
-PEAKS = [("tp2_pp2_gpipe_mb1", 4, 0, 1), ("pp2_zbv_mb4", 2, 1, 4), ("zero2_ac", 2, 0, 2), ("cp2", 2, 0, 1)]
+LLAMA = ("--steps", "2", "--precision", "bf16-mixed", "--target", "cuda", "--workload", "llama3-8b", "--optimizer",
+         "adamw")
+SHORT, LONG = ("--n-layer", "4", "--seq-len", "256"), ("--n-layer", "8", "--seq-len", "8192")
+PEAKS = [("tp2_pp2_gpipe_mb1", 4, 0, 1, SHORT, 0.02), ("pp2_zbv_mb4", 2, 1, 4, SHORT, 0.02),
+         ("zero2_ac", 2, 0, 2, SHORT, 0.02), ("cp2", 2, 0, 1, SHORT, 0.02),
+         ("cp2_pp2_1f1b_mb4", 4, 0, 4, LONG, 0.03), ("cp2_pp4_dualpipev_mb8_sac", 8, 0, 8, LONG, 0.005)]
 
 
-@pytest.mark.parametrize("plan,world,rank,batch", PEAKS, ids=[f"{p}@{w}" for p, w, _, _ in PEAKS])
+@pytest.mark.parametrize("plan,world,rank,batch,size,tolerance", PEAKS, ids=[f"{p[0]}@{p[1]}" for p in PEAKS])
 def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path_factory, plan: str, world: int, rank: int,
-                                                    batch: int):
+                                                    batch: int, size: tuple[str, ...], tolerance: float):
     """Llama 3 8B's width, four blocks, AdamW, a GPU job's ranks: the steady peak rehearsed beside the estimator's
-    (its Llama family), within 2%. The first stage of `tp2_pp2_gpipe_mb1` peaks in the optimizer's step (CUDA's foreach
-    kernels: a temporary as large as its parameters, beside every gradient; the estimator once left the step out, 26%
-    low); ZB-V's deferred linears run under autocast as on the device (a rehearsal once ran them in float32); `ac`
-    with Hugging Face's key/value cache turned off (`activation_checkpoint.caches_off`); cp's ring passes the grouped
-    keys and values, in autocast's dtype as SDPA would take them (they went repeated to every query head, and in
-    float32: the rotated k is). Rank 0 also sends what the estimator predicts, per collective: tp's five input
-    gradients per block among them."""
-    r = lane.result(f"rehearse:llama:{plan}", partial(_llama, tmp_path_factory, plan, world, rank, batch))
+    (its Llama family), within 2% (the ring's cases below within their own). The first stage of `tp2_pp2_gpipe_mb1`
+    peaks in the optimizer's step (CUDA's foreach kernels: a temporary as large as its parameters, beside every
+    gradient; the estimator once left the step out, 26% low); ZB-V's deferred linears run under autocast as on the
+    device (a rehearsal once ran them in float32); `ac` with Hugging Face's key/value cache turned off
+    (`activation_checkpoint.caches_off`); cp's ring passes the grouped keys and values, in autocast's dtype as SDPA
+    would take them (they went repeated to every query head, and in float32: the rotated k is). Rank 0 also sends
+    what the estimator predicts, per collective: tp's five input gradients per block among them.
+
+    cp's ring at 8,192 tokens under pp, eight blocks (30 November, fifth stop): its kernel's (chunk x chunk) float32
+    matrices per head in backward (`estimate.ring_workspace`; left out, 1F1B's first stage read 4.4% low, planted;
+    -2.3% now: 3%), and under ``sac`` its output made again, not kept (the ring is no kernel sac keeps; counted kept,
+    DualPipeV's first stage at pp4 read +0.8%, planted; -0.1% now: 0.5%, the rehearsal and the estimator both exact
+    counts). At Llama 3 70B's size the second was +8.3% (`zero1_cp2_pp32_dualpipev_mb128_sac_offload` on 256 ranks,
+    rank 0: 65.8 GiB rehearsed; +1.9% now)."""
+    r = lane.result(f"rehearse:llama:{plan}", partial(_llama, tmp_path_factory, plan, world, rank, batch, size))
     predicted = r["predicted"]["memory"][rank]
     expected = sum(v for k, v in predicted.items() if k != "host")
-    assert r["device_peak"] == pytest.approx(expected, rel=0.02), (plan, r["device_peak"] / 2**20, expected / 2**20)
+    assert r["device_peak"] == pytest.approx(expected, rel=tolerance), (plan, r["device_peak"] / 2**20,
+                                                                        expected / 2**20)
     if rank == 0:  # and sends what it predicts, collective by collective (rank 0's)
         sent = {k: v["bytes_sent"] for k, v in r["comm_per_step"].items() if v["bytes_sent"]}
         assert sent == pytest.approx(r["predicted"]["comm"], rel=1e-4), plan  # (pp: a few bytes of loss go back)
@@ -308,12 +319,12 @@ def _autocast(factory, plan: str) -> dict:
     return rehearse(factory.mktemp(plan), plan, 2, AUTOCAST)[0]
 
 
-def _llama(factory, plan: str, world: int, rank: int, batch: int) -> dict:
+def _llama(factory, plan: str, world: int, rank: int, batch: int, size: tuple[str, ...]) -> dict:
     folder = factory.mktemp(plan)
     out = folder / "rehearsal.json"
     cmd = [sys.executable, "-m", "strategies.cli", "rehearse", plan, "--world-size", str(world), "--rank", str(rank),
            "--batch-size", str(batch), "--out", str(out), "--runs-dir", str(folder / "runs"), "--wandb", "off",
-           *LLAMA]
+           *LLAMA, *size]
     proc = lane.run(cmd, timeout=600, env={**os.environ, **HEAP_ENV})  # (no second start: `rehearse.command`)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (r,) = json.loads(out.read_text())
@@ -328,7 +339,7 @@ def _queued(factory, readers) -> list:
             work.append((f"rehearse:autocast:{p['plan']}", partial(_autocast, factory, p["plan"])))
         else:
             work.append((f"rehearse:llama:{p['plan']}", partial(_llama, factory, p["plan"], p["world"], p["rank"],
-                                                                 p["batch"])))
+                                                                 p["batch"], p["size"])))
     return work
 
 
