@@ -302,7 +302,7 @@ def test_a_llama_rank_peaks_where_the_estimator_says(tmp_path_factory, plan: str
     -2.3% now: 3%), and under ``sac`` its output made again, not kept (the ring is no kernel sac keeps; counted kept,
     DualPipeV's first stage at pp4 read +0.8%, planted; -0.1% now: 0.5%, the rehearsal and the estimator both exact
     counts). At Llama 3 70B's size the second was +8.3% (`zero1_cp2_pp32_dualpipev_mb128_sac_offload` on 256 ranks,
-    rank 0: 65.8 GiB rehearsed; +1.9% now). A recomputed block casts its weights again, held through its backward
+    rank 0: 65.8 GiB rehearsed; +2.1% now). A recomputed block casts its weights again, held through its backward
     (`mixed_precision.uncached`: its forward keeps no cast; Llama 3 70B's width, 8 blocks, 8,192 tokens, ZeRO-1 under
     param_dtype: the first stage read 5.9% low without them, planted; -2.7% now: 3%)."""
     r = lane.result(f"rehearse:llama:{plan}", partial(_llama, tmp_path_factory, plan, world, rank, batch, size))
