@@ -396,7 +396,7 @@ def step_pieces(shape: ModelShape, plan: ParallelPlan, act_bytes: float, weight_
     ``policy``: the strategy's param_dtype: the stream in ``wide_bytes`` (autocast's dtype), a norm's output too, so
     the matmuls share it; the loss still float32."""
     s, h, t = shape.seq / plan.cp, shape.hidden, plan.tp  # cp: this rank's part of each sequence
-    b = shape.batch / shape.accumulate / (plan.microbatches or 1)  # alive at once: one microbatch of one micro-step
+    b = microbatch_samples(shape, plan)  # alive at once: one microbatch of one micro-step
     u = b * s * h * act_bytes
     wide = wide_bytes or act_bytes
     boundary = u * wide / act_bytes / (t if plan.sp else 1)  # the residual stream's
@@ -778,9 +778,13 @@ def ring_workspace(shape: ModelShape, plan: ParallelPlan) -> float:
     """What ring attention's backward holds beyond its inputs and accumulators (`context_parallel.ring`): its kernel
     makes a (chunk x chunk) float32 matrix per query head for one pair of chunks at a time, the probabilities, the
     gradient through them and their product with the probabilities alive together."""
-    b = shape.batch / shape.accumulate / (plan.microbatches or 1)
     chunk = shape.seq / plan.cp / 2
-    return 3 * b * shape.heads / plan.tp * chunk * chunk * 4
+    return 3 * microbatch_samples(shape, plan) * shape.heads / plan.tp * chunk * chunk * 4
+
+
+def microbatch_samples(shape: ModelShape, plan: ParallelPlan) -> float:
+    """Samples in one microbatch of one accumulation micro-step (``shape.batch``: the step's, per data rank)."""
+    return shape.batch / shape.accumulate / (plan.microbatches or 1)
 
 
 def _kernels(shape: ModelShape, plan: ParallelPlan, workspace: Workspace) -> Workspace:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from strategies.equivalents import equivalent_plan
-from strategies.measure.estimate import ModelShape
+from strategies.measure.estimate import ModelShape, microbatch_samples
 from strategies.measure.peak import GLOO, Workspace
 from strategies.measure.planner import GiB, Hardware, choose_schedule, step_time
 from strategies.pipeline import messages
@@ -91,7 +91,7 @@ def _cpu_workspace(shape: ModelShape, plan: ParallelPlan, world_size: int, preci
 
     from strategies.measure.calibrate import attention_workspace, linear_workspace
 
-    samples = max(1, round(shape.batch / shape.accumulate / (plan.microbatches or 1)))
+    samples = max(1, round(microbatch_samples(shape, plan)))
     threads = max(1, (os.cpu_count() or 1) // world_size) if world_size > 1 else None
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else \
         torch.float32
